@@ -1,0 +1,249 @@
+"""Tiny random FLUX.2 [dev] pipeline and a small image set, for CPU tests of the trainer.
+
+The saved folder mirrors the Hub layout of black-forest-labs/FLUX.2-dev (model_index.json
+plus transformer/, vae/, text_encoder/, scheduler/, tokenizer/) so the trainer is exercised
+through exactly the same loading code paths, just with kilobyte-sized random weights.
+
+Usage:  python tests/tiny_flux2.py OUT_DIR   ->  OUT_DIR/tiny-flux2 and OUT_DIR/images
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+
+# Hidden states of these text-encoder layers are stacked into the prompt embedding, so every
+# test must pass `text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS` (the real default (10, 20, 30)
+# does not exist in a 2-layer encoder). joint_attention_dim is derived from it.
+TEXT_HIDDEN_SIZE = 16
+TEXT_ENCODER_OUT_LAYERS = (1, 2)
+JOINT_ATTENTION_DIM = TEXT_HIDDEN_SIZE * len(TEXT_ENCODER_OUT_LAYERS)
+# The chat prefix (<s>[SYSTEM_PROMPT] + 27-token system message + [/SYSTEM_PROMPT][INST]) is
+# 31 tokens, so the caption only reaches the embedding when max_sequence_length > 31; at 8
+# every prompt encodes identically (useful to show truncation).
+MAX_SEQUENCE_LENGTH = 64
+VOCAB_SIZE = 1000
+VAE_SCALE_FACTOR = 2  # two VAE blocks -> one 2x downsample
+
+# Order fixes the ids: <unk>=0, <s>=1, </s>=2, ..., [IMG]=7, <pad>=8.
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                  "[/SYSTEM_PROMPT]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]"]
+UNK_ID, BOS_ID, EOS_ID, IMG_ID, PAD_ID = 0, 1, 2, 7, 8
+
+# Mistral-Small-3.1 style: content may be a plain string or a list of typed chunks, which is
+# what diffusers' format_input() produces.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set chunks = [{'type': 'text', 'text': message['content']}] %}"
+    "{%- else %}{%- set chunks = message['content'] %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' }}{%- endif %}"
+    "{%- for chunk in chunks %}"
+    "{%- if chunk['type'] == 'text' %}{{- chunk['text'] }}"
+    "{%- elif chunk['type'] == 'image' %}{{- '[IMG]' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if message['role'] == 'system' %}{{- '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+# (width, height, caption or None); None means "no .txt file" so loaders see a missing caption.
+IMAGE_SPECS = [
+    (64, 40, "a photo of sks dog on a red sofa"),
+    (64, 40, "a photo of sks dog running across a green park"),
+    (64, 40, None),
+    (40, 64, "a portrait of sks dog wearing a small blue hat"),
+    (40, 64, "sks dog sitting next to a yellow door at night"),
+    (48, 48, "a close up photo of sks dog with bright eyes"),
+]
+IMAGE_SIZES = sorted({(w, h) for w, h, _ in IMAGE_SPECS})  # (width, height), all multiples of 8
+
+
+# diffusers/transformers are imported inside the builders so that make_images() and the
+# constants stay cheap to import.
+
+
+def _corpus():
+    # Training the BPE on the system message and caption vocabulary makes those words single
+    # tokens: a realistic ~30-token system prefix and distinct tokens per caption word.
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    words = (
+        "a an the of on in at to with and or next across near under over behind photo picture "
+        "portrait close up shot image painting drawing render of sks dog cat person man woman "
+        "child car house tree flower sofa chair table door window park street beach mountain "
+        "river sky cloud sun moon night day morning evening red green blue yellow orange purple "
+        "black white gray pink brown bright dark small big tall short old young happy sad "
+        "running sitting standing walking jumping sleeping wearing holding looking eating hat "
+        "eyes face hands ball toy book cup light shadow water grass snow rain wooden metal "
+        "glass stone soft sharp blurry detailed realistic colorful style high quality art"
+    )
+    lines = [SYSTEM_MESSAGE, words] + [c for _, _, c in IMAGE_SPECS if c]
+    return lines * 3
+
+
+def build_tokenizer():
+    """Byte-level BPE (never emits <unk>) wrapped as a fast tokenizer with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(_corpus(), trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        model_max_length=131072,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _save_tokenizer(tok, folder):
+    """Write the Hub's PixtralProcessor folder layout around our tokenizer.
+
+    The configs are written by hand because constructing a PixtralProcessor object needs
+    torchvision; the trainer only needs AutoTokenizer.from_pretrained(..., subfolder="tokenizer"),
+    while Flux2Pipeline.from_pretrained without an explicit tokenizer= tries to build a
+    PixtralProcessor from these files, exactly as with the Hub checkpoint.
+    """
+    tok.save_pretrained(folder)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    processor = {
+        "processor_class": "PixtralProcessor", "patch_size": 6, "spatial_merge_size": 2,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+    }
+    image_processor = {  # Mistral-Small-3.1 values, shrunk to the tiny vision tower
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": {"height": 6, "width": 6}, "resample": 3, "rescale_factor": 1 / 255,
+        "size": {"longest_edge": 30},
+    }
+    for name, data in (("processor_config.json", processor), ("preprocessor_config.json", image_processor)):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+
+
+def build_tiny_flux2(path, hub_processor=True):
+    """Build and save a deterministic tiny random FLUX.2 [dev] pipeline; return `path`.
+
+    With `hub_processor=True` (default) model_index.json names the tokenizer a PixtralProcessor,
+    exactly like the Hub checkpoint. diffusers then rejects a plain tokenizer passed as
+    `Flux2Pipeline.from_pretrained(path, tokenizer=tok)` (TypeError without torchvision; its type
+    check expects a ProcessorMixin with it), just as it would for the real model; use
+    `from_pretrained(path, tokenizer=None)` then `pipe.tokenizer = tok`, or build the pipeline
+    from components. `hub_processor=False` names the fast tokenizer class instead, so passing
+    `tokenizer=tok` (or nothing) works.
+    """
+    import diffusers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    os.makedirs(path, exist_ok=True)
+
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=JOINT_ATTENTION_DIM, timestep_guidance_channels=256,
+        axes_dims_rope=[4, 4, 4, 4], guidance_embeds=True,  # [dev] is guidance-distilled
+    )
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(
+        sample_size=32, in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(4, 8), layers_per_block=1, latent_channels=1, norm_num_groups=1,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    # Fresh BatchNorm stats are mean 0 / var 1, which would hide a trainer that forgets the
+    # latent normalisation; make them clearly non-trivial.
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) * 2.0 + 0.5)
+
+    tok = build_tokenizer()
+    assert len(tok) <= VOCAB_SIZE
+    config = Mistral3Config(
+        text_config={
+            "model_type": "mistral", "vocab_size": VOCAB_SIZE, "hidden_size": TEXT_HIDDEN_SIZE,
+            "intermediate_size": 37, "max_position_embeddings": 512, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+            "rope_theta": 1e9, "sliding_window": None,
+            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+        },
+        vision_config={
+            "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 37, "image_size": 30, "patch_size": 6, "num_channels": 3,
+        },
+        image_token_index=IMG_ID, vision_feature_layer=-1,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(0)
+    text_encoder = Mistral3ForConditionalGeneration(config)
+
+    # Same shift settings as the real FLUX.2 [dev] scheduler; the pipeline always passes `mu`.
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+
+    transformer.save_pretrained(os.path.join(path, "transformer"))
+    vae.save_pretrained(os.path.join(path, "vae"))
+    text_encoder.save_pretrained(os.path.join(path, "text_encoder"))
+    scheduler.save_pretrained(os.path.join(path, "scheduler"))
+    _save_tokenizer(tok, os.path.join(path, "tokenizer"))
+
+    model_index = {
+        "_class_name": "Flux2Pipeline",
+        "_diffusers_version": diffusers.__version__,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Mistral3ForConditionalGeneration"],
+        "tokenizer": ["transformers", "PixtralProcessor" if hub_processor else "PreTrainedTokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }
+    with open(os.path.join(path, "model_index.json"), "w") as f:
+        json.dump(model_index, f, indent=2, sort_keys=True)
+    return path
+
+
+def make_images(folder, captions=True):
+    """Write a seeded mixed-aspect image set (+ captions for most); return sorted image paths."""
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (w, h, caption) in enumerate(IMAGE_SPECS):
+        # Smooth colour gradients plus noise: non-constant content in every channel so the VAE
+        # sees real structure, without being pure noise.
+        yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+        base = rng.uniform(0, 255, size=3)
+        freq = rng.uniform(0.05, 0.3, size=3)
+        img = np.stack([base[c] / 2 + 60 * np.sin(freq[c] * (xx + (c + 1) * yy)) for c in range(3)], -1)
+        img = np.clip(img + rng.normal(0, 12, size=img.shape) + 64, 0, 255).astype(np.uint8)
+        ext = "jpg" if i % 3 == 1 else "png"  # both formats, as in real datasets
+        stem = f"img_{i:02d}"
+        p = os.path.join(folder, f"{stem}.{ext}")
+        Image.fromarray(img, "RGB").save(p)
+        paths.append(p)
+        if captions and caption:
+            with open(os.path.join(folder, f"{stem}.txt"), "w", encoding="utf-8") as f:
+                f.write(caption + "\n")
+    with open(os.path.join(folder, "notes.md"), "w", encoding="utf-8") as f:
+        f.write("Not an image: dataset loaders must skip this file.\n")
+    return sorted(paths)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/tiny_flux2.py OUT_DIR")
+    out = sys.argv[1]
+    print(build_tiny_flux2(os.path.join(out, "tiny-flux2")))
+    make_images(os.path.join(out, "images"))
+    print(os.path.join(out, "images"))

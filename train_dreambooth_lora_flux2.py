@@ -1,0 +1,1218 @@
+#!/usr/bin/env python
+# Copyright 2026 The train_dreambooth_lora_flux2 authors. Licensed under the Apache License, Version 2.0.
+"""DreamBooth LoRA training for FLUX.2 [dev].
+
+Trains PEFT LoRA adapters on the `Flux2Transformer2DModel` of a FLUX.2 checkpoint from a folder of images
+(optionally with same-stem `.txt` captions), with optional prior preservation and aspect-ratio buckets:
+
+    accelerate launch train_dreambooth_lora_flux2.py \
+      --pretrained_model_name_or_path black-forest-labs/FLUX.2-dev \
+      --instance_data_dir dog --instance_prompt "a photo of sks dog" \
+      --output_dir flux2-dog-lora --mixed_precision bf16 --gradient_checkpointing \
+      --cache_latents --resolution 1024 --train_batch_size 1 --gradient_accumulation_steps 4 \
+      --learning_rate 1e-4 --max_train_steps 500 --checkpointing_steps 100 --seed 0 \
+      --validation_prompt "a photo of sks dog in a bucket" --validation_epochs 25
+
+What is cached and what stays random:
+- Samples are the instance images times `--repeats` (with prior preservation, at least one sample per class
+  image, each paired with a class image, so every class image is seen every epoch). Each sample has an index.
+- Prompt embeddings are always precomputed, once per unique text (instance prompt, captions, class prompt,
+  validation prompts), kept on the CPU and looked up by sample index. The text encoder is freed afterwards.
+- With `--cache_latents`, VAE latents are precomputed once per unique (image, bucket, crop, flip); the crop and
+  flip of each sample are drawn once, at cache time. Without it, crop and flip are drawn afresh every time a
+  sample is read, from a generator seeded by (seed, epoch, sample), so runs and resumes are reproducible.
+- Batches come from a bucket sampler: every batch holds one bucket, and the order of epoch e is a pure function
+  of (seed, e). Noise and timesteps are drawn from a generator seeded by (seed, micro-step, process).
+- Checkpoints record the global step; the epoch and position inside it follow from it, so a resumed run
+  continues with exactly the batches a straight run would have seen.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import secrets
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import ProjectConfiguration, broadcast_object_list
+from PIL import Image, ImageOps
+from tqdm.auto import tqdm
+
+logger = get_logger(__name__)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Constants
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+DEFAULT_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # the diffusers example's default
+
+
+class UsageError(Exception):
+    """A problem with the user's flags or files: reported as one message, exit status 2, no traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _bool(text):
+    if text.lower() in ("1", "true", "yes", "y"):
+        return True
+    if text.lower() in ("0", "false", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="DreamBooth LoRA training for FLUX.2.")
+    g = p.add_argument_group("model")
+    g.add_argument("--pretrained_model_name_or_path", required=True, help="Hub id or local folder of a FLUX.2 checkpoint.")
+    g.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of the checkpoint.")
+    g.add_argument("--variant", default=None, help="Weights variant, e.g. fp16.")
+    g.add_argument("--cache_dir", default=None, help="Where downloaded models and datasets are stored.")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--instance_data_dir", default=None, help="Folder of instance images; a same-stem .txt file holds an image's caption (UTF-8).")
+    g.add_argument("--dataset_name", default=None, help="HF `datasets` name or local folder, instead of --instance_data_dir.")
+    g.add_argument("--dataset_config_name", default=None, help="Config of --dataset_name.")
+    g.add_argument("--image_column", default="image", help="Image column of --dataset_name.")
+    g.add_argument("--caption_column", default=None, help="Caption column of --dataset_name (else --instance_prompt).")
+    g.add_argument("--instance_prompt", required=True, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog'.")
+    g.add_argument("--repeats", type=int, default=1, help="Samples per instance image in one epoch.")
+    g.add_argument("--with_prior_preservation", action="store_true", help="Add the prior-preservation loss on class images.")
+    g.add_argument("--class_data_dir", default=None, help="Folder of class images; missing ones are generated into it.")
+    g.add_argument("--class_prompt", default=None, help="Prompt of the class images, e.g. 'a photo of a dog'.")
+    g.add_argument("--num_class_images", type=int, default=100, help="Minimum number of class images; missing ones are generated.")
+    g.add_argument("--prior_loss_weight", type=float, default=1.0, help="Weight of the prior-preservation loss.")
+    g.add_argument("--sample_batch_size", type=int, default=4, help="Batch size for class-image generation.")
+    g.add_argument("--prior_generation_precision", choices=["fp32", "fp16", "bf16"], default=None, help="dtype for class-image generation (default bf16 on GPU, fp32 on CPU).")
+    g.add_argument("--resolution", type=int, default=512, help="Square training side in pixels (multiple of 16); also the pixel budget of automatic buckets.")
+    g.add_argument("--use_aspect_ratio_buckets", action="store_true", help="Use an automatic ladder of aspect-ratio buckets of about --resolution^2 pixels.")
+    g.add_argument("--aspect_ratio_buckets", default=None, help="Explicit buckets 'h1,w1;h2,w2;...' (sides multiples of 16).")
+    g.add_argument("--center_crop", action="store_true", help="Center crop after resizing (default: random crop).")
+    g.add_argument("--random_flip", action="store_true", help="Randomly flip images horizontally.")
+    g.add_argument("--max_sequence_length", type=int, default=512, help="Text tokens per prompt, system message included.")
+    g.add_argument("--text_encoder_out_layers", type=int, nargs="+", default=[10, 20, 30], help="Text-encoder hidden layers stacked into the prompt embedding.")
+    g.add_argument("--dataloader_num_workers", type=int, default=0, help="DataLoader worker processes (0: main process).")
+
+    g = p.add_argument_group("caching")
+    g.add_argument("--cache_latents", action="store_true", help="Encode every unique (image, crop, flip) once before training; frees the VAE unless validation needs it.")
+
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--rank", type=int, default=4, help="LoRA rank.")
+    g.add_argument("--lora_alpha", type=int, default=4, help="LoRA alpha; the update is scaled by alpha / rank.")
+    g.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
+    g.add_argument("--lora_layers", default=None, help=f"Comma-separated transformer module names to adapt (default: {','.join(DEFAULT_LORA_TARGETS)}).")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--learning_rate", type=float, default=1e-4, help="Peak learning rate.")
+    g.add_argument("--scale_lr", action="store_true", help="Multiply the learning rate by batch size x accumulation x processes.")
+    g.add_argument("--lr_scheduler", default="constant", choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"])
+    g.add_argument("--lr_warmup_steps", type=int, default=500, help="Warm-up, in optimizer steps.")
+    g.add_argument("--lr_num_cycles", type=int, default=1, help="Hard restarts of cosine_with_restarts.")
+    g.add_argument("--lr_power", type=float, default=1.0, help="Power of the polynomial schedule.")
+    g.add_argument("--optimizer", type=str.lower, default="adamw", choices=["adamw", "prodigy"])
+    g.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes 8-bit AdamW (with --optimizer adamw).")
+    g.add_argument("--adam_beta1", type=float, default=0.9)
+    g.add_argument("--adam_beta2", type=float, default=0.999)
+    g.add_argument("--adam_weight_decay", type=float, default=1e-4)
+    g.add_argument("--adam_epsilon", type=float, default=1e-8)
+    g.add_argument("--prodigy_beta3", type=float, default=None)
+    g.add_argument("--prodigy_decouple", type=_bool, default=True)
+    g.add_argument("--prodigy_use_bias_correction", type=_bool, default=True)
+    g.add_argument("--prodigy_safeguard_warmup", type=_bool, default=True)
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient clipping norm.")
+    g.add_argument("--train_batch_size", type=int, default=4, help="Instance samples per batch and process.")
+    g.add_argument("--num_train_epochs", type=int, default=1)
+    g.add_argument("--max_train_steps", type=int, default=None, help="Optimizer steps; overrides --num_train_epochs.")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory, slower.")
+    g.add_argument("--weighting_scheme", default="none", choices=["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"])
+    g.add_argument("--logit_mean", type=float, default=0.0)
+    g.add_argument("--logit_std", type=float, default=1.0)
+    g.add_argument("--mode_scale", type=float, default=1.29)
+    g.add_argument("--guidance_scale", type=float, default=3.5, help="Guidance embedding value of FLUX.2 [dev] in training and validation.")
+    g.add_argument("--seed", type=int, default=None, help="Seed of everything random; drawn and logged when absent.")
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="Overrides the accelerate config.")
+    g.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
+
+    g = p.add_argument_group("checkpointing and outputs")
+    g.add_argument("--output_dir", default="flux2-dreambooth-lora")
+    g.add_argument("--checkpointing_steps", type=int, default=500, help="Save a resumable checkpoint every N optimizer steps.")
+    g.add_argument("--checkpoints_total_limit", type=int, default=None, help="Keep at most N checkpoints.")
+    g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' in --output_dir.")
+    g.add_argument("--upcast_before_saving", action="store_true", help="Save the LoRA in float32 instead of the training dtype.")
+    g.add_argument("--report_to", default="tensorboard", help="tensorboard, wandb, all or none.")
+    g.add_argument("--logging_dir", default="logs", help="Tracker folder, relative to --output_dir.")
+    g.add_argument("--push_to_hub", action="store_true", help="Upload the LoRA and model card; the only flag that uses the network.")
+    g.add_argument("--hub_model_id", default=None)
+    g.add_argument("--hub_token", default=None, help="Never logged or saved; prefer `hf auth login`.")
+
+    g = p.add_argument_group("validation")
+    g.add_argument("--validation_prompt", default=None)
+    g.add_argument("--validation_epochs", type=int, default=50, help="Validate every N epochs.")
+    g.add_argument("--num_validation_images", type=int, default=4)
+    g.add_argument("--validation_inference_steps", type=int, default=28, help="Denoising steps of validation images.")
+    g.add_argument("--final_validation_prompt", default=None, help="Prompt of the final images when --validation_prompt is not given.")
+    g.add_argument("--skip_final_inference", action="store_true")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    """Fail fast, before anything heavy is loaded. Raises UsageError naming the flag."""
+    if (args.instance_data_dir is None) == (args.dataset_name is None):
+        raise UsageError("give exactly one of --instance_data_dir or --dataset_name")
+    if args.with_prior_preservation:
+        if not args.class_prompt:
+            raise UsageError("--with_prior_preservation needs --class_prompt")
+        if not args.class_data_dir:
+            raise UsageError("--with_prior_preservation needs --class_data_dir (missing class images are generated there)")
+    if args.resolution % 16:
+        raise UsageError(f"--resolution must be a multiple of 16, got {args.resolution}")
+    for flag in ("repeats", "train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "checkpointing_steps",
+                 "rank", "sample_batch_size", "validation_epochs"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.max_train_steps is not None and args.max_train_steps < 1:
+        raise UsageError(f"--max_train_steps must be at least 1, got {args.max_train_steps}")
+    if args.aspect_ratio_buckets is not None:
+        parse_buckets(args.aspect_ratio_buckets)
+    if args.resume_from_checkpoint not in (None, "latest") and not Path(args.resume_from_checkpoint).is_dir():
+        raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such checkpoint folder")
+    if args.push_to_hub and args.report_to in ("wandb", "all") and args.hub_token:
+        raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure helpers: seeds and buckets
+
+
+def seed_for(*parts):
+    """A 63-bit seed that is a pure function of `parts` (same on every process and Python run)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def parse_buckets(text):
+    """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
+    buckets = []
+    for pair in filter(None, (s.strip() for s in text.split(";"))):
+        m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
+        if not m:
+            raise UsageError(f"--aspect_ratio_buckets: {pair!r} is not 'height,width'")
+        h, w = int(m.group(1)), int(m.group(2))
+        if h <= 0 or w <= 0 or h % 16 or w % 16:
+            raise UsageError(f"--aspect_ratio_buckets: sides must be positive multiples of 16, got {h},{w}")
+        buckets.append((h, w))
+    if not buckets:
+        raise UsageError("--aspect_ratio_buckets is empty")
+    return list(dict.fromkeys(buckets))
+
+
+def bucket_ladder(resolution, ratios=((1, 1), (4, 5), (5, 4), (3, 4), (4, 3), (2, 3), (3, 2), (9, 16), (16, 9), (1, 2), (2, 1))):
+    """Buckets of about resolution^2 pixels over common aspect ratios (h:w), sides multiples of 16."""
+    buckets = []
+    for rh, rw in ratios:
+        h = math.sqrt(resolution * resolution * rh / rw)
+        w = h * rw / rh
+        buckets.append((max(16, round(h / 16) * 16), max(16, round(w / 16) * 16)))
+    return list(dict.fromkeys(buckets))
+
+
+def nearest_bucket(height, width, buckets):
+    """Index of the bucket whose aspect ratio is closest (in log space) to height/width; ties go to the first."""
+    target = math.log(height / width)
+    return min(range(len(buckets)), key=lambda i: abs(math.log(buckets[i][0] / buckets[i][1]) - target))
+
+
+def draw_transform(image_size, bucket, center_crop, random_flip, rng):
+    """Resize to cover the bucket (aspect kept), then crop it. Returns (resized_hw, top, left, flip)."""
+    (w, h), (bh, bw) = image_size, bucket
+    scale = max(bh / h, bw / w)
+    rh, rw = max(bh, round(h * scale)), max(bw, round(w * scale))
+    if center_crop:
+        top, left = (rh - bh) // 2, (rw - bw) // 2
+    else:
+        top, left = rng.randint(0, rh - bh), rng.randint(0, rw - bw)
+    flip = random_flip and rng.random() < 0.5
+    return (rh, rw), top, left, flip
+
+
+def image_to_tensor(image, transform, bucket):
+    """PIL image + transform -> float tensor [3, H, W] in [-1, 1]."""
+    (rh, rw), top, left, flip = transform
+    image = image.resize((rw, rh), Image.Resampling.BICUBIC).crop((left, top, left + bucket[1], top + bucket[0]))
+    if flip:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    array = np.asarray(image, dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure helpers: images and dataset
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One source image: a file (`path`) or an in-memory dataset row (`image`), its oriented size and caption."""
+
+    name: str
+    size: tuple  # (width, height) after EXIF orientation
+    caption: str | None = None
+    path: str | None = None
+    image: object = None
+
+    def load(self):
+        image = Image.open(self.path) if self.path is not None else self.image
+        image = ImageOps.exif_transpose(image)
+        return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def oriented_size(image):
+    """(width, height) as displayed: EXIF orientations 5-8 rotate by 90 degrees. Reads the header only."""
+    w, h = image.size
+    return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
+
+
+def scan_image_folder(folder, read_captions=True):
+    """Sorted image records of `folder`; non-image and hidden files are ignored, `stem.txt` is the caption."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: no such folder")
+    records, bad = [], []
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or path.suffix.lower() not in IMAGE_EXTENSIONS or not path.is_file():
+            continue
+        try:
+            with Image.open(path) as im:
+                size = oriented_size(im)
+        except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
+            bad.append(f"{path}: {e}")
+            continue
+        caption = None
+        txt = path.with_suffix(".txt")
+        if read_captions and txt.is_file():
+            try:
+                caption = txt.read_text(encoding="utf-8-sig").strip() or None
+            except UnicodeDecodeError:
+                bad.append(f"{txt}: caption is not UTF-8")
+        records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path)))
+    if bad:
+        raise UsageError("cannot read these files:\n  " + "\n  ".join(bad))
+    return records
+
+
+def load_hf_dataset(name, config, image_column, caption_column, cache_dir):
+    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
+    split = load_dataset(name, config, cache_dir=cache_dir)["train"]
+    for flag, column in (("--image_column", image_column), ("--caption_column", caption_column)):
+        if column is not None and column not in split.column_names:
+            raise UsageError(f"{flag} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
+    captions = split[caption_column] if caption_column else [None] * len(split)
+    records = []
+    for i, (image, caption) in enumerate(zip(split[image_column], captions)):
+        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), caption=(caption or "").strip() or None, image=image))
+    return records
+
+
+class DreamBoothDataset(torch.utils.data.Dataset):
+    """Samples of a DreamBooth run. Items are dicts carrying their sample "index".
+
+    Sample i shows instance image i % I (I instance images; len = max(I * repeats, C)) in that image's bucket,
+    and with prior preservation class image i % C resized into the same bucket. The model sees "slots": slot i is
+    sample i's instance part and slot N + i its class part, the order in which a batch is laid out.
+    """
+
+    def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), class_prompt=None, seed=0,
+                 center_crop=False, random_flip=False, with_pixels=True):
+        if not instances:
+            raise UsageError("no instance images found")
+        self.instances, self.classes = list(instances), list(classes)
+        self.instance_prompt, self.class_prompt = instance_prompt, class_prompt
+        self.buckets, self.seed = list(buckets), seed
+        self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
+        self.num_samples = max(len(self.instances) * repeats, len(self.classes))
+        self.image_buckets = [nearest_bucket(r.size[1], r.size[0], self.buckets) for r in self.instances]
+        self.epoch = 0
+
+    def __len__(self):
+        return self.num_samples
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def sample_buckets(self):
+        """Bucket id of every sample, for the batch sampler."""
+        return [self.image_buckets[i % len(self.instances)] for i in range(self.num_samples)]
+
+    @property
+    def num_slots(self):
+        return self.num_samples * (2 if self.classes else 1)
+
+    def slots(self, indices):
+        """Batch layout: instance slots of `indices`, then their class slots."""
+        indices = list(indices)
+        return indices + [self.num_samples + i for i in indices] if self.classes else indices
+
+    def _source(self, slot):
+        i = slot % self.num_samples
+        bucket = self.buckets[self.image_buckets[i % len(self.instances)]]
+        if slot < self.num_samples:
+            return "instance", i % len(self.instances), bucket
+        return "class", i % len(self.classes), bucket
+
+    def latent_key(self, slot, epoch):
+        """What the VAE sees for a slot in an epoch: (kind, image id, bucket, resized size, top, left, flip)."""
+        kind, image_id, bucket = self._source(slot)
+        record = (self.instances if kind == "instance" else self.classes)[image_id]
+        rng = random.Random(seed_for("augment", self.seed, epoch, slot))
+        return (kind, image_id, bucket) + draw_transform(record.size, bucket, self.center_crop, self.random_flip, rng)
+
+    def latent_keys(self, epoch):
+        return [self.latent_key(s, epoch) for s in range(self.num_slots)]
+
+    def prompt_keys(self):
+        """The text of every slot: caption or instance prompt, then the class prompt for class slots."""
+        texts = [self.instances[i % len(self.instances)].caption or self.instance_prompt for i in range(self.num_samples)]
+        return texts + [self.class_prompt] * self.num_samples if self.classes else texts
+
+    def pixels(self, key):
+        """Decode and transform the image a latent key names -> [3, H, W] in [-1, 1]."""
+        kind, image_id, bucket, *transform = key
+        record = (self.instances if kind == "instance" else self.classes)[image_id]
+        return image_to_tensor(record.load(), transform, bucket)
+
+    def __getitem__(self, index):
+        item = {"index": index}
+        if self.with_pixels:
+            item["pixel_values"] = torch.stack([self.pixels(self.latent_key(s, self.epoch)) for s in self.slots([index])])
+        return item
+
+
+def collate(examples):
+    """-> {"indices": [B], "pixel_values": [B * parts, 3, H, W] laid out as DreamBoothDataset.slots}."""
+    batch = {"indices": [ex["index"] for ex in examples]}
+    if "pixel_values" in examples[0]:
+        parts = examples[0]["pixel_values"].shape[0]  # 1, or 2 with a class image
+        batch["pixel_values"] = torch.stack([ex["pixel_values"][k] for k in range(parts) for ex in examples])
+    return batch
+
+
+class BucketBatchSampler(torch.utils.data.Sampler):
+    """Batches of sample indices from one bucket each, reshuffled every epoch.
+
+    The batches of epoch e are a pure function of (seed, e): shuffle within buckets, cut into batches (dropping a
+    bucket's remainder when drop_last), shuffle the batches. With several processes each takes every
+    num_replicas-th batch of that list, trimmed to a multiple of num_replicas so all ranks step together.
+    """
+
+    def __init__(self, sample_buckets, batch_size, seed, drop_last=True, num_replicas=1, rank=0):
+        self.by_bucket = {}
+        for index, bucket in enumerate(sample_buckets):
+            self.by_bucket.setdefault(bucket, []).append(index)
+        self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
+        self.num_replicas, self.rank = num_replicas, rank
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch, start=0):
+        """Select epoch `epoch` and skip its first `start` batches of this rank (used on resume)."""
+        self.epoch, self.start = epoch, start
+
+    def epoch_batches(self, epoch):
+        rng = random.Random(seed_for("bucket-sampler", self.seed, epoch))
+        batches = []
+        for bucket in sorted(self.by_bucket):
+            members = list(self.by_bucket[bucket])
+            rng.shuffle(members)
+            for i in range(0, len(members), self.batch_size):
+                if len(members) - i >= self.batch_size or not self.drop_last:
+                    batches.append(members[i:i + self.batch_size])
+        rng.shuffle(batches)
+        usable = len(batches) - len(batches) % self.num_replicas
+        return batches[:usable][self.rank::self.num_replicas]
+
+    def __len__(self):
+        full = sum(len(m) // self.batch_size if self.drop_last else math.ceil(len(m) / self.batch_size) for m in self.by_bucket.values())
+        return full // self.num_replicas
+
+    def __iter__(self):
+        yield from self.epoch_batches(self.epoch)[self.start:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure helpers: caches and loss
+
+
+class SampleCache:
+    """Tensors looked up by slot, stored once per content key (repeats and shared captions share one tensor).
+
+    Lives on the CPU: GPU memory does not grow with the dataset; the loop moves each batch's entries over.
+    """
+
+    def __init__(self, keys):
+        self.keys = list(keys)
+        self.store = {}
+
+    def todo(self, extra=()):
+        """Keys without a value yet, unique, in first-seen order (slot keys first, then `extra`)."""
+        return [k for k in dict.fromkeys([*self.keys, *extra]) if k not in self.store]
+
+    def put(self, key, value):
+        self.store[key] = value.detach().to("cpu")
+
+    def __getitem__(self, key):
+        return self.store[key]
+
+    def gather(self, slots):
+        """-> one tensor, the entries of `slots` concatenated along dim 0."""
+        missing = [s for s in slots if self.keys[s] not in self.store]
+        if missing:
+            raise KeyError(f"cache has no entry for slots {missing[:5]}: precompute did not cover them")
+        return torch.cat([self.store[self.keys[s]] for s in slots])
+
+
+def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight):
+    """Weighted MSE per sample; the first `num_instance` rows are instance samples, the rest class samples.
+
+    pred, target: [B, L, C] packed tokens; weighting: [B]. Returns instance loss + prior_loss_weight * class loss.
+    """
+    per_sample = (weighting.float().view(-1, 1, 1) * (pred.float() - target.float()) ** 2).flatten(1).mean(1)
+    loss = per_sample[:num_instance].mean()
+    if num_instance < per_sample.shape[0]:
+        loss = loss + prior_loss_weight * per_sample[num_instance:].mean()
+    return loss
+
+
+def sample_sigmas(scheduler_sigmas, batch_size, weighting_scheme, logit_mean, logit_std, mode_scale, generator):
+    """Draw one training sigma per sample from the timestep density (diffusers' SD3/FLUX recipe) -> [B].
+
+    scheduler_sigmas: [T] the training schedule (timestep / 1000 of the untouched scheduler, highest first)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = compute_density_for_timestep_sampling(weighting_scheme, batch_size, logit_mean, logit_std, mode_scale,
+                                              device=generator.device, generator=generator)
+    num_timesteps = scheduler_sigmas.shape[0]
+    index = (u * num_timesteps).long().clamp(0, num_timesteps - 1)
+    return scheduler_sigmas.to(u.device)[index]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FLUX.2 model pieces
+
+
+@dataclass
+class StepConfig:
+    """Settings of one training step that do not change during a run."""
+
+    weighting_scheme: str
+    logit_mean: float
+    logit_std: float
+    mode_scale: float
+    guidance_scale: float | None  # None for checkpoints without a guidance embedding
+    prior_loss_weight: float
+
+
+def encode_images(vae, pixels, latent_mean, latent_std):
+    """[B, 3, H, W] in [-1, 1] -> normalised, patchified latents [B, 4 * C, H / 16, W / 16] (posterior mode)."""
+    from diffusers import Flux2Pipeline
+
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()  # [B, C, H/8, W/8]
+    latents = Flux2Pipeline._patchify_latents(latents)  # 2x2 patches into channels
+    return (latents - latent_mean.to(latents)) / latent_std.to(latents)
+
+
+def encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
+    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as Flux2Pipeline does."""
+    from diffusers import Flux2Pipeline
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return Flux2Pipeline._get_mistral_3_small_prompt_embeds(
+        text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts), max_sequence_length=max_sequence_length,
+        system_message=SYSTEM_MESSAGE, hidden_states_layers=list(out_layers))
+
+
+def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator):
+    """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D]; returns a scalar."""
+    from diffusers import Flux2Pipeline
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    bsz = latents.shape[0]
+    noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(latents)
+    sigma = sample_sigmas(sigmas_table, bsz, cfg.weighting_scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, generator)
+    sigma = sigma.to(latents.device)
+    s = sigma.view(-1, 1, 1, 1).to(latents.dtype)
+    noisy = (1.0 - s) * latents + s * noise  # the flow-matching path from data (s=0) to noise (s=1)
+    packed = Flux2Pipeline._pack_latents(noisy)  # [B, C, h, w] -> [B, h*w, C]
+    guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
+    pred = transformer(
+        hidden_states=packed,
+        timestep=sigma,  # the transformer takes timestep / 1000 == sigma
+        guidance=guidance,
+        encoder_hidden_states=prompt_embeds,
+        txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device),  # [B, L, 4]
+        img_ids=Flux2Pipeline._prepare_latent_ids(latents).to(latents.device),  # [B, h*w, 4]
+        return_dict=False,
+    )[0][:, : packed.shape[1]]
+    target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction
+    weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
+    return flow_matching_loss(pred, target, weighting, num_instance, cfg.prior_loss_weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stages
+
+
+def setup_accelerator(args):
+    import diffusers
+    import transformers
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+    wanted = {"all": ["tensorboard", "wandb"], "none": []}.get(args.report_to, args.report_to.split(","))
+    available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
+    trackers = [t for t in wanted if available.get(t, True)]
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))),
+    )
+    import logging
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    for t in set(wanted) - set(trackers):
+        logger.warning(f"--report_to {t}: not installed, not reporting to it")
+    transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.set_verbosity_error()
+    if args.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return accelerator
+
+
+def weight_dtype_of(accelerator):
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def load_instance_images(args):
+    if args.dataset_name:
+        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column, args.cache_dir)
+    records = scan_image_folder(args.instance_data_dir)
+    if not records:
+        raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    return records
+
+
+def resolve_buckets(args):
+    if args.aspect_ratio_buckets:
+        return parse_buckets(args.aspect_ratio_buckets)
+    if args.use_aspect_ratio_buckets:
+        return bucket_ladder(args.resolution)
+    return [(args.resolution, args.resolution)]
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        m = CHECKPOINT_RE.match(path.name)
+        if m and path.is_dir():
+            if (path / TRAINER_STATE_NAME).is_file():
+                found.append((int(m.group(1)), path))
+            else:
+                logger.warning(f"{path} is incomplete (no {TRAINER_STATE_NAME}); ignoring it")
+    return [p for _, p in sorted(found)]
+
+
+def find_resume_checkpoint(args):
+    if args.resume_from_checkpoint is None:
+        return None
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(args.output_dir)
+        if not found:
+            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
+            return None
+        return found[-1]
+    path = Path(args.resume_from_checkpoint)
+    if not (path / TRAINER_STATE_NAME).is_file():
+        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
+    return path
+
+
+def agree_seed(args, checkpoint, accelerator):
+    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
+    seed = args.seed
+    if seed is None and checkpoint is not None:
+        seed = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
+    if seed is None:
+        seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
+        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
+    return seed
+
+
+def load_pipeline_tokenizer(args):
+    """The FLUX.2 tokenizer without torchvision: the Hub's PixtralProcessor folder holds a plain fast tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path, subfolder="tokenizer",
+                                              revision=args.revision, cache_dir=args.cache_dir)
+    if not tokenizer.chat_template:
+        raise UsageError(f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
+                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
+    return tokenizer
+
+
+def generate_class_images(args, accelerator, seed, existing):
+    """Fill --class_data_dir up to --num_class_images with images of the base model (each process a share)."""
+    from diffusers import Flux2Pipeline
+
+    missing = args.num_class_images - existing
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
+        args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
+    pipeline = Flux2Pipeline.from_pretrained(args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision,
+                                             variant=args.variant, torch_dtype=dtype, cache_dir=args.cache_dir)
+    pipeline.tokenizer = load_pipeline_tokenizer(args)
+    pipeline.to(accelerator.device)
+    pipeline.set_progress_bar_config(disable=True)
+    mine = list(range(existing, args.num_class_images))[accelerator.process_index::accelerator.num_processes]
+    batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
+    logger.info(f"generating {missing} class images into {args.class_data_dir}")
+    for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
+        generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i)) for i in batch]
+        images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution,
+                          generator=generators, guidance_scale=args.guidance_scale, max_sequence_length=args.max_sequence_length,
+                          text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
+        for i, image in zip(batch, images):
+            image.save(Path(args.class_data_dir, f"class-{i:05d}.png"))
+    del pipeline
+    accelerator.wait_for_everyone()
+
+
+def load_class_images(args, accelerator, seed):
+    if not args.with_prior_preservation:
+        return []
+    Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
+    records = scan_image_folder(args.class_data_dir, read_captions=False)
+    if len(records) < args.num_class_images:
+        generate_class_images(args, accelerator, seed, len(records))
+        records = scan_image_folder(args.class_data_dir, read_captions=False)
+    return records
+
+
+def build_data(args, instances, classes, seed, accelerator):
+    """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
+    buckets = resolve_buckets(args)
+    dataset = DreamBoothDataset(instances, args.instance_prompt, buckets, repeats=args.repeats, classes=classes,
+                                class_prompt=args.class_prompt, seed=seed, center_crop=args.center_crop,
+                                random_flip=args.random_flip, with_pixels=not args.cache_latents)
+    sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
+                                 num_replicas=accelerator.num_processes, rank=accelerator.process_index)
+    if len(sampler) == 0:
+        sizes = {dataset.buckets[b]: n for b, n in sorted(_count(dataset.sample_buckets()).items())}
+        raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
+                         f"{sizes} over {accelerator.num_processes} process(es); lower --train_batch_size, raise --repeats, "
+                         "or use fewer buckets")
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                                         num_workers=args.dataloader_num_workers)
+    return dataset, sampler, loader
+
+
+def _count(values):
+    counts = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return counts
+
+
+def validation_prompts(args):
+    """Prompts whose embeddings the run needs after the text encoder is gone."""
+    return [p for p in dict.fromkeys([args.validation_prompt, args.final_validation_prompt]) if p]
+
+
+@torch.no_grad()
+def precompute_prompts(args, accelerator, dataset, weight_dtype):
+    """Encode every unique prompt once (training slots and validation), then free the text encoder."""
+    from transformers import Mistral3ForConditionalGeneration
+    from diffusers.training_utils import free_memory
+
+    cache = SampleCache(dataset.prompt_keys())
+    todo = cache.todo(extra=validation_prompts(args))
+    tokenizer = load_pipeline_tokenizer(args)
+    text_encoder = Mistral3ForConditionalGeneration.from_pretrained(
+        args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
+        torch_dtype=weight_dtype, cache_dir=args.cache_dir).to(accelerator.device).eval()
+    batch = args.train_batch_size
+    for i in tqdm(range(0, len(todo), batch), desc=f"Encoding {len(todo)} prompts",
+                  disable=not accelerator.is_local_main_process):
+        texts = todo[i:i + batch]
+        embeds = encode_prompts(text_encoder, tokenizer, texts, args.max_sequence_length, args.text_encoder_out_layers)
+        for text, embed in zip(texts, embeds):
+            cache.put(text, embed[None])  # [1, L, D]
+    del text_encoder, tokenizer
+    free_memory()
+    return cache
+
+
+def load_vae(args, accelerator, weight_dtype):
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae", revision=args.revision,
+                                             variant=args.variant, cache_dir=args.cache_dir)
+    vae.requires_grad_(False).eval()
+    # FLUX.2 normalises patchified latents with the VAE's batch-norm running statistics: [1, 4C, 1, 1]
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
+    return vae.to(accelerator.device, weight_dtype), mean, std
+
+
+@torch.no_grad()
+def precompute_latents(dataset, vae, latent_mean, latent_std, batch_size, accelerator):
+    """Encode every unique (image, bucket, crop, flip) of the crops drawn at cache time (epoch 0)."""
+    cache = SampleCache(dataset.latent_keys(epoch=0))
+    todo = cache.todo()
+    by_shape = {}
+    for key in todo:
+        by_shape.setdefault(key[2], []).append(key)  # key[2] is the bucket: one shape per VAE batch
+    bar = tqdm(total=len(todo), desc=f"Encoding {len(todo)} images", disable=not accelerator.is_local_main_process)
+    for keys in by_shape.values():
+        for i in range(0, len(keys), batch_size):
+            chunk = keys[i:i + batch_size]
+            latents = encode_images(vae, torch.stack([dataset.pixels(k) for k in chunk]), latent_mean, latent_std)
+            for key, latent in zip(chunk, latents):
+                cache.put(key, latent[None])  # [1, 4C, h, w]
+            bar.update(len(chunk))
+    bar.close()
+    return cache
+
+
+def load_transformer_with_lora(args, accelerator, weight_dtype):
+    """Frozen transformer in the training dtype with float32 LoRA adapters on --lora_layers."""
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    transformer = Flux2Transformer2DModel.from_pretrained(args.pretrained_model_name_or_path, subfolder="transformer",
+                                                          revision=args.revision, variant=args.variant,
+                                                          torch_dtype=weight_dtype, cache_dir=args.cache_dir)
+    transformer.requires_grad_(False).to(accelerator.device)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    targets = [t.strip() for t in args.lora_layers.split(",") if t.strip()] if args.lora_layers else DEFAULT_LORA_TARGETS
+    add_lora(transformer, LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                     init_lora_weights="gaussian", target_modules=targets))
+    return transformer
+
+
+def add_lora(transformer, lora_config):
+    """Attach the adapter and keep its parameters in float32 whatever the base dtype (fp16/bf16 updates of
+    small LoRA deltas lose precision; the frozen base stays in the low-precision dtype)."""
+    transformer.add_adapter(lora_config)
+    for param in transformer.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    return transformer
+
+
+def setup_optimizer(args, params, num_processes):
+    lr = args.learning_rate
+    if args.scale_lr:
+        lr *= args.gradient_accumulation_steps * args.train_batch_size * num_processes
+    if args.optimizer == "prodigy":
+        try:
+            import prodigyopt
+        except ImportError:
+            raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt") from None
+        return prodigyopt.Prodigy(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), beta3=args.prodigy_beta3,
+                                  weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
+                                  decouple=args.prodigy_decouple, use_bias_correction=args.prodigy_use_bias_correction,
+                                  safeguard_warmup=args.prodigy_safeguard_warmup)
+    if args.use_8bit_adam:
+        import bitsandbytes as bnb
+
+        optimizer_class = bnb.optim.AdamW8bit
+    else:
+        optimizer_class = torch.optim.AdamW
+    return optimizer_class(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2),
+                           weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
+
+
+def lora_state_dict(transformer, dtype=None):
+    """The adapter's tensors, detached on the CPU, keys as diffusers' Flux2 LoRA loader expects (sans prefix)."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(transformer)
+    return {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
+
+
+def save_lora(transformer, folder, dtype=None):
+    from diffusers import Flux2Pipeline
+
+    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers=lora_state_dict(transformer, dtype),
+                                    transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
+
+
+def flatten_state(obj, tensors, path="t"):
+    """Nested state (dicts, lists, tensors, scalars) -> JSON-able skeleton; tensors go into `tensors` by path.
+    Checkpoints are safetensors + JSON, so resuming never unpickles anything."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):  # items as pairs: optimizer state is keyed by int
+        return {"__items__": [[k, flatten_state(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
+
+
+def unflatten_state(obj, tensors):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        return {k: unflatten_state(v, tensors) for k, v in obj["__items__"]}
+    if isinstance(obj, list):
+        return [unflatten_state(v, tensors) for v in obj]
+    return obj
+
+
+def write_state(folder, name, state):
+    """state -> <name>.json + <name>.safetensors."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    skeleton = flatten_state(state, tensors)
+    save_file(tensors, str(Path(folder, f"{name}.safetensors")))
+    Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
+
+
+def read_state(folder, name):
+    from safetensors.torch import load_file
+
+    return unflatten_state(json.loads(Path(folder, f"{name}.json").read_text()),
+                           load_file(str(Path(folder, f"{name}.safetensors"))))
+
+
+def rng_state():
+    state = {"torch": torch.get_rng_state()}  # LoRA dropout draws from the global generators
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(args, accelerator, run, global_step):
+    """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part.
+
+    Holds the LoRA (diffusers format, float32), optimizer, LR schedule, grad scaler and each process's RNG
+    state as safetensors + JSON, and trainer_state.json (written last) with the step and seed."""
+    final = Path(args.output_dir, f"checkpoint-{global_step}")
+    partial = final.with_name(final.name + ".partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    write_state(partial, f"rng-{accelerator.process_index}", rng_state())
+    if accelerator.is_main_process:
+        save_lora(accelerator.unwrap_model(run["transformer"]), partial)
+        scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+        write_state(partial, "training", {"optimizer": run["optimizer"].state_dict(),
+                                          "lr_scheduler": run["lr_scheduler"].state_dict(), "scaler": scaler})
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run["seed"]}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        if args.checkpoints_total_limit is not None:
+            older = [c for c in list_checkpoints(args.output_dir) if c != final]
+            for old in older[: max(0, len(older) + 1 - args.checkpoints_total_limit)]:
+                shutil.rmtree(old)
+        logger.info(f"saved {final}")
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(checkpoint, accelerator, run):
+    """Restore what save_checkpoint wrote; returns the global step to continue from."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
+    result = set_peft_model_state_dict(accelerator.unwrap_model(run["transformer"]), lora, adapter_name="default")
+    if getattr(result, "unexpected_keys", None):
+        raise UsageError(f"{checkpoint}: its LoRA does not fit this model/--lora_layers (e.g. {result.unexpected_keys[:3]})")
+    training = read_state(checkpoint, "training")
+    run["optimizer"].load_state_dict(training["optimizer"])
+    run["lr_scheduler"].load_state_dict(training["lr_scheduler"])
+    if accelerator.scaler is not None and training["scaler"] is not None:
+        accelerator.scaler.load_state_dict(training["scaler"])
+    rng_file = checkpoint / f"rng-{accelerator.process_index}.json"
+    if rng_file.is_file():
+        rng = read_state(checkpoint, f"rng-{accelerator.process_index}")
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"]
+
+
+@torch.no_grad()
+def run_validation(args, accelerator, run, prompt, tag, step):
+    """Generate validation images with the transformer being trained, without moving, casting or hooking it.
+
+    Saves PNGs under <output_dir>/validation/ and sends them to the trackers. Returns their paths."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+
+    model = accelerator.unwrap_model(run["transformer"])
+    was_training = model.training
+    model.eval()
+    pipeline = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(run["scheduler"].config),
+                             vae=run["vae"], text_encoder=None, tokenizer=None, transformer=model)
+    pipeline.set_progress_bar_config(disable=True)
+    prompt_embeds = run["caches"]["prompts"][prompt].to(accelerator.device, run["weight_dtype"])
+    generator = torch.Generator(accelerator.device).manual_seed(seed_for("validation", run["seed"]))
+    height, width = (args.resolution, args.resolution)
+    images = []
+    with accelerator.autocast():
+        for _ in range(args.num_validation_images):
+            images.append(pipeline(prompt_embeds=prompt_embeds, height=height,
+                                   width=width, num_inference_steps=args.validation_inference_steps,
+                                   guidance_scale=args.guidance_scale, generator=generator).images[0])
+    model.train(was_training)
+    folder = Path(args.output_dir, "validation")
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, image in enumerate(images):
+        paths.append(folder / f"{tag}-{i}.png")
+        image.save(paths[-1])
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
+    logger.info(f"validation images ({prompt!r}): {', '.join(map(str, paths))}")
+    return paths
+
+
+def batch_inputs(batch, dataset, caches, vae, latent_stats, device, dtype):
+    """Cached (or freshly encoded) inputs of a batch, moved to the device. -> latents [B', C, h, w], embeds [B', L, D]."""
+    slots = dataset.slots(batch["indices"])
+    embeds = caches["prompts"].gather(slots).to(device, dtype, non_blocking=True)
+    if "latents" in caches:
+        latents = caches["latents"].gather(slots).to(device, dtype, non_blocking=True)
+    else:
+        with torch.no_grad():
+            latents = encode_images(vae, batch["pixel_values"], *latent_stats).to(dtype)
+    return latents, embeds
+
+
+def train(args, accelerator, run, global_step):
+    """The loop: a flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of
+    epoch m // len(sampler), so a resumed run skips exactly the batches already trained."""
+    transformer, optimizer, lr_scheduler, dataset, sampler, loader = (run[k] for k in ("transformer", "optimizer",
+                                                                     "lr_scheduler", "dataset", "sampler", "loader"))
+    batches_per_epoch, accum = len(sampler), args.gradient_accumulation_steps
+    micro = global_step * accum
+    accelerator.step = micro  # accelerate's accumulation counter: sync on every accum-th micro-step
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    sigmas_table = run["scheduler"].sigmas.float()
+    bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
+    tic = time.perf_counter()
+    while global_step < args.max_train_steps:
+        epoch, position = divmod(micro, batches_per_epoch)
+        sampler.set_epoch(epoch, start=position)
+        dataset.set_epoch(epoch)
+        transformer.train()
+        for batch in loader:
+            generator = torch.Generator(accelerator.device).manual_seed(seed_for("step", run["seed"], micro, accelerator.process_index))
+            with accelerator.accumulate(transformer):
+                latents, embeds = batch_inputs(batch, dataset, run["caches"], run["vae"], run["latent_stats"],
+                                               accelerator.device, run["weight_dtype"])
+                loss = flow_matching_step(transformer, latents, embeds, len(batch["indices"]), sigmas_table,
+                                          run["step_config"], generator)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(params, args.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+            micro += 1
+            if not accelerator.sync_gradients:
+                continue
+            global_step += 1
+            if not torch.isfinite(loss):
+                raise RuntimeError(f"loss is {loss.item()} at step {global_step}; stopping (last checkpoint kept)")
+            logs = {"loss": loss.detach().item(), "lr": lr_scheduler.get_last_lr()[0],
+                    "step_seconds": time.perf_counter() - tic, "epoch": epoch}
+            if torch.cuda.is_available():
+                logs["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            tic = time.perf_counter()
+            bar.update(1)
+            bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
+            accelerator.log(logs, step=global_step)
+            logger.debug(f"step {global_step} indices {batch['indices']}")
+            if global_step % args.checkpointing_steps == 0:
+                save_checkpoint(args, accelerator, run, global_step)
+            if global_step >= args.max_train_steps:
+                break
+        else:  # the epoch ran to its end
+            if args.validation_prompt and (epoch + 1) % args.validation_epochs == 0 and accelerator.is_main_process:
+                run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
+    bar.close()
+    return global_step
+
+
+def write_model_card(args, image_paths, prompt):
+    """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub."""
+    images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
+    widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
+    gallery = "\n".join(f"![{prompt}]({p})" for p in images)
+    text = f"""---
+base_model: {args.pretrained_model_name_or_path}
+library_name: diffusers
+license: other
+instance_prompt: {json.dumps(args.instance_prompt)}
+tags:
+- text-to-image
+- diffusers
+- lora
+- flux2
+- dreambooth
+widget:
+{widget}---
+
+# FLUX.2 DreamBooth LoRA
+
+LoRA adapters (rank {args.rank}, alpha {args.lora_alpha}) for `{args.pretrained_model_name_or_path}`, trained with
+DreamBooth on the prompt `{args.instance_prompt}` for {args.max_train_steps} steps at learning rate {args.learning_rate}.
+
+{gallery}
+
+## Use
+
+```py
+import torch
+from diffusers import Flux2Pipeline
+
+pipe = Flux2Pipeline.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16).to("cuda")
+pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
+image = pipe("{prompt or args.instance_prompt}").images[0]
+```
+
+License: the base model's license applies.
+"""
+    Path(args.output_dir, "README.md").write_text(text, encoding="utf-8")
+
+
+def push_to_hub(args):
+    from huggingface_hub import create_repo, upload_folder
+
+    repo_id = create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
+    upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
+                  commit_message="DreamBooth LoRA", ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**"])
+    logger.info(f"pushed to https://huggingface.co/{repo_id}")
+
+
+def finish(args, accelerator, run):
+    """Save the LoRA and model card, then the final validation images (main process only)."""
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    transformer = accelerator.unwrap_model(run["transformer"])
+    save_lora(transformer, args.output_dir, torch.float32 if args.upcast_before_saving else run["weight_dtype"])
+    logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}")
+    prompt = args.validation_prompt or args.final_validation_prompt
+    paths = []
+    if prompt and not args.skip_final_inference and args.num_validation_images > 0:
+        paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
+    write_model_card(args, paths, prompt)
+    if args.push_to_hub:
+        push_to_hub(args)
+
+
+def tracker_config(args):
+    """Flags for the trackers: scalars only, and never the Hub token."""
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
+            if k != "hub_token" and v is not None}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    validate_args(args)
+    accelerator = setup_accelerator(args)
+    weight_dtype = weight_dtype_of(accelerator)
+    instances = load_instance_images(args)
+    checkpoint = find_resume_checkpoint(args)
+    seed = agree_seed(args, checkpoint, accelerator)
+    if args.with_prior_preservation:  # fail fast on the batch size, before class images are generated
+        build_data(args, instances, [None] * args.num_class_images, seed, accelerator)
+    classes = load_class_images(args, accelerator, seed)
+    dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+
+    caches = {"prompts": precompute_prompts(args, accelerator, dataset, weight_dtype)}
+    vae, latent_mean, latent_std = load_vae(args, accelerator, weight_dtype)
+    if args.cache_latents:
+        caches["latents"] = precompute_latents(dataset, vae, latent_mean, latent_std, args.train_batch_size, accelerator)
+        if not validation_prompts(args):
+            vae = None  # nothing else needs it
+    transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.optimization import get_scheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(args.pretrained_model_name_or_path, subfolder="scheduler",
+                                                                revision=args.revision, cache_dir=args.cache_dir)
+    steps_per_epoch = math.ceil(len(sampler) / args.gradient_accumulation_steps)
+    if args.max_train_steps is None:
+        args.max_train_steps = args.num_train_epochs * steps_per_epoch
+    optimizer = setup_optimizer(args, [p for p in transformer.parameters() if p.requires_grad], accelerator.num_processes)
+    # built after max_train_steps is known; stepped once per optimizer step, so it is not passed to prepare()
+    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
+                                 num_training_steps=args.max_train_steps, num_cycles=args.lr_num_cycles, power=args.lr_power)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    if accelerator.is_main_process:
+        accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
+    logger.info(f"{len(dataset)} samples, {len(sampler)} batches of {args.train_batch_size} per epoch and process "
+                f"(the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} steps, "
+                f"seed {seed}, {len(caches['prompts'].store)} unique prompts"
+                + (f", {len(caches['latents'].store)} unique latents" if "latents" in caches else ""))
+    unwrapped = accelerator.unwrap_model(transformer)
+    step_config = StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
+                             args.guidance_scale if unwrapped.config.guidance_embeds else None, args.prior_loss_weight)
+    run = dict(transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, dataset=dataset, sampler=sampler,
+               loader=loader, caches=caches, vae=vae, latent_stats=(latent_mean, latent_std), scheduler=scheduler,
+               seed=seed, weight_dtype=weight_dtype, step_config=step_config)
+    global_step = 0
+    if checkpoint is not None:
+        global_step = load_checkpoint(checkpoint, accelerator, run)
+        logger.info(f"resumed from {checkpoint} at step {global_step}")
+    train(args, accelerator, run, global_step)
+    finish(args, accelerator, run)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
