@@ -164,7 +164,7 @@ def parse_args(argv=None):
 
     g = p.add_argument_group("validation")
     g.add_argument("--validation_prompt", default=None)
-    g.add_argument("--validation_epochs", type=int, default=50, help="Validate every N epochs.")
+    g.add_argument("--validation_epochs", type=int, default=50, help="Validate every N epochs (the last epoch's are the final images).")
     g.add_argument("--num_validation_images", type=int, default=4)
     g.add_argument("--validation_inference_steps", type=int, default=28, help="Denoising steps of validation images.")
     g.add_argument("--final_validation_prompt", default=None, help="Prompt of the final images when --validation_prompt is not given.")
@@ -729,8 +729,10 @@ def build_data(args, instances, classes, seed, accelerator):
         raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
                          f"{sizes} over {accelerator.num_processes} process(es); lower --train_batch_size, raise --repeats, "
                          "or use fewer buckets")
+    # own generator: each iter() draws a worker seed, which must not consume the global RNG (LoRA dropout)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                         num_workers=args.dataloader_num_workers)
+                                         num_workers=args.dataloader_num_workers,
+                                         generator=torch.Generator().manual_seed(seed))
     return dataset, sampler, loader
 
 
@@ -758,13 +760,14 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype):
     text_encoder = Mistral3ForConditionalGeneration.from_pretrained(
         args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
         torch_dtype=weight_dtype, cache_dir=args.cache_dir).to(accelerator.device).eval()
-    batch = args.train_batch_size
-    for i in tqdm(range(0, len(todo), batch), desc=f"Encoding {len(todo)} prompts",
-                  disable=not accelerator.is_local_main_process):
-        texts = todo[i:i + batch]
+    bar = tqdm(total=len(todo), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
+    for i in range(0, len(todo), args.train_batch_size):
+        texts = todo[i:i + args.train_batch_size]
         embeds = encode_prompts(text_encoder, tokenizer, texts, args.max_sequence_length, args.text_encoder_out_layers)
         for text, embed in zip(texts, embeds):
             cache.put(text, embed[None])  # [1, L, D]
+        bar.update(len(texts))
+    bar.close()
     del text_encoder, tokenizer
     free_memory()
     return cache
@@ -774,12 +777,12 @@ def load_vae(args, accelerator, weight_dtype):
     from diffusers import AutoencoderKLFlux2
 
     vae = AutoencoderKLFlux2.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae", revision=args.revision,
-                                             variant=args.variant, cache_dir=args.cache_dir)
+                                             variant=args.variant, cache_dir=args.cache_dir, torch_dtype=weight_dtype)
     vae.requires_grad_(False).eval()
     # FLUX.2 normalises patchified latents with the VAE's batch-norm running statistics: [1, 4C, 1, 1]
     mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
-    return vae.to(accelerator.device, weight_dtype), mean, std
+    return vae.to(accelerator.device), mean, std
 
 
 @torch.no_grad()
@@ -790,7 +793,7 @@ def precompute_latents(dataset, vae, latent_mean, latent_std, batch_size, accele
     by_shape = {}
     for key in todo:
         by_shape.setdefault(key[2], []).append(key)  # key[2] is the bucket: one shape per VAE batch
-    bar = tqdm(total=len(todo), desc=f"Encoding {len(todo)} images", disable=not accelerator.is_local_main_process)
+    bar = tqdm(total=len(todo), desc="Encoding images", unit="image", disable=not accelerator.is_local_main_process)
     for keys in by_shape.values():
         for i in range(0, len(keys), batch_size):
             chunk = keys[i:i + batch_size]
@@ -1032,6 +1035,10 @@ def train(args, accelerator, run, global_step):
     params = [p for p in transformer.parameters() if p.requires_grad]
     sigmas_table = run["scheduler"].sigmas.float()
     bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
+    # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
+    sample_log_path = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
+    sample_log_path.parent.mkdir(parents=True, exist_ok=True)
+    sample_log = sample_log_path.open("a")
     tic = time.perf_counter()
     while global_step < args.max_train_steps:
         epoch, position = divmod(micro, batches_per_epoch)
@@ -1051,6 +1058,8 @@ def train(args, accelerator, run, global_step):
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
+            sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
+                                         "latent_hw": list(latents.shape[-2:])}) + "\n")
             micro += 1
             if not accelerator.sync_gradients:
                 continue
@@ -1065,15 +1074,17 @@ def train(args, accelerator, run, global_step):
             bar.update(1)
             bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
             accelerator.log(logs, step=global_step)
-            logger.debug(f"step {global_step} indices {batch['indices']}")
             if global_step % args.checkpointing_steps == 0:
                 save_checkpoint(args, accelerator, run, global_step)
             if global_step >= args.max_train_steps:
                 break
-        else:  # the epoch ran to its end
-            if args.validation_prompt and (epoch + 1) % args.validation_epochs == 0 and accelerator.is_main_process:
-                run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
+        epoch_done = micro == (epoch + 1) * batches_per_epoch
+        final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # same images again
+        if (args.validation_prompt and epoch_done and (epoch + 1) % args.validation_epochs == 0 and not final_follows
+                and accelerator.is_main_process):
+            run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
     bar.close()
+    sample_log.close()
     return global_step
 
 

@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny random FLUX.2 [dev] checkpoint on disk and a way to run the real script."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the tests may reach the Hub
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "train_dreambooth_lora_flux2.py"
+sys.path.insert(0, str(ROOT))
+
+from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, build_tiny_flux2, make_images  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_flux2(str(tmp_path_factory.mktemp("model") / "tiny-flux2"))
+
+
+@pytest.fixture
+def images(tmp_path):
+    """Six mixed-aspect images, five with a .txt caption, plus a non-image file."""
+    folder = tmp_path / "images"
+    make_images(str(folder))
+    return folder
+
+
+def base_args(model, images, output_dir, *extra):
+    """Flags every tiny run needs: small sizes, the tiny text encoder's layers, captions kept visible."""
+    return [
+        "--pretrained_model_name_or_path", str(model), "--instance_data_dir", str(images),
+        "--instance_prompt", "a photo of sks dog", "--output_dir", str(output_dir),
+        "--resolution", "32", "--train_batch_size", "1", "--learning_rate", "1e-3",
+        "--text_encoder_out_layers", *map(str, TEXT_ENCODER_OUT_LAYERS),
+        "--max_sequence_length", str(MAX_SEQUENCE_LENGTH), "--seed", "0", "--report_to", "none",
+        "--validation_inference_steps", "2", *map(str, extra),
+    ]
+
+
+def launch(args, num_processes=1, env=None, check=True, timeout=600):
+    """Run the script under `accelerate launch` on the CPU; returns the CompletedProcess."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]
+    cmd += [str(SCRIPT), *args]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc

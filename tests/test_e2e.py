@@ -1,0 +1,188 @@
+"""The real script under `accelerate launch` on the tiny FLUX.2 model; every test asserts on what it wrote."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, SCRIPT, base_args, launch
+from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, make_images
+
+LORA = "pytorch_lora_weights.safetensors"
+
+
+def sample_log(out):
+    return [json.loads(line) for line in (out / "logs" / "samples-0.jsonl").read_text().splitlines()]
+
+
+def assert_lora_works(model, out, expect_modules=None):
+    """Keys are diffusers-style, B matrices were trained, and Flux2Pipeline.load_lora_weights changes the output."""
+    from diffusers import Flux2Pipeline
+
+    state = load_file(str(out / LORA))
+    assert state and all(k.startswith("transformer.") for k in state)
+    assert any(v.abs().sum() > 0 for k, v in state.items() if "lora_B" in k)
+    if expect_modules is not None:
+        assert {k.split(".lora_")[0].split(".", 3)[-1] for k in state} <= expect_modules
+    pipe = Flux2Pipeline.from_pretrained(model, tokenizer=None)
+    embeds = torch.randn(1, MAX_SEQUENCE_LENGTH, 32, generator=torch.Generator().manual_seed(0))
+    run = lambda: pipe(prompt_embeds=embeds, height=32, width=32, num_inference_steps=2, output_type="pt",  # noqa: E731
+                       generator=torch.Generator().manual_seed(0)).images
+    before = run()
+    pipe.load_lora_weights(str(out))
+    assert not torch.equal(before, run())
+
+
+CONFIGS = {
+    "static_prompt": ([], False),
+    "txt_captions": ([], True),
+    "cache_latents": (["--cache_latents"], True),
+    "aspect_buckets": (["--use_aspect_ratio_buckets", "--resolution", "48"], True),
+    "lora_layers": (["--lora_layers", "to_q,to_qkv_mlp_proj"], True),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_training_runs_and_writes_a_loadable_lora(name, tiny_model, tmp_path):
+    extra, captions = CONFIGS[name]
+    images = tmp_path / "images"
+    make_images(str(images), captions=captions)
+    out = tmp_path / "out"
+    proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "3", "--checkpointing_steps", "100", *extra))
+    assert "Steps" in proc.stderr  # the progress bar
+    log = sample_log(out)
+    assert len(log) == 3 and all(len(r["indices"]) == 1 for r in log)
+    if name == "aspect_buckets":
+        assert len({tuple(r["latent_hw"]) for r in sample_log(out)}) >= 1
+        assert "unique prompts" in proc.stderr
+    assert_lora_works(tiny_model, out, {"attn.to_q", "attn.to_qkv_mlp_proj"} if name == "lora_layers" else None)
+    assert (out / "README.md").is_file()
+
+
+def test_aspect_buckets_train_on_several_shapes(tiny_model, images, tmp_path):
+    out = tmp_path / "out"
+    launch(base_args(tiny_model, images, out, "--aspect_ratio_buckets", "32,48;48,32;32,32", "--num_train_epochs", "2"))
+    shapes = {tuple(r["latent_hw"]) for r in sample_log(out)}
+    assert shapes == {(8, 12), (12, 8), (8, 8)}  # latents are 1/4 of the pixels after the 2x VAE and 2x2 patches
+    epochs = [sorted(i for r in sample_log(out) if r["epoch"] == e for i in r["indices"]) for e in (0, 1)]
+    assert epochs == [list(range(6))] * 2
+
+
+def test_captions_reach_the_prompt_cache(tiny_model, images, tmp_path):
+    out = tmp_path / "out"
+    proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "1"))
+    assert "6 unique prompts" in proc.stderr  # 5 captions + the instance prompt for the uncaptioned image
+
+
+def test_prior_preservation_generates_missing_class_images(tiny_model, images, tmp_path):
+    class_dir = tmp_path / "class"
+    out = tmp_path / "out"
+    proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "2", "--with_prior_preservation",
+                            "--class_data_dir", class_dir, "--class_prompt", "a photo of a dog",
+                            "--num_class_images", "8", "--sample_batch_size", "3"))
+    generated = sorted(p.name for p in class_dir.iterdir())
+    assert generated == [f"class-{i:05d}.png" for i in range(8)]
+    assert "Generating class images" in proc.stderr
+    assert "8 samples" in proc.stderr  # more class images than instance samples: every class image gets a sample
+    assert_lora_works(tiny_model, out)
+
+
+def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp_path):
+    out = tmp_path / "out"
+    launch(base_args(tiny_model, images, out, "--num_train_epochs", "2", "--validation_prompt", "a photo of sks dog",
+                     "--validation_epochs", "1", "--num_validation_images", "2", "--report_to", "tensorboard"))
+    names = sorted(p.name for p in (out / "validation").iterdir())
+    assert names == ["epoch-0001-0.png", "epoch-0001-1.png", "final-0.png", "final-1.png"]  # epoch 2's are the final
+    from PIL import Image
+
+    with Image.open(out / "validation" / "final-0.png") as im:
+        assert im.format == "PNG" and im.size == (32, 32)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((out / "logs").rglob("events.out.tfevents.*")).parent), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 13))  # one line per optimizer step
+    assert {"lr", "step_seconds"} <= set(events.Tags()["scalars"])
+    assert {"validation/epoch-0001", "validation/final"} <= set(events.Tags()["images"])
+    card = (out / "README.md").read_text()
+    assert "validation/final-0.png" in card and "validation/final-1.png" in card and "a photo of sks dog" in card
+
+
+def test_dataset_name_accepts_a_local_folder(tiny_model, tmp_path):
+    pytest.importorskip("datasets")
+    folder = tmp_path / "hf"
+    paths = make_images(str(folder), captions=False)
+    rows = [{"file_name": Path(p).name, "text": f"a photo of sks dog number {i}"} for i, p in enumerate(paths)]
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (folder / "notes.md").unlink()
+    out = tmp_path / "out"
+    args = base_args(tiny_model, folder, out, "--max_train_steps", "2", "--caption_column", "text")
+    args[args.index("--instance_data_dir")] = "--dataset_name"
+    proc = launch(args)
+    assert "6 unique prompts" in proc.stderr  # the six captions of the column
+    assert_lora_works(tiny_model, out)
+
+
+def test_resume_from_latest_checkpoint_matches_a_straight_run(tiny_model, images, tmp_path):
+    """5 batches per epoch, accumulation 2, a checkpoint inside epoch 0, an accumulation window across the epoch
+    boundary, warm-up and LoRA dropout (global RNG): the resumed LoRA equals the straight one bit for bit."""
+    (images / "img_05.png").unlink()
+    common = ["--gradient_accumulation_steps", "2", "--max_train_steps", "5", "--checkpointing_steps", "2",
+              "--lr_scheduler", "linear", "--lr_warmup_steps", "2", "--lora_dropout", "0.1", "--random_flip"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(base_args(tiny_model, images, straight, *common))
+    assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copytree(straight / "checkpoint-4", resumed / "checkpoint-4.partial")  # killed while writing: ignored
+    proc = launch(base_args(tiny_model, images, resumed, *common, "--resume_from_checkpoint", "latest"))
+    assert "resumed from" in proc.stderr and "checkpoint-2" in proc.stderr
+    a, b = load_file(str(straight / LORA)), load_file(str(resumed / LORA))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sample_log(resumed) == sample_log(straight)[4:]  # the same batches, none repeated, none skipped
+    assert {r["epoch"] for r in sample_log(straight)} == {0, 1}
+
+
+def test_no_network_access_without_push_to_hub(tiny_model, images, tmp_path):
+    """Any socket connection made by the script (or libraries it calls) is recorded and refused."""
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    record = tmp_path / "connections.txt"
+    (guard / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import socket
+        _connect = socket.socket.connect
+        def connect(self, address):
+            if self.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+                with open({str(record)!r}, "a") as f:
+                    f.write(repr(address) + "\\n")
+                raise OSError("network disabled by test")
+            return _connect(self, address)
+        socket.socket.connect = connect
+    """))
+    out = tmp_path / "out"
+    launch(base_args(tiny_model, images, out, "--max_train_steps", "1", "--validation_prompt", "a dog",
+                     "--num_validation_images", "1"),
+           env={"HF_HUB_OFFLINE": "0", "PYTHONPATH": f"{guard}:{ROOT}"})
+    assert (out / LORA).is_file() and (out / "README.md").is_file()
+    assert not record.exists(), record.read_text()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--instance_data_dir", "/nonexistent/images"], "/nonexistent/images: no such folder"),
+    (["--resolution", "40"], "--resolution must be a multiple of 16"),
+    (["--train_batch_size", "7"], "--train_batch_size 7 leaves no full batch"),
+    (["--with_prior_preservation", "--class_data_dir", "c"], "--with_prior_preservation needs --class_prompt"),
+    (["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], "no such checkpoint"),
+])
+def test_bad_input_exits_2_with_one_message_before_loading_models(extra, message, images, tmp_path):
+    # the model path does not exist: reaching any model load would fail differently
+    args = base_args("/nonexistent/model", images, tmp_path / "out", *extra)
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,306 @@
+"""CPU unit tests of the pure helpers: buckets, transforms, dataset, sampler, collate, caches, loss, state."""
+
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+import train_dreambooth_lora_flux2 as T
+from train_dreambooth_lora_flux2 import (BucketBatchSampler, DreamBoothDataset, ImageRecord, SampleCache, UsageError,
+                                         collate)
+
+
+# ---------------------------------------------------------------------------------------------------- buckets
+
+
+def test_parse_buckets_accepts_multiples_of_16_and_dedups():
+    assert T.parse_buckets(" 32,48; 48,32 ;32,48;") == [(32, 48), (48, 32)]
+
+
+@pytest.mark.parametrize("text", ["32,40", "0,32", "32x32", "", "32"])
+def test_parse_buckets_refuses_bad_input(text):
+    with pytest.raises(UsageError, match="aspect_ratio_buckets"):
+        T.parse_buckets(text)
+
+
+def test_bucket_ladder_sides_are_multiples_of_16_near_the_pixel_budget():
+    ladder = T.bucket_ladder(1024)
+    assert (1024, 1024) in ladder and len(ladder) == len(set(ladder)) > 5
+    for h, w in ladder:
+        assert h % 16 == 0 and w % 16 == 0
+        assert 0.85 < h * w / 1024**2 < 1.15
+    assert any(h > w for h, w in ladder) and any(w > h for h, w in ladder)
+
+
+def test_nearest_bucket_matches_aspect_ratio():
+    buckets = [(32, 32), (32, 48), (48, 32)]  # (h, w)
+    assert T.nearest_bucket(40, 64, buckets) == 1  # landscape
+    assert T.nearest_bucket(64, 40, buckets) == 2  # portrait
+    assert T.nearest_bucket(50, 50, buckets) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- transforms
+
+
+def test_draw_transform_covers_bucket_and_center_crops():
+    (rh, rw), top, left, flip = T.draw_transform((64, 40), (32, 32), center_crop=True, random_flip=False, rng=random.Random(0))
+    assert (rh, rw) == (32, 51) and rh >= 32 and rw >= 32  # aspect kept: 64x40 scaled by 0.8 -> 51x32
+    assert (top, left, flip) == (0, 9, False)
+
+
+def test_draw_transform_random_crop_and_flip_vary_but_are_seeded():
+    draws = {T.draw_transform((100, 40), (32, 32), False, True, random.Random(s)) for s in range(50)}
+    lefts = {d[2] for d in draws}
+    flips = {d[3] for d in draws}
+    assert len(lefts) > 5 and all(0 <= x <= 80 - 32 for x in lefts) and flips == {True, False}
+    assert T.draw_transform((100, 40), (32, 32), False, True, random.Random(7)) == \
+        T.draw_transform((100, 40), (32, 32), False, True, random.Random(7))
+
+
+def test_image_to_tensor_crops_flips_and_scales():
+    image = Image.new("RGB", (4, 2))
+    image.putpixel((0, 0), (255, 0, 0))
+    x = T.image_to_tensor(image, ((2, 4), 0, 0, False), (2, 4))
+    assert x.shape == (3, 2, 4) and x.min() >= -1 and x.max() <= 1
+    assert x[:, 0, 0].tolist() == [1.0, -1.0, -1.0]
+    flipped = T.image_to_tensor(image, ((2, 4), 0, 0, True), (2, 4))
+    assert torch.equal(flipped, x.flip(-1))
+    cropped = T.image_to_tensor(image, ((2, 4), 0, 1, False), (2, 2))
+    assert torch.equal(cropped, x[:, :, 1:3])
+
+
+# ---------------------------------------------------------------------------------------------------- folder scan
+
+
+def test_scan_image_folder_sorted_captions_and_ignored_files(tmp_path):
+    for name in ["b.png", "a.jpg", ".hidden.png", "c.png"]:
+        Image.new("RGB", (20, 10)).save(tmp_path / name)
+    (tmp_path / "a.txt").write_bytes("\ufeffa dog on a sofa \r\n".encode())  # BOM, CRLF, trailing space
+    (tmp_path / "c.txt").write_text("  \n")  # empty caption falls back to the instance prompt
+    (tmp_path / "readme.md").write_text("not an image")
+    records = T.scan_image_folder(tmp_path)
+    assert [r.name for r in records] == ["a.jpg", "b.png", "c.png"]
+    assert [r.caption for r in records] == ["a dog on a sofa", None, None]
+    assert records[0].size == (20, 10)
+
+
+def test_scan_image_folder_lists_every_unreadable_file(tmp_path):
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "junk.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(UsageError) as error:
+        T.scan_image_folder(tmp_path)
+    assert "empty.png" in str(error.value) and "junk.jpg" in str(error.value)
+
+
+def test_oriented_size_applies_exif_rotation(tmp_path):
+    image = Image.new("RGB", (40, 20))
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees on display
+    image.save(tmp_path / "r.jpg", exif=exif)
+    with Image.open(tmp_path / "r.jpg") as im:
+        assert T.oriented_size(im) == (20, 40)
+    record = ImageRecord(name="r.jpg", size=(20, 40), path=str(tmp_path / "r.jpg"))
+    assert record.load().size == (20, 40)
+
+
+# ---------------------------------------------------------------------------------------------------- dataset
+
+
+def _records(sizes, captions=None):
+    captions = captions or [None] * len(sizes)
+    return [ImageRecord(name=f"i{k}", size=s, caption=c, image=Image.new("RGB", s, (k * 40, 0, 0)))
+            for k, (s, c) in enumerate(zip(sizes, captions))]
+
+
+BUCKETS = [(32, 32), (32, 48), (48, 32)]
+
+
+def test_dataset_items_carry_their_index_and_repeats_multiply_samples():
+    ds = DreamBoothDataset(_records([(48, 32), (32, 48)]), "sks", BUCKETS, repeats=3, with_pixels=False)
+    assert len(ds) == 6 and [ds[i]["index"] for i in range(6)] == list(range(6))
+    assert ds.sample_buckets() == [1, 2] * 3
+
+
+def test_every_class_image_is_paired_within_one_epoch():
+    instances, classes = _records([(32, 32)] * 2), _records([(32, 32)] * 7)
+    ds = DreamBoothDataset(instances, "sks", BUCKETS, repeats=1, classes=classes, class_prompt="a dog", with_pixels=False)
+    assert len(ds) == 7  # at least one sample per class image
+    class_ids = {ds.latent_key(s, 0)[1] for s in range(ds.num_samples, ds.num_slots)}
+    assert class_ids == set(range(7))
+
+
+def test_slots_and_prompt_keys_lay_out_instance_then_class():
+    ds = DreamBoothDataset(_records([(32, 32)] * 2, ["cap a", None]), "sks", BUCKETS, repeats=2,
+                           classes=_records([(32, 32)]), class_prompt="a dog", with_pixels=False)
+    assert ds.slots([3, 0]) == [3, 0, 7, 4]
+    assert ds.prompt_keys() == ["cap a", "sks", "cap a", "sks"] + ["a dog"] * 4
+
+
+def test_class_image_follows_its_instance_bucket():
+    ds = DreamBoothDataset(_records([(48, 32)]), "sks", BUCKETS, classes=_records([(32, 32)]), class_prompt="c")
+    item = ds[0]["pixel_values"]
+    assert item.shape == (2, 3, 32, 48)
+
+
+def test_fresh_augmentation_each_epoch_without_cache_and_reproducible():
+    ds = DreamBoothDataset(_records([(90, 40)]), "sks", [(32, 32)], repeats=1, random_flip=True, seed=3)
+    keys = [ds.latent_key(0, e) for e in range(12)]
+    assert len(set(keys)) > 3  # crops/flips drawn afresh per epoch
+    assert keys == [ds.latent_key(0, e) for e in range(12)]  # ...but a pure function of (seed, epoch, slot)
+    ds.set_epoch(5)
+    assert torch.equal(ds[0]["pixel_values"][0], ds.pixels(keys[5]))
+
+
+def test_collate_keeps_order_and_groups_class_after_instance():
+    examples = [{"index": i, "pixel_values": torch.full((2, 3, 2, 2), float(i))} for i in (4, 1, 9)]
+    batch = collate(examples)
+    assert batch["indices"] == [4, 1, 9]
+    assert batch["pixel_values"][:, 0, 0, 0].tolist() == [4, 1, 9, 4, 1, 9]
+    assert collate([{"index": 2}]) == {"indices": [2]}
+
+
+# ---------------------------------------------------------------------------------------------------- sampler
+
+
+BUCKET_OF = [0] * 7 + [1] * 5 + [2] * 3  # 15 samples in three buckets
+
+
+def _epoch(sampler, e):
+    sampler.set_epoch(e)
+    return list(sampler)
+
+
+def test_sampler_batches_hold_one_bucket_and_cover_everything_without_drop_last():
+    sampler = BucketBatchSampler(BUCKET_OF, batch_size=2, seed=0, drop_last=False)
+    batches = _epoch(sampler, 0)
+    assert sorted(i for b in batches for i in b) == list(range(15))
+    assert all(len({BUCKET_OF[i] for i in b}) == 1 for b in batches)
+    assert len(batches) == len(sampler) == 4 + 3 + 2
+
+
+def test_sampler_drop_last_and_exact_len_over_epochs():
+    sampler = BucketBatchSampler(BUCKET_OF, batch_size=2, seed=0, drop_last=True)
+    for e in range(5):
+        batches = _epoch(sampler, e)
+        assert len(batches) == len(sampler) == 3 + 2 + 1 and all(len(b) == 2 for b in batches)
+
+
+def test_sampler_reshuffles_every_epoch_deterministically():
+    a = BucketBatchSampler(BUCKET_OF, 2, seed=1)
+    b = BucketBatchSampler(BUCKET_OF, 2, seed=1)
+    epochs = [_epoch(a, e) for e in range(4)]
+    assert all(epochs[i] != epochs[i + 1] for i in range(3))
+    assert [_epoch(b, e) for e in (3, 0, 2, 1)] == [epochs[3], epochs[0], epochs[2], epochs[1]]  # pure in (seed, e)
+    assert _epoch(BucketBatchSampler(BUCKET_OF, 2, seed=2), 0) != epochs[0]
+
+
+def test_sampler_start_skips_batches_for_resume():
+    sampler = BucketBatchSampler(BUCKET_OF, 2, seed=0)
+    full = _epoch(sampler, 3)
+    sampler.set_epoch(3, start=4)
+    assert list(sampler) == full[4:]
+
+
+def test_sampler_ranks_get_disjoint_batches_covering_the_epoch():
+    single = BucketBatchSampler(BUCKET_OF, 2, seed=5, drop_last=False)
+    ranks = [BucketBatchSampler(BUCKET_OF, 2, seed=5, drop_last=False, num_replicas=3, rank=r) for r in range(3)]
+    per_rank = [_epoch(s, 1) for s in ranks]
+    assert all(len(p) == len(ranks[0]) == 3 for p in per_rank)
+    flat = [tuple(b) for p in per_rank for b in p]
+    assert len(flat) == len(set(flat)) and set(flat) == {tuple(b) for b in _epoch(single, 1)}
+
+
+# ---------------------------------------------------------------------------------------------------- cache
+
+
+def test_cache_shares_one_tensor_per_key_and_gathers_in_slot_order():
+    cache = SampleCache(["a", "b", "a", "c", "a"])
+    assert cache.todo(extra=["z", "a"]) == ["a", "b", "c", "z"]
+    for k, v in zip("abc", (1.0, 2.0, 3.0)):
+        cache.put(k, torch.full((1, 2), v))
+    assert cache.todo() == []
+    assert cache.gather([4, 1, 3, 0])[:, 0].tolist() == [1.0, 2.0, 3.0, 1.0]
+    assert len(cache.store) == 3  # five slots, three tensors
+    with pytest.raises(KeyError, match="precompute"):
+        SampleCache(["x"]).gather([0])
+
+
+def test_cache_lives_on_cpu():
+    cache = SampleCache(["a"])
+    cache.put("a", torch.ones(1, 2, requires_grad=True) * 2)
+    assert cache["a"].device.type == "cpu" and not cache["a"].requires_grad
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+
+
+def test_flow_matching_loss_values_with_prior():
+    pred = torch.zeros(3, 2, 1)
+    target = torch.tensor([[[1.0], [1.0]], [[2.0], [0.0]], [[3.0], [3.0]]])
+    weighting = torch.tensor([1.0, 1.0, 2.0])
+    # instance rows 0..1: mean(1, 2) = 1.5 ; class row 2: 2 * 9 = 18, weighted by 0.5
+    assert T.flow_matching_loss(pred, target, weighting, 2, 0.5).item() == pytest.approx(1.5 + 9.0)
+    assert T.flow_matching_loss(pred, target, weighting, 3, 0.5).item() == pytest.approx((1 + 2 + 18) / 3)
+
+
+def test_sample_sigmas_seeded_and_from_the_table():
+    table = torch.linspace(1.0, 0.001, 1000)
+    draw = lambda scheme, s: T.sample_sigmas(table, 64, scheme, 0.0, 1.0, 1.29, torch.Generator().manual_seed(s))  # noqa: E731
+    for scheme in ("none", "logit_normal", "mode"):
+        a = draw(scheme, 0)
+        assert torch.equal(a, draw(scheme, 0)) and not torch.equal(a, draw(scheme, 1))
+        assert all(bool((table == v).any()) for v in a)
+
+
+def test_seed_for_is_stable_and_distinct():
+    assert T.seed_for("a", 1, 2) == T.seed_for("a", 1, 2) != T.seed_for("a", 2, 1)
+    assert 0 <= T.seed_for("x") < 2**63
+
+
+# ---------------------------------------------------------------------------------------------------- state
+
+
+def test_flatten_state_round_trips_an_optimizer_state():
+    param = torch.nn.Parameter(torch.randn(3, 2))
+    opt = torch.optim.AdamW([param], lr=0.1, betas=(0.8, 0.9))
+    param.grad = torch.randn(3, 2)
+    opt.step()
+    tensors = {}
+    skeleton = T.flatten_state(opt.state_dict(), tensors)
+    import json
+
+    restored = T.unflatten_state(json.loads(json.dumps(skeleton)), tensors)
+    other = torch.optim.AdamW([torch.nn.Parameter(param.detach().clone())], lr=0.5)
+    other.load_state_dict(restored)
+    assert other.param_groups[0]["lr"] == 0.1 and list(other.param_groups[0]["betas"]) == [0.8, 0.9]
+    assert torch.equal(other.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(TypeError):
+        T.flatten_state({"x": object()}, {})
+
+
+# ---------------------------------------------------------------------------------------------------- flags
+
+
+def _args(*extra):
+    return T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", *extra])
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "exactly one of --instance_data_dir"),
+    (["--instance_data_dir", "d", "--resolution", "40"], "--resolution must be a multiple of 16"),
+    (["--instance_data_dir", "d", "--with_prior_preservation", "--class_data_dir", "c"], "--class_prompt"),
+    (["--instance_data_dir", "d", "--with_prior_preservation", "--class_prompt", "c"], "--class_data_dir"),
+    (["--instance_data_dir", "d", "--resume_from_checkpoint", "/nonexistent/ckpt"], "no such checkpoint"),
+    (["--instance_data_dir", "d", "--aspect_ratio_buckets", "32,33"], "multiples of 16"),
+    (["--instance_data_dir", "d", "--train_batch_size", "0"], "--train_batch_size"),
+])
+def test_validate_args_names_the_flag(extra, message):
+    with pytest.raises(UsageError, match=message):
+        T.validate_args(_args(*extra))
+
+
+def test_tracker_config_never_holds_the_hub_token():
+    config = T.tracker_config(_args("--instance_data_dir", "d", "--hub_token", "hf_secret"))
+    assert "hf_secret" not in str(config) and config["text_encoder_out_layers"] == "[10, 20, 30]"

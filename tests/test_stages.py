@@ -1,0 +1,143 @@
+"""Stages of the script on the tiny FLUX.2 model, in-process: prompt encoding, cache alignment, LoRA dtype,
+validation side effects."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import base_args
+from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+def _pipeline(model):
+    from diffusers import Flux2Pipeline
+    from transformers import AutoTokenizer
+
+    pipe = Flux2Pipeline.from_pretrained(model, tokenizer=None)
+    pipe.tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer")
+    return pipe
+
+
+def test_prompt_embeddings_equal_flux2_pipeline_encode_prompt(tiny_model, images, tmp_path, accelerator):
+    prompts = ["a photo of sks dog on a red sofa", "a portrait of sks dog wearing a small blue hat", "a dog"]
+    args = T.parse_args(base_args(tiny_model, images, tmp_path / "out"))
+    tokenizer = T.load_pipeline_tokenizer(args)
+    pipe = _pipeline(tiny_model)
+    ours = T.encode_prompts(pipe.text_encoder, tokenizer, prompts, MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS)
+    theirs, _ = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
+                                   text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
+    assert ours.shape == (3, MAX_SEQUENCE_LENGTH, 32)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    # the captions reach the embedding (a tiny max_sequence_length would truncate them all away)
+    assert (ours[0] - ours[1]).abs().max() > 1e-3 and (ours[0] - ours[2]).abs().max() > 1e-3
+
+
+def test_tokenizer_without_chat_template_is_refused(tiny_model, tmp_path, images):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (broken / "tokenizer" / name).unlink(missing_ok=True)
+    config = broken / "tokenizer" / "tokenizer_config.json"
+    import json
+
+    data = json.loads(config.read_text())
+    data.pop("chat_template", None)
+    config.write_text(json.dumps(data))
+    args = T.parse_args(base_args(broken, images, tmp_path / "out"))
+    with pytest.raises(T.UsageError, match="chat template"):
+        T.load_pipeline_tokenizer(args)
+
+
+def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(tiny_model, tmp_path, accelerator):
+    """Reshuffled buckets, repeats and prior preservation: the cache rows returned for batch["indices"] are the
+    encodings of exactly those samples (latents of their pixels, embeddings of their own caption)."""
+    from PIL import Image
+
+    from tests.tiny_flux2 import make_images
+
+    paths = make_images(str(tmp_path / "images"))
+    class_dir = tmp_path / "class"
+    class_dir.mkdir()
+    for k in range(5):
+        Image.new("RGB", (32, 32), (50 * k, 90, 200 - 30 * k)).save(class_dir / f"c{k}.png")
+    args = T.parse_args(base_args(tiny_model, tmp_path / "images", tmp_path / "out", "--repeats", "2", "--cache_latents",
+                                  "--center_crop", "--aspect_ratio_buckets", "32,48;48,32;32,32", "--train_batch_size", "2",
+                                  "--with_prior_preservation", "--class_prompt", "a photo of a dog",
+                                  "--class_data_dir", class_dir, "--num_class_images", "5"))
+    instances = T.load_instance_images(args)
+    classes = T.load_class_images(args, accelerator, seed=0)
+    dataset, sampler, _ = T.build_data(args, instances, classes, 0, accelerator)
+    prompts = T.precompute_prompts(args, accelerator, dataset, torch.float32)
+    vae, mean, std = T.load_vae(args, accelerator, torch.float32)
+    latents = T.precompute_latents(dataset, vae, mean, std, 2, accelerator)
+    # 12 instance slots (6 images x 2 repeats, center crop) share 6 latents; class slots share per (image, bucket)
+    assert len([k for k in latents.store if k[0] == "instance"]) == 6 and len(latents.store) < dataset.num_slots == 24
+
+    pipe = _pipeline(tiny_model)
+    fresh_dataset = T.DreamBoothDataset(instances, args.instance_prompt, dataset.buckets, repeats=2, classes=classes,
+                                        class_prompt=args.class_prompt, seed=0, center_crop=True, with_pixels=True)
+    captions = {Path(p).name: (Path(p).with_suffix(".txt").read_text().strip() if Path(p).with_suffix(".txt").exists()
+                               else args.instance_prompt) for p in paths}
+    seen = set()
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        fresh_dataset.set_epoch(epoch)
+        for indices in sampler:
+            seen.update(indices)
+            slots = dataset.slots(indices)
+            batch = T.collate([fresh_dataset[i] for i in indices])
+            with torch.no_grad():
+                expected_latents = T.encode_images(vae, batch["pixel_values"], mean, std)
+            torch.testing.assert_close(latents.gather(slots), expected_latents, rtol=1e-5, atol=1e-5)
+            texts = [captions[instances[i % len(instances)].name] for i in indices] + [args.class_prompt] * len(indices)
+            with torch.no_grad():
+                expected_embeds, _ = pipe.encode_prompt(texts, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
+                                                        text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
+            torch.testing.assert_close(prompts.gather(slots), expected_embeds, rtol=1e-5, atol=1e-5)
+    assert seen == set(range(len(dataset)))  # reshuffles reached every sample
+
+
+def test_lora_parameters_stay_float32_on_a_bf16_transformer(tiny_model):
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer", torch_dtype=torch.bfloat16)
+    transformer.requires_grad_(False)
+    T.add_lora(transformer, LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"], init_lora_weights="gaussian"))
+    trainable = [p for p in transformer.parameters() if p.requires_grad]
+    frozen = [p for p in transformer.parameters() if not p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    assert all(p.dtype == torch.bfloat16 for p in frozen)
+
+
+def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp_path, accelerator):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--num_validation_images", "2",
+                                  "--validation_prompt", "a sks dog"))
+    transformer = accelerator.prepare(T.load_transformer_with_lora(args, accelerator, torch.float32))
+    transformer.train()
+    vae, mean, std = T.load_vae(args, accelerator, torch.float32)
+    prompts = T.SampleCache([])
+    prompts.put("a sks dog", torch.randn(1, MAX_SEQUENCE_LENGTH, 32))
+    before = {n: (p.device, p.dtype, p.requires_grad, p.detach().clone()) for n, p in transformer.named_parameters()}
+    run = dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"),
+               caches={"prompts": prompts}, seed=0, weight_dtype=torch.float32)
+    paths = T.run_validation(args, accelerator, run, "a sks dog", "step-3", 3)
+    assert [p.name for p in paths] == ["step-3-0.png", "step-3-1.png"] and all(p.stat().st_size > 0 for p in paths)
+    assert transformer.training
+    for name, param in transformer.named_parameters():
+        device, dtype, grad, value = before[name]
+        assert (param.device, param.dtype, param.requires_grad) == (device, dtype, grad) and torch.equal(param, value)
+    assert not any(hasattr(m, "_hf_hook") for m in transformer.modules())
