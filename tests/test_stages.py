@@ -141,3 +141,77 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
         device, dtype, grad, value = before[name]
         assert (param.device, param.dtype, param.requires_grad) == (device, dtype, grad) and torch.equal(param, value)
     assert not any(hasattr(m, "_hf_hook") for m in transformer.modules())
+
+
+@pytest.mark.parametrize("weighting_scheme, num_instance", [("none", 2), ("cosmap", 1), ("logit_normal", 2)])
+def test_training_loss_matches_the_flux2_recipe_step_by_step(tiny_model, weighting_scheme, num_instance):
+    """Our step (loss on packed tokens, sigma looked up by index) equals the diffusers example's recipe (sigma
+    looked up by timestep, prediction unpacked with its position ids) for the same noise and timestep draws."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+    transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler")
+    latents = torch.randn(2, 4, 6, 8, generator=torch.Generator().manual_seed(1))
+    embeds = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    cfg = T.StepConfig(weighting_scheme, 0.0, 1.0, 1.29, 3.5, prior_loss_weight=0.7)
+    with torch.no_grad():
+        ours = T.flow_matching_step(transformer, latents, embeds, num_instance, scheduler.sigmas.float(), cfg,
+                                    torch.Generator().manual_seed(3))
+
+        g = torch.Generator().manual_seed(3)
+        noise = torch.randn(latents.shape, generator=g)
+        u = compute_density_for_timestep_sampling(weighting_scheme, 2, 0.0, 1.0, 1.29, generator=g)
+        timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
+        sigmas = scheduler.sigmas[[(scheduler.timesteps == t).nonzero().item() for t in timesteps]].view(-1, 1, 1, 1)
+        noisy = (1 - sigmas) * latents + sigmas * noise
+        ids = Flux2Pipeline._prepare_latent_ids(latents)
+        pred = transformer(hidden_states=Flux2Pipeline._pack_latents(noisy), timestep=timesteps / 1000,
+                           guidance=torch.full((2,), 3.5), encoder_hidden_states=embeds,
+                           txt_ids=Flux2Pipeline._prepare_text_ids(embeds), img_ids=ids, return_dict=False)[0]
+        pred = Flux2Pipeline._unpack_latents_with_ids(pred, ids)
+        weighting = compute_loss_weighting_for_sd3(weighting_scheme, sigmas)
+        per_sample = (weighting * (pred - (noise - latents)) ** 2).flatten(1).mean(1)
+        expected = per_sample[:num_instance].mean()
+        if num_instance < 2:
+            expected = expected + 0.7 * per_sample[num_instance:].mean()
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_text_encoder_is_released_after_prompt_precompute(tiny_model, images, tmp_path, accelerator, monkeypatch):
+    import gc
+    import weakref
+
+    from transformers import Mistral3ForConditionalGeneration
+
+    loaded = []
+    original = Mistral3ForConditionalGeneration.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        model = original(cls, *args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(Mistral3ForConditionalGeneration, "from_pretrained", classmethod(spy))
+    args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--validation_prompt", "a dog"))
+    dataset, _, _ = T.build_data(args, T.load_instance_images(args), [], 0, accelerator)
+    cache = T.precompute_prompts(args, accelerator, dataset, torch.float32)
+    gc.collect()
+    assert len(loaded) == 1 and loaded[0]() is None
+    assert cache["a dog"].device.type == "cpu" and len(cache.store) == 6 + 1  # 5 captions, instance prompt, validation
+
+
+def test_seed_is_drawn_when_absent_and_taken_from_the_checkpoint_on_resume(tmp_path, accelerator, caplog):
+    import json
+    import logging
+
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d"])
+    with caplog.at_level(logging.INFO):
+        drawn = T.agree_seed(args, None, accelerator)
+    assert 0 <= drawn < 2**31 and f"--seed {drawn}" in caplog.text
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    (checkpoint / T.TRAINER_STATE_NAME).write_text(json.dumps({"global_step": 4, "seed": 1234}))
+    assert T.agree_seed(args, checkpoint, accelerator) == 1234
+    args.seed = 9
+    assert T.agree_seed(args, checkpoint, accelerator) == 9
