@@ -36,6 +36,7 @@ import random
 import re
 import secrets
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import ProjectConfiguration, broadcast_object_list
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from PIL import Image, ImageOps
 from tqdm.auto import tqdm
 
@@ -748,6 +749,21 @@ def validation_prompts(args):
     return [p for p in dict.fromkeys([args.validation_prompt, args.final_validation_prompt]) if p]
 
 
+def share_entries(cache, keys, accelerator, per_round=16):
+    """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]).
+
+    Sent a few entries per round so no process ever pickles the whole cache into one buffer."""
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import gather_object
+
+    shares = [keys[r::accelerator.num_processes] for r in range(accelerator.num_processes)]
+    mine = shares[accelerator.process_index]
+    for start in range(0, max(map(len, shares)), per_round):
+        for key, value in gather_object([(k, cache[k]) for k in mine[start:start + per_round]]):
+            cache.put(key, value)
+
+
 @torch.no_grad()
 def precompute_prompts(args, accelerator, dataset, weight_dtype):
     """Encode every unique prompt once (training slots and validation), then free the text encoder."""
@@ -756,13 +772,14 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype):
 
     cache = SampleCache(dataset.prompt_keys())
     todo = cache.todo(extra=validation_prompts(args))
+    mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
     tokenizer = load_pipeline_tokenizer(args)
     text_encoder = Mistral3ForConditionalGeneration.from_pretrained(
         args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
         torch_dtype=weight_dtype, cache_dir=args.cache_dir).to(accelerator.device).eval()
-    bar = tqdm(total=len(todo), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
-    for i in range(0, len(todo), args.train_batch_size):
-        texts = todo[i:i + args.train_batch_size]
+    bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
+    for i in range(0, len(mine), args.train_batch_size):
+        texts = mine[i:i + args.train_batch_size]
         embeds = encode_prompts(text_encoder, tokenizer, texts, args.max_sequence_length, args.text_encoder_out_layers)
         for text, embed in zip(texts, embeds):
             cache.put(text, embed[None])  # [1, L, D]
@@ -770,6 +787,8 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype):
     bar.close()
     del text_encoder, tokenizer
     free_memory()
+    logger.info(f"encoded {len(mine)} of {len(todo)} unique prompts", main_process_only=False)
+    share_entries(cache, todo, accelerator)
     return cache
 
 
@@ -790,10 +809,11 @@ def precompute_latents(dataset, vae, latent_mean, latent_std, batch_size, accele
     """Encode every unique (image, bucket, crop, flip) of the crops drawn at cache time (epoch 0)."""
     cache = SampleCache(dataset.latent_keys(epoch=0))
     todo = cache.todo()
+    mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
     by_shape = {}
-    for key in todo:
+    for key in mine:
         by_shape.setdefault(key[2], []).append(key)  # key[2] is the bucket: one shape per VAE batch
-    bar = tqdm(total=len(todo), desc="Encoding images", unit="image", disable=not accelerator.is_local_main_process)
+    bar = tqdm(total=len(mine), desc="Encoding images", unit="image", disable=not accelerator.is_local_main_process)
     for keys in by_shape.values():
         for i in range(0, len(keys), batch_size):
             chunk = keys[i:i + batch_size]
@@ -802,6 +822,8 @@ def precompute_latents(dataset, vae, latent_mean, latent_std, batch_size, accele
                 cache.put(key, latent[None])  # [1, 4C, h, w]
             bar.update(len(chunk))
     bar.close()
+    logger.info(f"encoded {len(mine)} of {len(todo)} unique images", main_process_only=False)
+    share_entries(cache, todo, accelerator)
     return cache
 
 
@@ -1024,6 +1046,30 @@ def batch_inputs(batch, dataset, caches, vae, latent_stats, device, dtype):
     return latents, embeds
 
 
+class StopRequest:
+    """SIGTERM/SIGINT (preemption, Ctrl-C) ask the loop to stop after the optimizer step in flight; a second
+    signal stops at once."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving a checkpoint "
+              "(signal again to stop at once)", file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator):
+        """The signal number if any process was signalled, else 0. A collective, so every process stops together."""
+        if accelerator.num_processes == 1:
+            return self.signum
+        flag = torch.tensor([self.signum], device=accelerator.device)
+        return int(accelerator.reduce(flag, reduction="max").item())
+
+
 def train(args, accelerator, run, global_step):
     """The loop: a flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of
     epoch m // len(sampler), so a resumed run skips exactly the batches already trained."""
@@ -1038,7 +1084,8 @@ def train(args, accelerator, run, global_step):
     # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
     sample_log_path = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
     sample_log_path.parent.mkdir(parents=True, exist_ok=True)
-    sample_log = sample_log_path.open("a")
+    sample_log = sample_log_path.open("a", buffering=1)  # line-buffered: readable while training runs
+    stop = StopRequest()
     tic = time.perf_counter()
     while global_step < args.max_train_steps:
         epoch, position = divmod(micro, batches_per_epoch)
@@ -1074,8 +1121,15 @@ def train(args, accelerator, run, global_step):
             bar.update(1)
             bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
             accelerator.log(logs, step=global_step)
-            if global_step % args.checkpointing_steps == 0:
+            signum = stop.agreed(accelerator)
+            if global_step % args.checkpointing_steps == 0 or signum:
                 save_checkpoint(args, accelerator, run, global_step)
+            if signum:
+                sample_log.close()
+                logger.info(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue with the same "
+                            f"command plus --resume_from_checkpoint latest (or {Path(args.output_dir, f'checkpoint-{global_step}')})")
+                accelerator.end_training()
+                sys.exit(128 + signum)
             if global_step >= args.max_train_steps:
                 break
         epoch_done = micro == (epoch + 1) * batches_per_epoch
@@ -1141,10 +1195,13 @@ def push_to_hub(args):
 
 def finish(args, accelerator, run):
     """Save the LoRA and model card, then the final validation images (main process only)."""
+    transformer = accelerator.unwrap_model(run["transformer"])
+    # processes must agree bit for bit; the fingerprint makes that checkable from the logs
+    fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(lora_state_dict(transformer).items())))
+    logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
-    transformer = accelerator.unwrap_model(run["transformer"])
     save_lora(transformer, args.output_dir, torch.float32 if args.upcast_before_saving else run["weight_dtype"])
     logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}")
     prompt = args.validation_prompt or args.final_validation_prompt
@@ -1174,6 +1231,7 @@ def main(argv=None):
     instances = load_instance_images(args)
     checkpoint = find_resume_checkpoint(args)
     seed = agree_seed(args, checkpoint, accelerator)
+    set_seed(seed)  # LoRA init and dropout draw from the global generators
     if args.with_prior_preservation:  # fail fast on the batch size, before class images are generated
         build_data(args, instances, [None] * args.num_class_images, seed, accelerator)
     classes = load_class_images(args, accelerator, seed)

@@ -41,9 +41,15 @@ def base_args(model, images, output_dir, *extra):
 
 
 def launch(args, num_processes=1, env=None, check=True, timeout=600):
-    """Run the script under `accelerate launch` on the CPU; returns the CompletedProcess."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]
+    """Run the script under `accelerate launch` on the CPU (torchrun + gloo for several processes, which is what
+    accelerate uses under the hood on GPUs); returns the CompletedProcess."""
+    if num_processes == 1:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
+               "--master_port", str(29500 + os.getpid() % 1000)]
+        env = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     cmd += [str(SCRIPT), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -1,10 +1,13 @@
 """The real script under `accelerate launch` on the tiny FLUX.2 model; every test asserts on what it wrote."""
 
 import json
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +189,51 @@ def test_bad_input_exits_2_with_one_message_before_loading_models(extra, message
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _without_seed(args):
+    i = args.index("--seed")
+    return args[:i] + args[i + 2:]
+
+
+def test_two_processes_share_the_work_and_agree(tiny_model, images, tmp_path):
+    """No --seed: the drawn seed is agreed, each epoch the ranks train disjoint batches covering every batch,
+    each rank encodes half the unique inputs, and both end with the same LoRA."""
+    out = tmp_path / "out"
+    proc = launch(_without_seed(base_args(tiny_model, images, out, "--num_train_epochs", "3", "--cache_latents",
+                                          "--checkpointing_steps", "2")), num_processes=2)
+    logs = [[json.loads(line) for line in (out / "logs" / f"samples-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    for epoch in range(3):
+        per_rank = [[i for row in log if row["epoch"] == epoch for i in row["indices"]] for log in logs]
+        assert len(per_rank[0]) == len(per_rank[1]) == 3
+        assert sorted(per_rank[0] + per_rank[1]) == list(range(6))
+    assert [r["indices"] for r in logs[0]] != [r["indices"] for r in logs[1]]
+    for rank in (0, 1):
+        assert f"[RANK {rank}] encoded 3 of 6 unique prompts" in proc.stderr
+        assert f"[RANK {rank}] encoded 3 of 6 unique images" in proc.stderr
+    fingerprints = set(re.findall(r"\[RANK \d\] LoRA fingerprint (\w+)", proc.stderr))
+    assert len(re.findall(r"LoRA fingerprint", proc.stderr)) == 2 and len(fingerprints) == 1
+    assert sorted(p.name for p in (out / "checkpoint-6").glob("rng-*.json")) == ["rng-0.json", "rng-1.json"]
+    assert_lora_works(tiny_model, out)
+
+
+def test_sigterm_checkpoints_and_resumes_to_the_straight_result(tiny_model, images, tmp_path):
+    common = ["--max_train_steps", "150", "--checkpointing_steps", "1000", "--lora_dropout", "0.1"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *base_args(tiny_model, images, stopped, *common)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = stopped / "logs" / "samples-0.jsonl"
+    deadline = time.time() + 300
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    checkpoints = list(stopped.glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and "--resume_from_checkpoint latest" in stderr and "Traceback" not in stderr
+    assert 3 <= int(checkpoints[0].name.split("-")[1]) < 150 and not (stopped / LORA).exists()
+    launch(base_args(tiny_model, images, stopped, *common, "--resume_from_checkpoint", "latest"))
+    launch(base_args(tiny_model, images, straight, *common))
+    a, b = load_file(str(straight / LORA)), load_file(str(stopped / LORA))
+    assert all(torch.equal(a[k], b[k]) for k in a)
