@@ -28,6 +28,7 @@ What is cached and what stays random:
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -111,7 +112,9 @@ def parse_args(argv=None):
     g.add_argument("--dataloader_num_workers", type=int, default=0, help="DataLoader worker processes (0: main process).")
 
     g = p.add_argument_group("caching")
-    g.add_argument("--cache_latents", action="store_true", help="Encode every unique (image, crop, flip) once before training; frees the VAE unless validation needs it.")
+    g.add_argument("--cache_latents", action="store_true", help="Encode every unique (image, crop) once before training, both orientations with --random_flip; frees the VAE unless validation needs it.")
+    g.add_argument("--precompute_cache_dir", default=None, help="Persistent content-addressed cache of prompt embeddings (and latents with --cache_latents); reruns encode only what changed.")
+    g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode", help="Train on the VAE posterior mean, or draw from the posterior at every use (cached: mean and std).")
 
     g = p.add_argument_group("LoRA")
     g.add_argument("--rank", type=int, default=4, help="LoRA rank.")
@@ -240,17 +243,14 @@ def nearest_bucket(height, width, buckets):
     return min(range(len(buckets)), key=lambda i: abs(math.log(buckets[i][0] / buckets[i][1]) - target))
 
 
-def draw_transform(image_size, bucket, center_crop, random_flip, rng):
-    """Resize to cover the bucket (aspect kept), then crop it. Returns (resized_hw, top, left, flip)."""
+def draw_crop(image_size, bucket, center_crop, rng):
+    """Resize to cover the bucket (aspect kept), then crop it. Returns (resized_hw, top, left)."""
     (w, h), (bh, bw) = image_size, bucket
     scale = max(bh / h, bw / w)
     rh, rw = max(bh, round(h * scale)), max(bw, round(w * scale))
     if center_crop:
-        top, left = (rh - bh) // 2, (rw - bw) // 2
-    else:
-        top, left = rng.randint(0, rh - bh), rng.randint(0, rw - bw)
-    flip = random_flip and rng.random() < 0.5
-    return (rh, rw), top, left, flip
+        return (rh, rw), (rh - bh) // 2, (rw - bw) // 2
+    return (rh, rw), rng.randint(0, rh - bh), rng.randint(0, rw - bw)
 
 
 def image_to_tensor(image, transform, bucket):
@@ -276,6 +276,12 @@ class ImageRecord:
     caption: str | None = None
     path: str | None = None
     image: object = None
+
+    def content_hash(self):
+        """SHA-256 of the file's bytes (a renamed copy hashes the same), or of a dataset row's pixels."""
+        if self.path is not None:
+            return file_digest(self.path)
+        return hashlib.sha256(f"{self.image.mode}{self.image.size}".encode() + self.image.tobytes()).hexdigest()
 
     def load(self):
         image = Image.open(self.path) if self.path is not None else self.image
@@ -343,13 +349,14 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), class_prompt=None, seed=0,
-                 center_crop=False, random_flip=False, with_pixels=True):
+                 center_crop=False, random_flip=False, with_pixels=True, fixed_crops=False):
         if not instances:
             raise UsageError("no instance images found")
         self.instances, self.classes = list(instances), list(classes)
         self.instance_prompt, self.class_prompt = instance_prompt, class_prompt
         self.buckets, self.seed = list(buckets), seed
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
+        self.fixed_crops = fixed_crops  # latent caching: crops drawn once (epoch 0); flips stay live
         self.num_samples = max(len(self.instances) * repeats, len(self.classes))
         self.image_buckets = [nearest_bucket(r.size[1], r.size[0], self.buckets) for r in self.instances]
         self.epoch = 0
@@ -380,26 +387,38 @@ class DreamBoothDataset(torch.utils.data.Dataset):
             return "instance", i % len(self.instances), bucket
         return "class", i % len(self.classes), bucket
 
+    def record(self, kind, image_id):
+        return (self.instances if kind == "instance" else self.classes)[image_id]
+
     def latent_key(self, slot, epoch):
-        """What the VAE sees for a slot in an epoch: (kind, image id, bucket, resized size, top, left, flip)."""
+        """What the VAE sees for a slot in an epoch: (kind, image id, bucket, resized size, top, left, flip).
+        A pure function of (seed, epoch, slot); with fixed_crops the crop is epoch 0's."""
         kind, image_id, bucket = self._source(slot)
-        record = (self.instances if kind == "instance" else self.classes)[image_id]
-        rng = random.Random(seed_for("augment", self.seed, epoch, slot))
-        return (kind, image_id, bucket) + draw_transform(record.size, bucket, self.center_crop, self.random_flip, rng)
+        crop_rng = random.Random(seed_for("crop", self.seed, 0 if self.fixed_crops else epoch, slot))
+        crop = draw_crop(self.record(kind, image_id).size, bucket, self.center_crop, crop_rng)
+        flip = self.random_flip and random.Random(seed_for("flip", self.seed, epoch, slot)).random() < 0.5
+        return (kind, image_id, bucket, *crop, flip)
 
-    def latent_keys(self, epoch):
-        return [self.latent_key(s, epoch) for s in range(self.num_slots)]
+    def cached_latent_keys(self):
+        """Every latent key training can ask for under fixed crops: epoch 0's, in both orientations if flipping."""
+        keys = [self.latent_key(s, 0) for s in range(self.num_slots)]
+        return keys + [k[:-1] + (not k[-1],) for k in keys] if self.random_flip else keys
 
-    def prompt_keys(self):
-        """The text of every slot: caption or instance prompt, then the class prompt for class slots."""
-        texts = [self.instances[i % len(self.instances)].caption or self.instance_prompt for i in range(self.num_samples)]
-        return texts + [self.class_prompt] * self.num_samples if self.classes else texts
+    def prompt_key(self, slot):
+        """The text of a slot: its image's caption or the instance prompt; the class prompt for class slots."""
+        if slot >= self.num_samples:
+            return self.class_prompt
+        return self.instances[slot % len(self.instances)].caption or self.instance_prompt
 
     def pixels(self, key):
         """Decode and transform the image a latent key names -> [3, H, W] in [-1, 1]."""
         kind, image_id, bucket, *transform = key
-        record = (self.instances if kind == "instance" else self.classes)[image_id]
-        return image_to_tensor(record.load(), transform, bucket)
+        return image_to_tensor(self.record(kind, image_id).load(), transform, bucket)
+
+    def content_key(self, key):
+        """A latent key with the image id replaced by a hash of the image's bytes: stable across renames."""
+        kind, image_id, *rest = key
+        return [self.record(kind, image_id).content_hash(), *rest]
 
     def __getitem__(self, index):
         item = {"index": index}
@@ -463,18 +482,18 @@ class BucketBatchSampler(torch.utils.data.Sampler):
 
 
 class SampleCache:
-    """Tensors looked up by slot, stored once per content key (repeats and shared captions share one tensor).
-
-    Lives on the CPU: GPU memory does not grow with the dataset; the loop moves each batch's entries over.
+    """Tensors stored once per content key (a caption; an image with its bucket, crop and flip), so repeats
+    and shared captions share one entry. The dataset turns a batch's slots into keys; the cache turns keys
+    into one batch tensor. `store` is a dict in memory or a DiskStore; either way never on the GPU: GPU
+    memory does not grow with the dataset, the loop moves each batch's rows over.
     """
 
-    def __init__(self, keys):
-        self.keys = list(keys)
-        self.store = {}
+    def __init__(self, store=None):
+        self.store = {} if store is None else store
 
-    def todo(self, extra=()):
-        """Keys without a value yet, unique, in first-seen order (slot keys first, then `extra`)."""
-        return [k for k in dict.fromkeys([*self.keys, *extra]) if k not in self.store]
+    def todo(self, keys):
+        """Keys without a value yet, unique, in first-seen order."""
+        return [k for k in dict.fromkeys(keys) if k not in self.store]
 
     def put(self, key, value):
         self.store[key] = value.detach().to("cpu")
@@ -482,12 +501,86 @@ class SampleCache:
     def __getitem__(self, key):
         return self.store[key]
 
-    def gather(self, slots):
-        """-> one tensor, the entries of `slots` concatenated along dim 0."""
-        missing = [s for s in slots if self.keys[s] not in self.store]
+    def gather(self, keys):
+        """-> one tensor, the entries of `keys` concatenated along dim 0."""
+        missing = [k for k in keys if k not in self.store]
         if missing:
-            raise KeyError(f"cache has no entry for slots {missing[:5]}: precompute did not cover them")
-        return torch.cat([self.store[self.keys[s]] for s in slots])
+            raise KeyError(f"cache has no entry for {missing[:3]}: precompute did not cover them")
+        return torch.cat([self.store[k] for k in keys])
+
+
+class DiskStore:
+    """A persistent, content-addressed mapping: key -> <folder>/<digest[:2]>/<digest>.safetensors.
+
+    `digest(key)` hashes everything that determines the value (content, transform, model identity, settings),
+    so renamed inputs hit and edited ones miss. Writes are atomic (unique temporary file, then rename), so a
+    killed run or two runs sharing the folder leave only complete entries. Each entry carries the SHA-256 of
+    its tensor bytes, checked the first time a run looks at it; a bad entry is reported, deleted and
+    recomputed. Values are read from disk on every lookup, so host memory does not grow with the cache.
+    Nothing is unpickled: safetensors only.
+    """
+
+    def __init__(self, folder, digest):
+        self.folder, self.digest, self.checked = Path(folder), digest, set()
+
+    def path(self, key):
+        name = self.digest(key)
+        return self.folder / name[:2] / f"{name}.safetensors"
+
+    def __contains__(self, key):
+        path = self.path(key)
+        if path in self.checked:
+            return True
+        if not path.is_file():
+            return False
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                value, expected = f.get_tensor("value"), f.metadata()["sha256"]
+            if tensor_digest(value) != expected:
+                raise ValueError("checksum mismatch")
+        except Exception as e:  # noqa: BLE001 - truncated, corrupt or foreign: all mean "recompute"
+            logger.warning(f"cache entry {path} is damaged ({e}); recomputing it", main_process_only=False)
+            path.unlink(missing_ok=True)
+            return False
+        self.checked.add(path)
+        return True
+
+    def __getitem__(self, key):
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path(key)))["value"]
+
+    def __setitem__(self, key, value):
+        from safetensors.torch import save_file
+
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            save_file({"value": value.contiguous()}, str(tmp), metadata={"sha256": tensor_digest(value)})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.checked.add(path)
+
+    def __len__(self):
+        return len(self.checked)
+
+
+def tensor_digest(tensor):
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def draw_latents(params, generator):
+    """Cached posterior -> training latents. params: [B, C, h, w] (mode: the mean, used as is) or
+    [B, 2, C, h, w] (sample: mean and std, drawn z = mean + std * eps from `generator`)."""
+    if params.ndim == 4:
+        return params
+    mean, std = params.unbind(1)
+    eps = torch.randn(mean.shape, generator=generator, device=generator.device).to(mean)
+    return mean + std * eps
 
 
 def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight):
@@ -531,13 +624,18 @@ class StepConfig:
     prior_loss_weight: float
 
 
-def encode_images(vae, pixels, latent_mean, latent_std):
-    """[B, 3, H, W] in [-1, 1] -> normalised, patchified latents [B, 4 * C, H / 16, W / 16] (posterior mode)."""
+def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
+    """[B, 3, H, W] in [-1, 1] -> the VAE posterior, patchified and normalised as FLUX.2 trains on it:
+    mode: its mean [B, 4C, H/16, W/16]; sample: mean and std [B, 2, 4C, H/16, W/16] for draw_latents."""
     from diffusers import Flux2Pipeline
 
-    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()  # [B, C, H/8, W/8]
-    latents = Flux2Pipeline._patchify_latents(latents)  # 2x2 patches into channels
-    return (latents - latent_mean.to(latents)) / latent_std.to(latents)
+    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist  # diagonal Gaussian, [B, C, H/8, W/8]
+    mean = Flux2Pipeline._patchify_latents(posterior.mean)  # 2x2 patches into channels
+    mean = (mean - latent_mean.to(mean)) / latent_std.to(mean)
+    if sampling == "mode":
+        return mean
+    std = Flux2Pipeline._patchify_latents(posterior.std) / latent_std.to(mean)
+    return torch.stack([mean, std], dim=1)
 
 
 def encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
@@ -722,7 +820,8 @@ def build_data(args, instances, classes, seed, accelerator):
     buckets = resolve_buckets(args)
     dataset = DreamBoothDataset(instances, args.instance_prompt, buckets, repeats=args.repeats, classes=classes,
                                 class_prompt=args.class_prompt, seed=seed, center_crop=args.center_crop,
-                                random_flip=args.random_flip, with_pixels=not args.cache_latents)
+                                random_flip=args.random_flip, with_pixels=not args.cache_latents,
+                                fixed_crops=args.cache_latents)
     sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
     if len(sampler) == 0:
@@ -752,8 +851,12 @@ def validation_prompts(args):
 def share_entries(cache, keys, accelerator, per_round=16):
     """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]).
 
-    Sent a few entries per round so no process ever pickles the whole cache into one buffer."""
+    A disk store is shared already once everyone has written; in memory, a few entries are sent per round so
+    no process ever pickles the whole cache into one buffer."""
     if accelerator.num_processes == 1:
+        return
+    accelerator.wait_for_everyone()
+    if isinstance(cache.store, DiskStore):
         return
     from accelerate.utils import gather_object
 
@@ -764,30 +867,97 @@ def share_entries(cache, keys, accelerator, per_round=16):
             cache.put(key, value)
 
 
+def component_folder(args, subfolder):
+    """Local folder of a checkpoint component; for a Hub id, the snapshot loading would use (downloaded if absent)."""
+    root = Path(args.pretrained_model_name_or_path)
+    if root.is_dir():
+        return root / subfolder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(args.pretrained_model_name_or_path, revision=args.revision, cache_dir=args.cache_dir,
+                                  allow_patterns=[f"{subfolder}/*"])) / subfolder
+
+
+@functools.lru_cache(maxsize=None)
+def fingerprint_folder(folder, sample=1 << 20):
+    """Identity of a model component without loading it: every file's name and size, small files whole, the
+    first and last MiB of larger ones (other or retrained weights differ there). Milliseconds, even for 48 GB."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(folder)}:{size};".encode())
+        with path.open("rb") as f:
+            if size <= 2 * sample:
+                digest.update(f.read())
+            else:
+                digest.update(f.read(sample))
+                f.seek(-sample, os.SEEK_END)
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def file_digest(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def json_digest(*parts):
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def prompt_store(args, weight_dtype):
+    """Where prompt embeddings live: memory, or --precompute_cache_dir keyed by everything that shapes them."""
+    if not args.precompute_cache_dir:
+        return {}
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    identity = [fingerprint_folder(component_folder(args, "text_encoder")), fingerprint_folder(component_folder(args, "tokenizer")),
+                args.max_sequence_length, list(args.text_encoder_out_layers), SYSTEM_MESSAGE, str(weight_dtype)]
+    return DiskStore(Path(args.precompute_cache_dir, "prompts"), lambda text: json_digest("prompt", identity, text))
+
+
+def latent_store(args, dataset, weight_dtype):
+    """Where latents live: memory, or --precompute_cache_dir keyed by image bytes, transform and VAE identity."""
+    if not args.precompute_cache_dir:
+        return {}
+    identity = [fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling]
+    return DiskStore(Path(args.precompute_cache_dir, "latents"),
+                     lambda key: json_digest("latent", identity, dataset.content_key(key)))
+
+
 @torch.no_grad()
 def precompute_prompts(args, accelerator, dataset, weight_dtype):
-    """Encode every unique prompt once (training slots and validation), then free the text encoder."""
-    from transformers import Mistral3ForConditionalGeneration
-    from diffusers.training_utils import free_memory
-
-    cache = SampleCache(dataset.prompt_keys())
-    todo = cache.todo(extra=validation_prompts(args))
+    """Encode every prompt not cached yet, once (training slots and validation); the text encoder is loaded
+    only if something is missing, and freed afterwards."""
+    cache = SampleCache(prompt_store(args, weight_dtype))
+    keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
+    todo = cache.todo(keys)
+    accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
     mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
-    tokenizer = load_pipeline_tokenizer(args)
-    text_encoder = Mistral3ForConditionalGeneration.from_pretrained(
-        args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
-        torch_dtype=weight_dtype, cache_dir=args.cache_dir).to(accelerator.device).eval()
-    bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
-    for i in range(0, len(mine), args.train_batch_size):
-        texts = mine[i:i + args.train_batch_size]
-        embeds = encode_prompts(text_encoder, tokenizer, texts, args.max_sequence_length, args.text_encoder_out_layers)
-        for text, embed in zip(texts, embeds):
-            cache.put(text, embed[None])  # [1, L, D]
-        bar.update(len(texts))
-    bar.close()
-    del text_encoder, tokenizer
-    free_memory()
-    logger.info(f"encoded {len(mine)} of {len(todo)} unique prompts", main_process_only=False)
+    if mine:
+        from transformers import Mistral3ForConditionalGeneration
+        from diffusers.training_utils import free_memory
+
+        logger.info("loading the text encoder", main_process_only=False)
+        tokenizer = load_pipeline_tokenizer(args)
+        text_encoder = Mistral3ForConditionalGeneration.from_pretrained(
+            args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
+            torch_dtype=weight_dtype, cache_dir=args.cache_dir).to(accelerator.device).eval()
+        bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
+        for i in range(0, len(mine), args.train_batch_size):
+            texts = mine[i:i + args.train_batch_size]
+            embeds = encode_prompts(text_encoder, tokenizer, texts, args.max_sequence_length, args.text_encoder_out_layers)
+            for text, embed in zip(texts, embeds):
+                cache.put(text, embed[None])  # [1, L, D]
+            bar.update(len(texts))
+        bar.close()
+        del text_encoder, tokenizer
+        free_memory()
+    logger.info(f"encoded {len(mine)} of {len(todo)} missing prompts ({len(set(keys))} unique)", main_process_only=False)
     share_entries(cache, todo, accelerator)
     return cache
 
@@ -795,6 +965,7 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype):
 def load_vae(args, accelerator, weight_dtype):
     from diffusers import AutoencoderKLFlux2
 
+    logger.info("loading the VAE", main_process_only=False)
     vae = AutoencoderKLFlux2.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae", revision=args.revision,
                                              variant=args.variant, cache_dir=args.cache_dir, torch_dtype=weight_dtype)
     vae.requires_grad_(False).eval()
@@ -805,26 +976,39 @@ def load_vae(args, accelerator, weight_dtype):
 
 
 @torch.no_grad()
-def precompute_latents(dataset, vae, latent_mean, latent_std, batch_size, accelerator):
-    """Encode every unique (image, bucket, crop, flip) of the crops drawn at cache time (epoch 0)."""
-    cache = SampleCache(dataset.latent_keys(epoch=0))
-    todo = cache.todo()
-    mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
+def prepare_latents(args, accelerator, dataset, weight_dtype):
+    """With --cache_latents, encode every (image, bucket, crop, flip) not cached yet, once. Loads the VAE only if
+    something needs it (missing entries, uncached training, validation). -> (cache or None, vae or None, stats)."""
+    cache, todo, mine = None, [], []
+    if args.cache_latents:
+        cache = SampleCache(latent_store(args, dataset, weight_dtype))
+        todo = cache.todo(dataset.cached_latent_keys())
+        accelerator.wait_for_everyone()
+        mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
+    if args.cache_latents and not todo and not validation_prompts(args):
+        logger.info("all latents cached; the VAE is not loaded")
+        return cache, None, None
+    vae, latent_mean, latent_std = load_vae(args, accelerator, weight_dtype)
+    if not args.cache_latents:
+        return None, vae, (latent_mean, latent_std)
     by_shape = {}
     for key in mine:
         by_shape.setdefault(key[2], []).append(key)  # key[2] is the bucket: one shape per VAE batch
     bar = tqdm(total=len(mine), desc="Encoding images", unit="image", disable=not accelerator.is_local_main_process)
     for keys in by_shape.values():
-        for i in range(0, len(keys), batch_size):
-            chunk = keys[i:i + batch_size]
-            latents = encode_images(vae, torch.stack([dataset.pixels(k) for k in chunk]), latent_mean, latent_std)
-            for key, latent in zip(chunk, latents):
-                cache.put(key, latent[None])  # [1, 4C, h, w]
+        for i in range(0, len(keys), args.train_batch_size):
+            chunk = keys[i:i + args.train_batch_size]
+            params = encode_images(vae, torch.stack([dataset.pixels(k) for k in chunk]), latent_mean, latent_std,
+                                   args.latent_sampling)
+            for key, value in zip(chunk, params):
+                cache.put(key, value[None])  # [1, 4C, h, w], or [1, 2, 4C, h, w] with --latent_sampling sample
             bar.update(len(chunk))
     bar.close()
-    logger.info(f"encoded {len(mine)} of {len(todo)} unique images", main_process_only=False)
+    logger.info(f"encoded {len(mine)} of {len(todo)} missing images", main_process_only=False)
     share_entries(cache, todo, accelerator)
-    return cache
+    if not validation_prompts(args):
+        vae = None  # nothing else needs it
+    return cache, vae, (latent_mean, latent_std)
 
 
 def load_transformer_with_lora(args, accelerator, weight_dtype):
@@ -1034,16 +1218,18 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     return paths
 
 
-def batch_inputs(batch, dataset, caches, vae, latent_stats, device, dtype):
-    """Cached (or freshly encoded) inputs of a batch, moved to the device. -> latents [B', C, h, w], embeds [B', L, D]."""
+def batch_inputs(batch, epoch, run, generator, device):
+    """A batch's cached (or freshly encoded) inputs on the device -> latents [B', C, h, w], embeds [B', L, D]
+    (B' = 2B with prior preservation: instance rows, then class rows)."""
+    dataset, caches, dtype = run["dataset"], run["caches"], run["weight_dtype"]
     slots = dataset.slots(batch["indices"])
-    embeds = caches["prompts"].gather(slots).to(device, dtype, non_blocking=True)
+    embeds = caches["prompts"].gather([dataset.prompt_key(s) for s in slots]).to(device, dtype, non_blocking=True)
     if "latents" in caches:
-        latents = caches["latents"].gather(slots).to(device, dtype, non_blocking=True)
+        params = caches["latents"].gather([dataset.latent_key(s, epoch) for s in slots])
     else:
         with torch.no_grad():
-            latents = encode_images(vae, batch["pixel_values"], *latent_stats).to(dtype)
-    return latents, embeds
+            params = encode_images(run["vae"], batch["pixel_values"], *run["latent_stats"], run["latent_sampling"])
+    return draw_latents(params.to(device, dtype, non_blocking=True), generator), embeds
 
 
 class StopRequest:
@@ -1095,8 +1281,7 @@ def train(args, accelerator, run, global_step):
         for batch in loader:
             generator = torch.Generator(accelerator.device).manual_seed(seed_for("step", run["seed"], micro, accelerator.process_index))
             with accelerator.accumulate(transformer):
-                latents, embeds = batch_inputs(batch, dataset, run["caches"], run["vae"], run["latent_stats"],
-                                               accelerator.device, run["weight_dtype"])
+                latents, embeds = batch_inputs(batch, epoch, run, generator, accelerator.device)
                 loss = flow_matching_step(transformer, latents, embeds, len(batch["indices"]), sigmas_table,
                                           run["step_config"], generator)
                 accelerator.backward(loss)
@@ -1239,11 +1424,9 @@ def main(argv=None):
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
 
     caches = {"prompts": precompute_prompts(args, accelerator, dataset, weight_dtype)}
-    vae, latent_mean, latent_std = load_vae(args, accelerator, weight_dtype)
-    if args.cache_latents:
-        caches["latents"] = precompute_latents(dataset, vae, latent_mean, latent_std, args.train_batch_size, accelerator)
-        if not validation_prompts(args):
-            vae = None  # nothing else needs it
+    latent_cache, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype)
+    if latent_cache is not None:
+        caches["latents"] = latent_cache
     transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.optimization import get_scheduler
@@ -1268,7 +1451,8 @@ def main(argv=None):
     step_config = StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
                              args.guidance_scale if unwrapped.config.guidance_embeds else None, args.prior_loss_weight)
     run = dict(transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, dataset=dataset, sampler=sampler,
-               loader=loader, caches=caches, vae=vae, latent_stats=(latent_mean, latent_std), scheduler=scheduler,
+               loader=loader, caches=caches, vae=vae, latent_stats=latent_stats, latent_sampling=args.latent_sampling,
+               scheduler=scheduler,
                seed=seed, weight_dtype=weight_dtype, step_config=step_config)
     global_step = 0
     if checkpoint is not None:

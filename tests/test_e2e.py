@@ -196,12 +196,15 @@ def _without_seed(args):
     return args[:i] + args[i + 2:]
 
 
-def test_two_processes_share_the_work_and_agree(tiny_model, images, tmp_path):
+@pytest.mark.parametrize("cache", ["memory", "disk"])
+def test_two_processes_share_the_work_and_agree(cache, tiny_model, images, tmp_path):
     """No --seed: the drawn seed is agreed, each epoch the ranks train disjoint batches covering every batch,
-    each rank encodes half the unique inputs, and both end with the same LoRA."""
+    each rank encodes half the unique inputs (gathered in memory, or through the disk cache), and both end
+    with the same LoRA."""
     out = tmp_path / "out"
+    extra = ["--precompute_cache_dir", tmp_path / "cache"] if cache == "disk" else []
     proc = launch(_without_seed(base_args(tiny_model, images, out, "--num_train_epochs", "3", "--cache_latents",
-                                          "--checkpointing_steps", "2")), num_processes=2)
+                                          "--center_crop", "--checkpointing_steps", "2", *extra)), num_processes=2)
     logs = [[json.loads(line) for line in (out / "logs" / f"samples-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
     for epoch in range(3):
         per_rank = [[i for row in log if row["epoch"] == epoch for i in row["indices"]] for log in logs]
@@ -209,8 +212,8 @@ def test_two_processes_share_the_work_and_agree(tiny_model, images, tmp_path):
         assert sorted(per_rank[0] + per_rank[1]) == list(range(6))
     assert [r["indices"] for r in logs[0]] != [r["indices"] for r in logs[1]]
     for rank in (0, 1):
-        assert f"[RANK {rank}] encoded 3 of 6 unique prompts" in proc.stderr
-        assert f"[RANK {rank}] encoded 3 of 6 unique images" in proc.stderr
+        assert f"[RANK {rank}] encoded 3 of 6 missing prompts" in proc.stderr
+        assert f"[RANK {rank}] encoded 3 of 6 missing images" in proc.stderr
     fingerprints = set(re.findall(r"\[RANK \d\] LoRA fingerprint (\w+)", proc.stderr))
     assert len(re.findall(r"LoRA fingerprint", proc.stderr)) == 2 and len(fingerprints) == 1
     assert sorted(p.name for p in (out / "checkpoint-6").glob("rng-*.json")) == ["rng-0.json", "rng-1.json"]
@@ -237,3 +240,37 @@ def test_sigterm_checkpoints_and_resumes_to_the_straight_result(tiny_model, imag
     launch(base_args(tiny_model, images, straight, *common))
     a, b = load_file(str(straight / LORA)), load_file(str(stopped / LORA))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_precompute_cache_dir_makes_reruns_encode_only_what_changed(tiny_model, images, tmp_path):
+    cache = tmp_path / "cache"
+    args = lambda out: base_args(tiny_model, images, out, "--max_train_steps", "3", "--cache_latents", "--center_crop",  # noqa: E731
+                                 "--repeats", "4", "--precompute_cache_dir", cache)
+    cold = launch(args(tmp_path / "cold")).stderr
+    assert "encoded 6 of 6 missing prompts (6 unique)" in cold and "encoded 6 of 6 missing images" in cold
+    assert cold.count("loading the text encoder") == 1 and "loading the VAE" in cold
+
+    warm = launch(args(tmp_path / "warm")).stderr
+    assert "encoded 0 of 0 missing prompts" in warm
+    assert "loading the text encoder" not in warm and "loading the VAE" not in warm
+    assert "all latents cached; the VAE is not loaded" in warm
+    a, b = load_file(str(tmp_path / "cold" / LORA)), load_file(str(tmp_path / "warm" / LORA))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # disk entries are the exact tensors the cold run trained on
+
+    (images / "img_00.png").rename(images / "renamed.png")  # same bytes, new name: still a hit
+    (images / "img_00.txt").rename(images / "renamed.txt")
+    renamed = launch(args(tmp_path / "renamed")).stderr
+    assert "encoded 0 of 0 missing prompts" in renamed and "all latents cached" in renamed
+
+    (images / "img_01.txt").write_text("a photo of sks dog under a yellow umbrella\n")  # one caption edited
+    edited = launch(args(tmp_path / "edited")).stderr
+    assert "encoded 1 of 1 missing prompts" in edited and "loading the VAE" not in edited
+    assert not list(cache.rglob("*.tmp"))
+
+
+def test_latent_sampling_sample_with_live_flips_trains(tiny_model, images, tmp_path):
+    out = tmp_path / "out"
+    proc = launch(base_args(tiny_model, images, out, "--num_train_epochs", "2", "--cache_latents", "--random_flip",
+                            "--latent_sampling", "sample"))
+    assert "encoded 12 of 12 missing images" in proc.stderr  # 6 crops x both orientations
+    assert_lora_works(tiny_model, out)

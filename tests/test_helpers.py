@@ -43,19 +43,16 @@ def test_nearest_bucket_matches_aspect_ratio():
 # ---------------------------------------------------------------------------------------------------- transforms
 
 
-def test_draw_transform_covers_bucket_and_center_crops():
-    (rh, rw), top, left, flip = T.draw_transform((64, 40), (32, 32), center_crop=True, random_flip=False, rng=random.Random(0))
-    assert (rh, rw) == (32, 51) and rh >= 32 and rw >= 32  # aspect kept: 64x40 scaled by 0.8 -> 51x32
-    assert (top, left, flip) == (0, 9, False)
+def test_draw_crop_covers_bucket_and_center_crops():
+    (rh, rw), top, left = T.draw_crop((64, 40), (32, 32), center_crop=True, rng=random.Random(0))
+    assert (rh, rw) == (32, 51)  # aspect kept: 64x40 scaled by 0.8 -> 51x32, covering the 32x32 bucket
+    assert (top, left) == (0, 9)
 
 
-def test_draw_transform_random_crop_and_flip_vary_but_are_seeded():
-    draws = {T.draw_transform((100, 40), (32, 32), False, True, random.Random(s)) for s in range(50)}
-    lefts = {d[2] for d in draws}
-    flips = {d[3] for d in draws}
-    assert len(lefts) > 5 and all(0 <= x <= 80 - 32 for x in lefts) and flips == {True, False}
-    assert T.draw_transform((100, 40), (32, 32), False, True, random.Random(7)) == \
-        T.draw_transform((100, 40), (32, 32), False, True, random.Random(7))
+def test_draw_crop_random_crops_vary_but_are_seeded():
+    lefts = {T.draw_crop((100, 40), (32, 32), False, random.Random(s))[2] for s in range(50)}
+    assert len(lefts) > 5 and all(0 <= x <= 80 - 32 for x in lefts)
+    assert T.draw_crop((100, 40), (32, 32), False, random.Random(7)) == T.draw_crop((100, 40), (32, 32), False, random.Random(7))
 
 
 def test_image_to_tensor_crops_flips_and_scales():
@@ -135,7 +132,7 @@ def test_slots_and_prompt_keys_lay_out_instance_then_class():
     ds = DreamBoothDataset(_records([(32, 32)] * 2, ["cap a", None]), "sks", BUCKETS, repeats=2,
                            classes=_records([(32, 32)]), class_prompt="a dog", with_pixels=False)
     assert ds.slots([3, 0]) == [3, 0, 7, 4]
-    assert ds.prompt_keys() == ["cap a", "sks", "cap a", "sks"] + ["a dog"] * 4
+    assert [ds.prompt_key(s) for s in range(ds.num_slots)] == ["cap a", "sks", "cap a", "sks"] + ["a dog"] * 4
 
 
 def test_class_image_follows_its_instance_bucket():
@@ -147,10 +144,21 @@ def test_class_image_follows_its_instance_bucket():
 def test_fresh_augmentation_each_epoch_without_cache_and_reproducible():
     ds = DreamBoothDataset(_records([(90, 40)]), "sks", [(32, 32)], repeats=1, random_flip=True, seed=3)
     keys = [ds.latent_key(0, e) for e in range(12)]
-    assert len(set(keys)) > 3  # crops/flips drawn afresh per epoch
+    assert len({k[5] for k in keys}) > 3 and {k[6] for k in keys} == {True, False}  # crops (left) and flips per epoch
     assert keys == [ds.latent_key(0, e) for e in range(12)]  # ...but a pure function of (seed, epoch, slot)
     ds.set_epoch(5)
     assert torch.equal(ds[0]["pixel_values"][0], ds.pixels(keys[5]))
+
+
+def test_cached_crops_are_fixed_but_flips_stay_live():
+    ds = DreamBoothDataset(_records([(90, 40)] * 2), "sks", [(32, 32)], repeats=2, random_flip=True, seed=3,
+                           fixed_crops=True, with_pixels=False)
+    per_epoch = [[ds.latent_key(s, e) for s in range(4)] for e in range(12)]
+    assert all(k[:6] == per_epoch[0][s][:6] for keys in per_epoch for s, k in enumerate(keys))  # crop fixed
+    assert len({per_epoch[0][s][5] for s in range(4)}) > 1  # ...though drawn at random per slot
+    assert all(len({keys[s][6] for keys in per_epoch}) == 2 for s in range(4))  # each slot flips both ways
+    cached = ds.cached_latent_keys()
+    assert {k for keys in per_epoch for k in keys} <= set(cached) and len(cached) == 8  # both orientations cached
 
 
 def test_collate_keeps_order_and_groups_class_after_instance():
@@ -215,20 +223,64 @@ def test_sampler_ranks_get_disjoint_batches_covering_the_epoch():
 # ---------------------------------------------------------------------------------------------------- cache
 
 
-def test_cache_shares_one_tensor_per_key_and_gathers_in_slot_order():
-    cache = SampleCache(["a", "b", "a", "c", "a"])
-    assert cache.todo(extra=["z", "a"]) == ["a", "b", "c", "z"]
+def test_cache_shares_one_tensor_per_key_and_gathers_in_order():
+    cache = SampleCache()
+    keys = ["a", "b", "a", "c", "a"]
+    assert cache.todo(keys + ["z", "a"]) == ["a", "b", "c", "z"]
     for k, v in zip("abc", (1.0, 2.0, 3.0)):
         cache.put(k, torch.full((1, 2), v))
-    assert cache.todo() == []
-    assert cache.gather([4, 1, 3, 0])[:, 0].tolist() == [1.0, 2.0, 3.0, 1.0]
-    assert len(cache.store) == 3  # five slots, three tensors
+    assert cache.todo(keys) == []
+    assert cache.gather([keys[i] for i in (4, 1, 3, 0)])[:, 0].tolist() == [1.0, 2.0, 3.0, 1.0]
+    assert len(cache.store) == 3  # five samples, three tensors
     with pytest.raises(KeyError, match="precompute"):
-        SampleCache(["x"]).gather([0])
+        SampleCache().gather(["x"])
+
+
+def test_dataset_keys_share_repeats_and_captions():
+    ds = DreamBoothDataset(_records([(32, 32)] * 3, ["same", "same", None]), "sks", BUCKETS, repeats=4,
+                           center_crop=True, with_pixels=False, fixed_crops=True)
+    assert len(set(ds.cached_latent_keys())) == 3  # 12 samples, one encode per image
+    assert len({ds.prompt_key(s) for s in range(ds.num_slots)}) == 2  # 12 samples, two distinct texts
+
+
+def test_disk_store_round_trip_atomic_and_damage_is_recomputed(tmp_path, caplog):
+    from accelerate import PartialState
+
+    PartialState()  # the store warns through accelerate's logger
+    store = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    value = torch.randn(1, 3, 4)
+    assert "k" not in store
+    store["k"] = value
+    assert "k" in store and torch.equal(store["k"], value)
+    assert not list(tmp_path.rglob("*.tmp"))  # written via a temporary file, renamed into place
+    fresh = T.DiskStore(tmp_path, lambda key: T.json_digest(key))  # another run
+    assert "k" in fresh and torch.equal(fresh["k"], value)
+    path = store.path("k")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # flip a bit of the tensor
+    path.write_bytes(bytes(data))
+    assert "k" not in T.DiskStore(tmp_path, lambda key: T.json_digest(key)) and not path.exists()
+    store2 = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    store2["k"] = value
+    path.write_bytes(path.read_bytes()[:40])  # truncated
+    assert "k" not in T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    assert "damaged" in caplog.text
+
+
+def test_draw_latents_mode_and_posterior_sample():
+    mean, std = torch.randn(2, 4, 3, 3), torch.rand(2, 4, 3, 3) * 0.5 + 0.1
+    assert torch.equal(T.draw_latents(mean, torch.Generator().manual_seed(0)), mean)
+    params = torch.stack([mean, std], 1)
+    a = T.draw_latents(params, torch.Generator().manual_seed(0))
+    b = T.draw_latents(params, torch.Generator().manual_seed(1))
+    assert not torch.equal(a, b) and torch.equal(a, T.draw_latents(params, torch.Generator().manual_seed(0)))
+    draws = torch.stack([T.draw_latents(params, torch.Generator().manual_seed(s)) for s in range(2000)])
+    assert (draws.mean(0) - mean).abs().max() < 0.05
+    torch.testing.assert_close(draws.std(0), std, rtol=0.1, atol=0.01)
 
 
 def test_cache_lives_on_cpu():
-    cache = SampleCache(["a"])
+    cache = SampleCache()
     cache.put("a", torch.ones(1, 2, requires_grad=True) * 2)
     assert cache["a"].device.type == "cpu" and not cache["a"].requires_grad
 

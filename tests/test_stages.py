@@ -79,8 +79,8 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
     classes = T.load_class_images(args, accelerator, seed=0)
     dataset, sampler, _ = T.build_data(args, instances, classes, 0, accelerator)
     prompts = T.precompute_prompts(args, accelerator, dataset, torch.float32)
+    latents, _, _ = T.prepare_latents(args, accelerator, dataset, torch.float32)
     vae, mean, std = T.load_vae(args, accelerator, torch.float32)
-    latents = T.precompute_latents(dataset, vae, mean, std, 2, accelerator)
     # 12 instance slots (6 images x 2 repeats, center crop) share 6 latents; class slots share per (image, bucket)
     assert len([k for k in latents.store if k[0] == "instance"]) == 6 and len(latents.store) < dataset.num_slots == 24
 
@@ -99,12 +99,14 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
             batch = T.collate([fresh_dataset[i] for i in indices])
             with torch.no_grad():
                 expected_latents = T.encode_images(vae, batch["pixel_values"], mean, std)
-            torch.testing.assert_close(latents.gather(slots), expected_latents, rtol=1e-5, atol=1e-5)
+            cached = latents.gather([dataset.latent_key(s, epoch) for s in slots])
+            torch.testing.assert_close(cached, expected_latents, rtol=1e-5, atol=1e-5)
             texts = [captions[instances[i % len(instances)].name] for i in indices] + [args.class_prompt] * len(indices)
             with torch.no_grad():
                 expected_embeds, _ = pipe.encode_prompt(texts, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
                                                         text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
-            torch.testing.assert_close(prompts.gather(slots), expected_embeds, rtol=1e-5, atol=1e-5)
+            cached = prompts.gather([dataset.prompt_key(s) for s in slots])
+            torch.testing.assert_close(cached, expected_embeds, rtol=1e-5, atol=1e-5)
     assert seen == set(range(len(dataset)))  # reshuffles reached every sample
 
 
@@ -129,7 +131,7 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
     transformer = accelerator.prepare(T.load_transformer_with_lora(args, accelerator, torch.float32))
     transformer.train()
     vae, mean, std = T.load_vae(args, accelerator, torch.float32)
-    prompts = T.SampleCache([])
+    prompts = T.SampleCache()
     prompts.put("a sks dog", torch.randn(1, MAX_SEQUENCE_LENGTH, 32))
     before = {n: (p.device, p.dtype, p.requires_grad, p.detach().clone()) for n, p in transformer.named_parameters()}
     run = dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"),
@@ -215,3 +217,23 @@ def test_seed_is_drawn_when_absent_and_taken_from_the_checkpoint_on_resume(tmp_p
     assert T.agree_seed(args, checkpoint, accelerator) == 1234
     args.seed = 9
     assert T.agree_seed(args, checkpoint, accelerator) == 9
+
+
+def test_posterior_sampling_cache_draws_fresh_latents_around_the_cached_mean(tiny_model, images, tmp_path, accelerator):
+    args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--cache_latents", "--center_crop",
+                                  "--latent_sampling", "sample"))
+    dataset, _, _ = T.build_data(args, T.load_instance_images(args), [], 0, accelerator)
+    sampled, _, _ = T.prepare_latents(args, accelerator, dataset, torch.float32)
+    args.latent_sampling = "mode"
+    moded, unused_vae, _ = T.prepare_latents(args, accelerator, dataset, torch.float32)
+    assert unused_vae is None  # cached latents and no validation: the VAE is released
+    vae, *stats = T.load_vae(args, accelerator, torch.float32)
+    key = dataset.latent_key(0, 0)
+    params, mean = sampled[key], moded[key]
+    assert params.shape == (1, 2, *mean.shape[1:]) and torch.equal(params[:, 0], mean)
+    draws = [T.draw_latents(params, torch.Generator().manual_seed(T.seed_for("step", 0, m, 0))) for m in range(400)]
+    assert not torch.equal(draws[0], draws[1])  # two uses of the same sample see different latents
+    assert (torch.stack(draws).mean(0) - mean).abs().max() < 4 * params[:, 1].max() / 20  # 4 sigma of a 400-mean
+    with torch.no_grad():  # mode: cached equals a fresh encode of the same pixels
+        fresh = T.encode_images(vae, dataset.pixels(key)[None], *stats)
+    torch.testing.assert_close(moded[key], fresh, rtol=0, atol=1e-6)
