@@ -40,6 +40,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,12 +60,26 @@ logger = get_logger(__name__)
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
 DEFAULT_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # the diffusers example's default
 
 
 class UsageError(Exception):
     """A problem with the user's flags or files: reported as one message, exit status 2, no traceback."""
+
+
+class TrainingStopped(Exception):
+    """Training ended early for a reason the user can act on: reported as one message, exit status `code`."""
+
+    def __init__(self, message, code=1):
+        super().__init__(message)
+        self.code = code
+
+
+NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
+OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
+              "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
+              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,6 +171,7 @@ def parse_args(argv=None):
 
     g = p.add_argument_group("checkpointing and outputs")
     g.add_argument("--output_dir", default="flux2-dreambooth-lora")
+    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow an --output_dir that already holds a finished LoRA.")
     g.add_argument("--checkpointing_steps", type=int, default=500, help="Save a resumable checkpoint every N optimizer steps.")
     g.add_argument("--checkpoints_total_limit", type=int, default=None, help="Keep at most N checkpoints.")
     g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' in --output_dir.")
@@ -197,6 +213,14 @@ def validate_args(args):
         parse_buckets(args.aspect_ratio_buckets)
     if args.resume_from_checkpoint not in (None, "latest") and not Path(args.resume_from_checkpoint).is_dir():
         raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such checkpoint folder")
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise UsageError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
+    if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise UsageError("--mixed_precision bf16 is not supported by this GPU; use fp16")
+    if (Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir
+            and args.resume_from_checkpoint is None):
+        raise UsageError(f"--output_dir {args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose "
+                         "another folder, pass --overwrite_output_dir, or --resume_from_checkpoint to continue it")
     if args.push_to_hub and args.report_to in ("wandb", "all") and args.hub_token:
         raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
@@ -285,8 +309,20 @@ class ImageRecord:
 
     def load(self):
         image = Image.open(self.path) if self.path is not None else self.image
-        image = ImageOps.exif_transpose(image)
-        return image.convert("RGB") if image.mode != "RGB" else image
+        return to_rgb(ImageOps.exif_transpose(image))
+
+
+def to_rgb(image, background=NEUTRAL_GREY):
+    """Any Pillow mode -> 8-bit RGB: 16/32-bit grey scaled (not clipped) to 8 bits, palettes expanded, CMYK
+    converted, transparency composited on a neutral grey."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+        array = np.asarray(image, dtype=np.float64)
+        scale = 257.0 if image.mode != "F" and array.max() > 255 else 1.0  # 16-bit data: 65535 -> 255
+        image = Image.fromarray(np.clip(array / scale, 0, 255).round().astype(np.uint8), "L")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def oriented_size(image):
@@ -296,30 +332,41 @@ def oriented_size(image):
 
 
 def scan_image_folder(folder, read_captions=True):
-    """Sorted image records of `folder`; non-image and hidden files are ignored, `stem.txt` is the caption."""
+    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
+
+    Every image is decoded once here, so a corrupt, truncated, empty or oversized (decompression-bomb) file
+    is reported now, all of them in one message, instead of crashing hours into training."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UsageError(f"{folder}: no such folder")
-    records, bad = [], []
+    records, bad, empty_captions = [], [], []
     for path in sorted(folder.iterdir()):
         if path.name.startswith(".") or path.suffix.lower() not in IMAGE_EXTENSIONS or not path.is_file():
             continue
         try:
-            with Image.open(path) as im:
-                size = oriented_size(im)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(path) as im:
+                    size = oriented_size(im)
+                    im.load()
         except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
-            bad.append(f"{path}: {e}")
+            bad.append(f"{path}: {'empty file' if path.stat().st_size == 0 else e}")
             continue
         caption = None
         txt = path.with_suffix(".txt")
         if read_captions and txt.is_file():
             try:
-                caption = txt.read_text(encoding="utf-8-sig").strip() or None
-            except UnicodeDecodeError:
-                bad.append(f"{txt}: caption is not UTF-8")
+                caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
+            except UnicodeDecodeError as e:
+                bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
+            if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
+                empty_captions.append(txt.name)
         records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path)))
     if bad:
-        raise UsageError("cannot read these files:\n  " + "\n  ".join(bad))
+        raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
+    if empty_captions:
+        warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
+                      "those images use --instance_prompt", stacklevel=2)
     return records
 
 
@@ -561,6 +608,9 @@ class DiskStore:
         try:
             save_file({"value": value.contiguous()}, str(tmp), metadata={"sha256": tensor_digest(value)})
             os.replace(tmp, path)
+        except OSError as e:
+            raise TrainingStopped(f"could not write cache entry {path} ({e}); the entries already written are "
+                                  "complete and will be reused") from None
         finally:
             tmp.unlink(missing_ok=True)
         self.checked.add(path)
@@ -718,6 +768,28 @@ def load_instance_images(args):
     return records
 
 
+def lora_targets(args):
+    return [t.strip() for t in args.lora_layers.split(",") if t.strip()] if args.lora_layers else DEFAULT_LORA_TARGETS
+
+
+def check_lora_targets(args):
+    """Every --lora_layers entry must name linear layers of this transformer (matched as PEFT does: the whole
+    name or a dotted suffix). Checked on an empty model built from the config: no weights are loaded."""
+    from accelerate import init_empty_weights
+    from diffusers import Flux2Transformer2DModel
+
+    config = Flux2Transformer2DModel.load_config(args.pretrained_model_name_or_path, subfolder="transformer",
+                                                 revision=args.revision, cache_dir=args.cache_dir)
+    with init_empty_weights():
+        model = Flux2Transformer2DModel.from_config(config)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    unknown = [t for t in lora_targets(args) if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n) for n in names})
+        raise UsageError(f"--lora_layers {','.join(unknown)}: no linear layer of the transformer has that name; "
+                         f"valid names include {', '.join(valid[:16])}")
+
+
 def resolve_buckets(args):
     if args.aspect_ratio_buckets:
         return parse_buckets(args.aspect_ratio_buckets)
@@ -732,7 +804,7 @@ def list_checkpoints(output_dir):
     for path in Path(output_dir).glob("checkpoint-*"):
         m = CHECKPOINT_RE.match(path.name)
         if m and path.is_dir():
-            if (path / TRAINER_STATE_NAME).is_file():
+            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
                 found.append((int(m.group(1)), path))
             else:
                 logger.warning(f"{path} is incomplete (no {TRAINER_STATE_NAME}); ignoring it")
@@ -824,6 +896,11 @@ def build_data(args, instances, classes, seed, accelerator):
                                 fixed_crops=args.cache_latents)
     sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
+    small = [r.name for r, b in zip(instances, dataset.image_buckets)
+             if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]]
+    if small and accelerator.is_main_process:
+        logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
+                       f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
     if len(sampler) == 0:
         sizes = {dataset.buckets[b]: n for b, n in sorted(_count(dataset.sample_buckets()).items())}
         raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
@@ -1022,9 +1099,8 @@ def load_transformer_with_lora(args, accelerator, weight_dtype):
     transformer.requires_grad_(False).to(accelerator.device)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    targets = [t.strip() for t in args.lora_layers.split(",") if t.strip()] if args.lora_layers else DEFAULT_LORA_TARGETS
     add_lora(transformer, LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                     init_lora_weights="gaussian", target_modules=targets))
+                                     init_lora_weights="gaussian", target_modules=lora_targets(args)))
     return transformer
 
 
@@ -1136,12 +1212,18 @@ def save_checkpoint(args, accelerator, run, global_step):
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    write_state(partial, f"rng-{accelerator.process_index}", rng_state())
-    if accelerator.is_main_process:
-        save_lora(accelerator.unwrap_model(run["transformer"]), partial)
-        scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-        write_state(partial, "training", {"optimizer": run["optimizer"].state_dict(),
-                                          "lr_scheduler": run["lr_scheduler"].state_dict(), "scaler": scaler})
+    try:
+        write_state(partial, f"rng-{accelerator.process_index}", rng_state())
+        if accelerator.is_main_process:
+            save_lora(accelerator.unwrap_model(run["transformer"]), partial)
+            scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+            write_state(partial, "training", {"optimizer": run["optimizer"].state_dict(),
+                                              "lr_scheduler": run["lr_scheduler"].state_dict(), "scaler": scaler})
+    except OSError as e:  # disk full, quota, ...: never leave a half checkpoint that looks complete
+        shutil.rmtree(partial, ignore_errors=True)
+        found = list_checkpoints(args.output_dir)
+        raise TrainingStopped(f"could not write {final} ({e}); earlier checkpoints are intact "
+                              f"(latest: {found[-1] if found else 'none'})") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run["seed"]}))
@@ -1248,83 +1330,103 @@ class StopRequest:
         print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving a checkpoint "
               "(signal again to stop at once)", file=sys.stderr, flush=True)
 
-    def agreed(self, accelerator):
-        """The signal number if any process was signalled, else 0. A collective, so every process stops together."""
-        if accelerator.num_processes == 1:
-            return self.signum
-        flag = torch.tensor([self.signum], device=accelerator.device)
-        return int(accelerator.reduce(flag, reduction="max").item())
+    def agreed(self, accelerator, finite):
+        """(signal number or 0, whether every process's loss was finite), agreed across processes so all stop
+        together. The one host-device sync of an optimizer step."""
+        flags = torch.stack([torch.tensor(self.signum, device=finite.device), (~finite).long()])
+        if accelerator.num_processes > 1:
+            flags = accelerator.reduce(flags, reduction="max")
+        signum, bad = flags.tolist()
+        return signum, not bad
+
+
+def micro_step(accelerator, run, batch, epoch, micro):
+    """Forward and backward of one micro-batch -> (detached loss, latent size). Noise, timesteps and posterior
+    draws come from a generator seeded by (seed, micro-step, process): a resumed run draws the same."""
+    generator = torch.Generator(accelerator.device).manual_seed(seed_for("step", run["seed"], micro, accelerator.process_index))
+    latents, embeds = batch_inputs(batch, epoch, run, generator, accelerator.device)
+    loss = flow_matching_step(run["transformer"], latents, embeds, len(batch["indices"]), run["sigmas"],
+                              run["step_config"], generator)
+    accelerator.backward(loss)
+    return loss.detach(), list(latents.shape[-2:])
+
+
+def optimizer_step(args, accelerator, run):
+    accelerator.clip_grad_norm_(run["params"], args.max_grad_norm)
+    run["optimizer"].step()
+    run["lr_scheduler"].step()
+    run["optimizer"].zero_grad(set_to_none=True)
+
+
+def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
+    """One line per optimizer step; the same numbers go to the progress bar and the trackers."""
+    logs = {"loss": loss.item(), "lr": run["lr_scheduler"].get_last_lr()[0], "step_seconds": seconds, "epoch": epoch}
+    line = f"step {global_step}/{args.max_train_steps} loss {logs['loss']:.4f} lr {logs['lr']:.2e} {seconds:.2f} s/step"
+    if torch.cuda.is_available():
+        logs["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        line += f" peak {logs['peak_gpu_gib']:.1f} GiB"
+    bar.update(1)
+    bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
+    logger.info(line)
+    accelerator.log(logs, step=global_step)
 
 
 def train(args, accelerator, run, global_step):
     """The loop: a flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of
     epoch m // len(sampler), so a resumed run skips exactly the batches already trained."""
-    transformer, optimizer, lr_scheduler, dataset, sampler, loader = (run[k] for k in ("transformer", "optimizer",
-                                                                     "lr_scheduler", "dataset", "sampler", "loader"))
-    batches_per_epoch, accum = len(sampler), args.gradient_accumulation_steps
+    batches_per_epoch, accum = len(run["sampler"]), args.gradient_accumulation_steps
     micro = global_step * accum
     accelerator.step = micro  # accelerate's accumulation counter: sync on every accum-th micro-step
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    sigmas_table = run["scheduler"].sigmas.float()
+    stop, finite = StopRequest(), torch.ones((), dtype=torch.bool, device=accelerator.device)
     bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
     # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
-    sample_log_path = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
-    sample_log_path.parent.mkdir(parents=True, exist_ok=True)
-    sample_log = sample_log_path.open("a", buffering=1)  # line-buffered: readable while training runs
-    stop = StopRequest()
+    sample_log = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
+    sample_log.parent.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()
-    while global_step < args.max_train_steps:
-        epoch, position = divmod(micro, batches_per_epoch)
-        sampler.set_epoch(epoch, start=position)
-        dataset.set_epoch(epoch)
-        transformer.train()
-        for batch in loader:
-            generator = torch.Generator(accelerator.device).manual_seed(seed_for("step", run["seed"], micro, accelerator.process_index))
-            with accelerator.accumulate(transformer):
-                latents, embeds = batch_inputs(batch, epoch, run, generator, accelerator.device)
-                loss = flow_matching_step(transformer, latents, embeds, len(batch["indices"]), sigmas_table,
-                                          run["step_config"], generator)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(params, args.max_grad_norm)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-            sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
-                                         "latent_hw": list(latents.shape[-2:])}) + "\n")
-            micro += 1
-            if not accelerator.sync_gradients:
-                continue
-            global_step += 1
-            if not torch.isfinite(loss):
-                raise RuntimeError(f"loss is {loss.item()} at step {global_step}; stopping (last checkpoint kept)")
-            logs = {"loss": loss.detach().item(), "lr": lr_scheduler.get_last_lr()[0],
-                    "step_seconds": time.perf_counter() - tic, "epoch": epoch}
-            if torch.cuda.is_available():
-                logs["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            tic = time.perf_counter()
-            bar.update(1)
-            bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
-            accelerator.log(logs, step=global_step)
-            signum = stop.agreed(accelerator)
-            if global_step % args.checkpointing_steps == 0 or signum:
-                save_checkpoint(args, accelerator, run, global_step)
-            if signum:
-                sample_log.close()
-                logger.info(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue with the same "
-                            f"command plus --resume_from_checkpoint latest (or {Path(args.output_dir, f'checkpoint-{global_step}')})")
-                accelerator.end_training()
-                sys.exit(128 + signum)
-            if global_step >= args.max_train_steps:
-                break
-        epoch_done = micro == (epoch + 1) * batches_per_epoch
-        final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # same images again
-        if (args.validation_prompt and epoch_done and (epoch + 1) % args.validation_epochs == 0 and not final_follows
-                and accelerator.is_main_process):
-            run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
+    with sample_log.open("a", buffering=1) as sample_log:  # line-buffered: readable while training runs
+        while global_step < args.max_train_steps:
+            epoch, position = divmod(micro, batches_per_epoch)
+            run["sampler"].set_epoch(epoch, start=position)
+            run["dataset"].set_epoch(epoch)
+            run["transformer"].train()
+            for batch in run["loader"]:
+                with accelerator.accumulate(run["transformer"]):
+                    loss, latent_hw = micro_step(accelerator, run, batch, epoch, micro)
+                    finite &= torch.isfinite(loss)
+                    if accelerator.sync_gradients:
+                        signum, all_finite = stop.agreed(accelerator, finite)
+                        if not all_finite:
+                            raise TrainingStopped(nonfinite_message(args, global_step + 1, batch["indices"]))
+                        optimizer_step(args, accelerator, run)
+                sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
+                                             "latent_hw": latent_hw}) + "\n")
+                micro += 1
+                if not accelerator.sync_gradients:
+                    continue
+                global_step += 1
+                log_step(args, accelerator, run, bar, global_step, loss, epoch, time.perf_counter() - tic)
+                tic = time.perf_counter()
+                if global_step % args.checkpointing_steps == 0 or signum:
+                    save_checkpoint(args, accelerator, run, global_step)
+                if signum:
+                    raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
+                                          "with the same command plus --resume_from_checkpoint latest", 128 + signum)
+                if global_step >= args.max_train_steps:
+                    break
+            epoch_done = micro == (epoch + 1) * batches_per_epoch
+            final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # same images
+            if (args.validation_prompt and epoch_done and (epoch + 1) % args.validation_epochs == 0
+                    and not final_follows and accelerator.is_main_process):
+                run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
     bar.close()
-    sample_log.close()
     return global_step
+
+
+def nonfinite_message(args, step, indices):
+    found = list_checkpoints(args.output_dir)
+    return (f"the loss became NaN or infinite at step {step} (samples {indices}); stopped without applying that "
+            f"update and without writing a final LoRA. Last good checkpoint: {found[-1] if found else 'none'}. "
+            "Try a lower --learning_rate, --max_grad_norm, or --mixed_precision bf16 instead of fp16")
 
 
 def write_model_card(args, image_paths, prompt):
@@ -1415,6 +1517,7 @@ def main(argv=None):
     weight_dtype = weight_dtype_of(accelerator)
     instances = load_instance_images(args)
     checkpoint = find_resume_checkpoint(args)
+    check_lora_targets(args)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
     if args.with_prior_preservation:  # fail fast on the batch size, before class images are generated
@@ -1451,6 +1554,7 @@ def main(argv=None):
     step_config = StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
                              args.guidance_scale if unwrapped.config.guidance_embeds else None, args.prior_loss_weight)
     run = dict(transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, dataset=dataset, sampler=sampler,
+               params=[p for p in transformer.parameters() if p.requires_grad], sigmas=scheduler.sigmas.float(),
                loader=loader, caches=caches, vae=vae, latent_stats=latent_stats, latent_sampling=args.latent_sampling,
                scheduler=scheduler,
                seed=seed, weight_dtype=weight_dtype, step_config=step_config)
@@ -1458,9 +1562,13 @@ def main(argv=None):
     if checkpoint is not None:
         global_step = load_checkpoint(checkpoint, accelerator, run)
         logger.info(f"resumed from {checkpoint} at step {global_step}")
-    train(args, accelerator, run, global_step)
-    finish(args, accelerator, run)
-    accelerator.end_training()
+    try:
+        train(args, accelerator, run, global_step)
+        finish(args, accelerator, run)
+    except torch.OutOfMemoryError:
+        raise TrainingStopped(OOM_ADVICE) from None
+    finally:
+        accelerator.end_training()
 
 
 if __name__ == "__main__":
@@ -1469,3 +1577,6 @@ if __name__ == "__main__":
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as stopped:
+        print(f"error: {stopped}" if stopped.code < 128 else str(stopped), file=sys.stderr)
+        sys.exit(stopped.code)

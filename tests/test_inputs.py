@@ -1,0 +1,296 @@
+"""Hostile inputs and failure safety: what is handled, what is refused (exit 2, one message), what survives."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import ROOT, SCRIPT, base_args, launch
+
+LORA = "pytorch_lora_weights.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------------- handled
+
+
+def _quadrants(w=40, h=20):
+    """Red left half, blue right half: orientation mistakes are visible."""
+    array = np.zeros((h, w, 3), np.uint8)
+    array[:, : w // 2] = (255, 0, 0)
+    array[:, w // 2:] = (0, 0, 255)
+    return array
+
+
+def make_exif_rotated(folder):
+    image = Image.fromarray(_quadrants())
+    exif = image.getexif()
+    exif[0x0112] = 6  # displayed rotated 90 degrees clockwise
+    image.save(folder / "rotated.jpg", exif=exif, quality=95)
+    return lambda rgb: rgb.shape == (40, 20, 3) and rgb[5, 10, 0] > 200 and rgb[35, 10, 2] > 200  # red on top
+
+
+def make_grayscale(folder):
+    Image.new("L", (32, 32), 200).save(folder / "grey.png")
+    return lambda rgb: (rgb == 200).all()
+
+
+def make_palette(folder):
+    image = Image.new("P", (32, 32), 1)
+    image.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    image.save(folder / "palette.png")
+    return lambda rgb: (rgb == (10, 200, 30)).all()
+
+
+def make_16bit(folder):
+    array = np.full((32, 32), 65535, np.uint16)
+    array[:, 16:] = 32896  # mid grey in 16 bits
+    Image.fromarray(array).save(folder / "deep.png")  # a 16-bit greyscale PNG
+    return lambda rgb: (rgb[:, :16] == 255).all() and (abs(rgb[:, 16:].astype(int) - 128) <= 1).all()
+
+
+def make_cmyk(folder):
+    Image.new("CMYK", (32, 32), (255, 0, 0, 0)).save(folder / "print.jpg")  # pure cyan ink
+    return lambda rgb: rgb[..., 0].max() < 30 and rgb[..., 1:].min() > 220
+
+
+def make_rgba(folder):
+    image = Image.new("RGBA", (32, 32), (0, 0, 0, 0))  # transparent black...
+    image.paste((250, 10, 10, 255), (0, 0, 16, 32))
+    image.save(folder / "cutout.png")
+    return lambda rgb: (rgb[:, 16:] == T.NEUTRAL_GREY).all() and (rgb[:, :16] == (250, 10, 10)).all()  # ...on grey
+
+
+def make_unicode_name(folder):
+    Image.new("RGB", (32, 32), (1, 2, 3)).save(folder / "hünd 🐕 ß.png")
+    (folder / "hünd 🐕 ß.txt").write_text("ein Hund am Strand", encoding="utf-8")
+    return lambda rgb: (rgb == (1, 2, 3)).all()
+
+
+def make_small(folder):
+    Image.new("RGB", (8, 8), (9, 9, 9)).save(folder / "tiny.png")
+    return lambda rgb: rgb.shape == (8, 8, 3)  # upscaled later, to the bucket
+
+
+HANDLED = {f.__name__.removeprefix("make_"): f for f in (make_exif_rotated, make_grayscale, make_palette, make_16bit,
+                                                          make_cmyk, make_rgba, make_unicode_name, make_small)}
+
+
+@pytest.mark.parametrize("kind", HANDLED)
+def test_handled_input_is_loaded_as_the_user_sees_it(kind, tmp_path):
+    check = HANDLED[kind](tmp_path)
+    (record,) = T.scan_image_folder(tmp_path)
+    rgb = np.asarray(record.load())
+    assert record.load().mode == "RGB" and record.size == (rgb.shape[1], rgb.shape[0])
+    assert check(rgb), rgb[::8, ::8]
+
+
+def test_small_images_are_upscaled_to_their_bucket_with_one_warning(tmp_path, caplog):
+    from accelerate import Accelerator
+
+    make_small(tmp_path)
+    Image.new("RGB", (4, 4)).save(tmp_path / "tinier.png")
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir",
+                         str(tmp_path), "--resolution", "32", "--train_batch_size", "1"])
+    dataset, _, _ = T.build_data(args, T.scan_image_folder(tmp_path), [], 0, Accelerator(cpu=True))
+    assert dataset[0]["pixel_values"].shape == (1, 3, 32, 32)
+    assert caplog.text.count("smaller than their bucket") == 1 and "tiny.png" in caplog.text
+
+
+def test_empty_caption_falls_back_to_the_instance_prompt_with_a_warning(tmp_path):
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_text(" \r\n")
+    with pytest.warns(UserWarning, match="empty caption"):
+        (record,) = T.scan_image_folder(tmp_path)
+    assert record.caption is None
+
+
+def test_a_folder_of_every_handled_input_trains(tiny_model, tmp_path):
+    folder = tmp_path / "hostile"
+    folder.mkdir()
+    for make in HANDLED.values():
+        make(folder)
+    (folder / ".DS_Store").write_bytes(b"\0\1")
+    (folder / "Thumbs.db").write_bytes(b"\0\1")
+    (folder / "notes.txt").write_text("a caption file without an image")
+    (folder / "deep.txt").write_bytes("\ufeffa deep photo \r\n".encode())
+    out = tmp_path / "out"
+    launch(base_args(tiny_model, folder, out, "--max_train_steps", "2", "--random_flip"))
+    assert (out / LORA).is_file()
+
+
+# ---------------------------------------------------------------------------------------------------- refused
+
+
+def _truncated_png(folder):
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)).save(folder / "cut.png")
+    data = (folder / "cut.png").read_bytes()
+    (folder / "cut.png").write_bytes(data[: len(data) // 2])
+
+
+REFUSED = {
+    "corrupt": (lambda f: (f / "junk.jpg").write_bytes(b"\xff\xd8 this is not a jpeg"), "junk.jpg"),
+    "truncated": (_truncated_png, "cut.png"),
+    "zero_bytes": (lambda f: (f / "empty.png").write_bytes(b""), "empty.png: empty file"),
+    "not_utf8_caption": (lambda f: (Image.new("RGB", (8, 8)).save(f / "x.png"), (f / "x.txt").write_bytes(b"caf\xe9")),
+                         "x.txt: caption is not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("kind", REFUSED)
+def test_bad_file_is_refused_with_its_name(kind, tmp_path):
+    make, message = REFUSED[kind]
+    Image.new("RGB", (8, 8)).save(tmp_path / "fine.png")
+    make(tmp_path)
+    with pytest.raises(T.UsageError) as error:
+        T.scan_image_folder(tmp_path)
+    assert message in str(error.value) and "fine.png" not in str(error.value)
+
+
+def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # a 40x40 image is a "bomb" now; real limit ~89 Mpx
+    Image.new("RGB", (40, 40)).save(tmp_path / "bomb.png")
+    with pytest.raises(T.UsageError, match="bomb.png"):
+        T.scan_image_folder(tmp_path)
+
+
+def test_every_bad_file_is_listed_in_one_message_exit_2(tmp_path):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    for make, _ in REFUSED.values():
+        make(folder)
+    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args("/nonexistent/model", folder, tmp_path / "out")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "cannot use 4 file(s)" in proc.stderr
+    for _, message in REFUSED.values():
+        assert message in proc.stderr
+
+
+@pytest.mark.parametrize("folder_state", ["missing", "empty", "only_text"])
+def test_missing_or_empty_folder_is_refused(folder_state, tmp_path):
+    folder = tmp_path / "images"
+    if folder_state != "missing":
+        folder.mkdir()
+    if folder_state == "only_text":
+        (folder / "a.txt").write_text("caption without image")
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", str(folder)])
+    with pytest.raises(T.UsageError, match="no such folder" if folder_state == "missing" else "no images found"):
+        T.load_instance_images(args)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora_layers", "to_q,attn.nonexistent_proj"], "--lora_layers attn.nonexistent_proj: no linear layer"),
+    (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a CUDA GPU"),
+    ("finished_output", "already holds a finished LoRA"),
+])
+def test_bad_flag_for_this_model_or_machine_exits_2(extra, message, tiny_model, images, tmp_path):
+    out = tmp_path / "out"
+    if extra == "finished_output":
+        out.mkdir()
+        (out / LORA).write_bytes(b"from an earlier run")
+        extra = []
+    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args(tiny_model, images, out, *extra)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    if "lora_layers" in message:
+        assert "attn.to_q" in proc.stderr  # valid names are listed
+        assert "loading the text encoder" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+
+
+def test_non_finite_loss_stops_keeps_the_last_checkpoint_and_writes_no_lora(tiny_model, images, tmp_path):
+    out = tmp_path / "out"
+    # run directly: under `accelerate launch` the launcher adds its own traceback for any non-zero exit
+    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args(tiny_model, images, out, "--learning_rate", "1e30",
+                           "--max_grad_norm", "1e30", "--max_train_steps", "10", "--checkpointing_steps", "1")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "NaN or infinite at step 2" in proc.stderr and "checkpoint-1" in proc.stderr
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and not (out / LORA).exists()
+
+
+def test_out_of_memory_names_the_flags_that_help(tiny_model, images, tmp_path, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(T, "flow_matching_step", oom)
+    with pytest.raises(T.TrainingStopped) as stopped:
+        T.main(base_args(tiny_model, images, tmp_path / "out", "--max_train_steps", "2"))
+    for flag in ("--gradient_checkpointing", "--cache_latents", "--resolution", "--train_batch_size", "--use_8bit_adam"):
+        assert flag in str(stopped.value)
+    assert not (tmp_path / "out" / LORA).exists()
+
+
+def test_disk_full_while_checkpointing_keeps_earlier_checkpoints(tiny_model, tmp_path, monkeypatch):
+    from accelerate import Accelerator
+    from peft import LoraConfig
+    from diffusers import Flux2Transformer2DModel
+
+    accelerator = Accelerator(cpu=True)
+    transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
+    T.add_lora(transformer, LoraConfig(r=2, target_modules=["to_q"]))
+    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad])
+    run = {"transformer": transformer, "optimizer": optimizer, "seed": 0,
+           "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+                         "--output_dir", str(tmp_path)])
+    T.save_checkpoint(args, accelerator, run, 2)
+    real_write = T.write_state
+
+    def full_disk(folder, name, state):
+        if name == "training":
+            raise OSError(28, "No space left on device")
+        real_write(folder, name, state)
+
+    monkeypatch.setattr(T, "write_state", full_disk)
+    with pytest.raises(T.TrainingStopped, match="No space left on device.*checkpoint-2"):
+        T.save_checkpoint(args, accelerator, run, 4)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]
+    assert T.list_checkpoints(tmp_path) == [tmp_path / "checkpoint-2"]
+    assert T.load_checkpoint(tmp_path / "checkpoint-2", accelerator, run) == 2
+
+
+def test_disk_full_while_caching_keeps_complete_entries(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from accelerate import PartialState
+
+    PartialState()
+    store = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    store["kept"] = torch.ones(2)
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(T.TrainingStopped, match="No space left"):
+        store["lost"] = torch.zeros(2)
+    fresh = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    assert "kept" in fresh and "lost" not in fresh and not list(tmp_path.rglob("*.tmp"))
+
+
+# ---------------------------------------------------------------------------------------------------- security
+
+
+def test_hub_token_never_reaches_logs_trackers_or_outputs(tiny_model, images, tmp_path):
+    token = "hf_NeverWriteThisToken123"
+    out = tmp_path / "out"
+    proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "2", "--checkpointing_steps", "1",
+                            "--hub_token", token, "--report_to", "tensorboard", "--validation_prompt", "a dog",
+                            "--num_validation_images", "1"))
+    assert token not in proc.stdout + proc.stderr
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any("events.out.tfevents" in p.name for p in files)  # the tracker config was written...
+    assert not [p for p in files if token.encode() in p.read_bytes()]  # ...without the token
+    checkpoint_files = {p.suffix for p in out.glob("checkpoint-*/*")}
+    assert checkpoint_files == {".safetensors", ".json"}  # nothing to unpickle
+    json.loads((out / "checkpoint-2" / T.TRAINER_STATE_NAME).read_text())
