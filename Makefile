@@ -30,6 +30,7 @@ test: venv
 # Builds a kilobyte-sized random FLUX.2 pipeline plus six images, then trains 8 steps on CPU.
 demo: venv
 	$(PY) tests/tiny_flux2.py $(DEMO)
+	rm -rf $(DEMO)/output  # a fresh run each time
 	HF_HUB_OFFLINE=1 $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 \
 	  --mixed_precision no --dynamo_backend no train_dreambooth_lora_flux2.py \
 	  --pretrained_model_name_or_path $(DEMO)/tiny-flux2 --instance_data_dir $(DEMO)/images \

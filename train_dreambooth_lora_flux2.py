@@ -15,19 +15,24 @@ Trains PEFT LoRA adapters on the `Flux2Transformer2DModel` of a FLUX.2 checkpoin
 
 What is cached and what stays random:
 - Samples are the instance images times `--repeats` (with prior preservation, at least one sample per class
-  image, each paired with a class image, so every class image is seen every epoch). Each sample has an index.
+  image, each paired with a class image, so every class image is seen every epoch). Each sample has an index;
+  the dataset maps a sample (and epoch) to content keys, the caches map keys to tensors.
 - Prompt embeddings are always precomputed, once per unique text (instance prompt, captions, class prompt,
-  validation prompts), kept on the CPU and looked up by sample index. The text encoder is freed afterwards.
-- With `--cache_latents`, VAE latents are precomputed once per unique (image, bucket, crop, flip); the crop and
-  flip of each sample are drawn once, at cache time. Without it, crop and flip are drawn afresh every time a
-  sample is read, from a generator seeded by (seed, epoch, sample), so runs and resumes are reproducible.
+  validation prompts), and kept on the CPU (or on disk with --precompute_cache_dir, where later runs reuse
+  them). The text encoder is loaded only if some text is missing, and freed afterwards.
+- With `--cache_latents`, latents are precomputed once per unique (image, bucket, crop, orientation): the crop
+  of each sample is drawn once, at cache time; with --random_flip both orientations are cached and the flip is
+  still drawn at every use. Without it, crop and flip are drawn afresh every time a sample is read. Every draw
+  comes from a generator seeded by (seed, epoch, sample), so runs and resumes are reproducible.
 - Batches come from a bucket sampler: every batch holds one bucket, and the order of epoch e is a pure function
-  of (seed, e). Noise and timesteps are drawn from a generator seeded by (seed, micro-step, process).
+  of (seed, e). Noise, timesteps and posterior samples are drawn from a generator seeded by (seed, micro-step,
+  process).
 - Checkpoints record the global step; the epoch and position inside it follow from it, so a resumed run
   continues with exactly the batches a straight run would have seen.
 """
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -207,6 +212,9 @@ def validate_args(args):
                  "rank", "sample_batch_size", "validation_epochs"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("num_validation_images", "checkpoints_total_limit"):
+        if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "num_validation_images" else 1):
+            raise UsageError(f"--{flag} cannot be {getattr(args, flag)}")
     if args.max_train_steps is not None and args.max_train_steps < 1:
         raise UsageError(f"--max_train_steps must be at least 1, got {args.max_train_steps}")
     if args.aspect_ratio_buckets is not None:
@@ -778,8 +786,12 @@ def check_lora_targets(args):
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
 
-    config = Flux2Transformer2DModel.load_config(args.pretrained_model_name_or_path, subfolder="transformer",
-                                                 revision=args.revision, cache_dir=args.cache_dir)
+    try:
+        config = Flux2Transformer2DModel.load_config(args.pretrained_model_name_or_path, subfolder="transformer",
+                                                     revision=args.revision, cache_dir=args.cache_dir)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
+                         f"transformer config ({e})") from None
     with init_empty_weights():
         model = Flux2Transformer2DModel.from_config(config)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -829,8 +841,12 @@ def find_resume_checkpoint(args):
 def agree_seed(args, checkpoint, accelerator):
     """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
     seed = args.seed
-    if seed is None and checkpoint is not None:
-        seed = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
+        if seed is not None and seed != saved:
+            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
+                           "continue the original one exactly")
+        seed = saved if seed is None else seed
     if seed is None:
         seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
         logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
@@ -853,7 +869,9 @@ def generate_class_images(args, accelerator, seed, existing):
     """Fill --class_data_dir up to --num_class_images with images of the base model (each process a share)."""
     from diffusers import Flux2Pipeline
 
+    taken = {p.name for p in Path(args.class_data_dir).iterdir()}
     missing = args.num_class_images - existing
+    names = [n for n in (f"class-{i:05d}.png" for i in range(len(taken) + missing)) if n not in taken][:missing]
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
         args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
@@ -862,16 +880,16 @@ def generate_class_images(args, accelerator, seed, existing):
     pipeline.tokenizer = load_pipeline_tokenizer(args)
     pipeline.to(accelerator.device)
     pipeline.set_progress_bar_config(disable=True)
-    mine = list(range(existing, args.num_class_images))[accelerator.process_index::accelerator.num_processes]
+    mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
     batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
     logger.info(f"generating {missing} class images into {args.class_data_dir}")
     for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
-        generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i)) for i in batch]
+        generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i)) for i, _ in batch]
         images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution,
                           generator=generators, guidance_scale=args.guidance_scale, max_sequence_length=args.max_sequence_length,
                           text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
-        for i, image in zip(batch, images):
-            image.save(Path(args.class_data_dir, f"class-{i:05d}.png"))
+        for (_, name), image in zip(batch, images):
+            image.save(Path(args.class_data_dir, name))  # names not yet taken: existing images are never replaced
     del pipeline
     accelerator.wait_for_everyone()
 
@@ -887,7 +905,7 @@ def load_class_images(args, accelerator, seed):
     return records
 
 
-def build_data(args, instances, classes, seed, accelerator):
+def build_data(args, instances, classes, seed, accelerator, warn=True):
     """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
     buckets = resolve_buckets(args)
     dataset = DreamBoothDataset(instances, args.instance_prompt, buckets, repeats=args.repeats, classes=classes,
@@ -898,7 +916,7 @@ def build_data(args, instances, classes, seed, accelerator):
                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
     small = [r.name for r, b in zip(instances, dataset.image_buckets)
              if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]]
-    if small and accelerator.is_main_process:
+    if small and warn and accelerator.is_main_process:
         logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
                        f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
     if len(sampler) == 0:
@@ -1119,6 +1137,8 @@ def setup_optimizer(args, params, num_processes):
     if args.scale_lr:
         lr *= args.gradient_accumulation_steps * args.train_batch_size * num_processes
     if args.optimizer == "prodigy":
+        if args.use_8bit_adam:
+            logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
         try:
             import prodigyopt
         except ImportError:
@@ -1320,8 +1340,12 @@ class StopRequest:
 
     def __init__(self):
         self.signum = 0
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self):
+        """Back to the usual handlers: after the loop a signal must interrupt (final validation, upload)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
         if self.signum:
@@ -1383,7 +1407,8 @@ def train(args, accelerator, run, global_step):
     sample_log = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
     sample_log.parent.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()
-    with sample_log.open("a", buffering=1) as sample_log:  # line-buffered: readable while training runs
+    with sample_log.open("a", buffering=1) as sample_log, contextlib.ExitStack() as cleanup:
+        cleanup.callback(stop.restore)  # sample_log is line-buffered: readable while training runs
         while global_step < args.max_train_steps:
             epoch, position = divmod(micro, batches_per_epoch)
             run["sampler"].set_epoch(epoch, start=position)
@@ -1415,7 +1440,7 @@ def train(args, accelerator, run, global_step):
                     break
             epoch_done = micro == (epoch + 1) * batches_per_epoch
             final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # same images
-            if (args.validation_prompt and epoch_done and (epoch + 1) % args.validation_epochs == 0
+            if (args.validation_prompt and args.num_validation_images and epoch_done and (epoch + 1) % args.validation_epochs == 0
                     and not final_follows and accelerator.is_main_process):
                 run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
     bar.close()
@@ -1461,10 +1486,13 @@ DreamBooth on the prompt `{args.instance_prompt}` for {args.max_train_steps} ste
 import torch
 from diffusers import Flux2Pipeline
 
-pipe = Flux2Pipeline.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16).to("cuda")
+pipe = Flux2Pipeline.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
+pipe.enable_model_cpu_offload()  # the text encoder alone is ~48 GB in bf16
 pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
 image = pipe("{prompt or args.instance_prompt}").images[0]
 ```
+
+(Loading the Hub tokenizer as a PixtralProcessor needs `torchvision`.)
 
 License: the base model's license applies.
 """
@@ -1517,11 +1545,12 @@ def main(argv=None):
     weight_dtype = weight_dtype_of(accelerator)
     instances = load_instance_images(args)
     checkpoint = find_resume_checkpoint(args)
-    check_lora_targets(args)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
-    if args.with_prior_preservation:  # fail fast on the batch size, before class images are generated
-        build_data(args, instances, [None] * args.num_class_images, seed, accelerator)
+    # fail fast on the batch size and LoRA targets, before class images are generated or models loaded
+    build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
+               warn=False)
+    check_lora_targets(args)
     classes = load_class_images(args, accelerator, seed)
     dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)

@@ -85,12 +85,18 @@ def test_captions_reach_the_prompt_cache(tiny_model, images, tmp_path):
 
 def test_prior_preservation_generates_missing_class_images(tiny_model, images, tmp_path):
     class_dir = tmp_path / "class"
+    class_dir.mkdir()
+    from PIL import Image
+
+    Image.new("RGB", (40, 40), (1, 2, 3)).save(class_dir / "class-00001.png")  # the user's own, mid-numbering
+    before = (class_dir / "class-00001.png").read_bytes()
     out = tmp_path / "out"
     proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "2", "--with_prior_preservation",
                             "--class_data_dir", class_dir, "--class_prompt", "a photo of a dog",
                             "--num_class_images", "8", "--sample_batch_size", "3"))
     generated = sorted(p.name for p in class_dir.iterdir())
     assert generated == [f"class-{i:05d}.png" for i in range(8)]
+    assert (class_dir / "class-00001.png").read_bytes() == before  # never overwritten
     assert "Generating class images" in proc.stderr
     assert "8 samples" in proc.stderr  # more class images than instance samples: every class image gets a sample
     assert_lora_works(tiny_model, out)

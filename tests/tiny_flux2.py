@@ -1,10 +1,11 @@
-"""Tiny random FLUX.2 [dev] pipeline and a small image set, for CPU tests of the trainer.
+"""Tiny random FLUX.2 [dev] and [klein] pipelines and a small image set, for CPU tests of the trainer.
 
-The saved folder mirrors the Hub layout of black-forest-labs/FLUX.2-dev (model_index.json
-plus transformer/, vae/, text_encoder/, scheduler/, tokenizer/) so the trainer is exercised
-through exactly the same loading code paths, just with kilobyte-sized random weights.
+The saved folders mirror the Hub layouts of black-forest-labs/FLUX.2-dev and FLUX.2-klein-4B
+(model_index.json plus transformer/, vae/, text_encoder/, scheduler/, tokenizer/) so the trainer
+is exercised through exactly the same loading code paths, just with kilobyte-sized random weights.
 
-Usage:  python tests/tiny_flux2.py OUT_DIR   ->  OUT_DIR/tiny-flux2 and OUT_DIR/images
+Usage:  python tests/tiny_flux2.py OUT_DIR
+        ->  OUT_DIR/tiny-flux2, OUT_DIR/tiny-flux2-klein (base, not distilled) and OUT_DIR/images
 """
 
 import json
@@ -52,6 +53,35 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
 )
 
+# --- FLUX.2 [klein]: Qwen3 text encoder -------------------------------------------------------
+# Same role as TEXT_ENCODER_OUT_LAYERS: pass `text_encoder_out_layers=KLEIN_TEXT_ENCODER_OUT_LAYERS`
+# (the real default (9, 18, 27) does not exist in the 3-layer encoder). Layer 3 is the last one,
+# which transformers returns after the final RMSNorm (the real layers are all pre-norm states).
+KLEIN_TEXT_HIDDEN_SIZE = 16
+KLEIN_TEXT_ENCODER_OUT_LAYERS = (1, 2, 3)
+KLEIN_JOINT_ATTENTION_DIM = KLEIN_TEXT_HIDDEN_SIZE * len(KLEIN_TEXT_ENCODER_OUT_LAYERS)
+# Qwen3 names; trained first, so these are the ids 0..4 (Qwen3 has no <unk>/<s>).
+KLEIN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+KLEIN_PAD_ID, KLEIN_IM_START_ID, KLEIN_IM_END_ID, KLEIN_THINK_ID, KLEIN_END_THINK_ID = range(5)
+# "<|im_start|>user\n" precedes the caption and
+# "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n" follows it (9 tokens).
+KLEIN_PROMPT_PREFIX_TOKENS = 3
+KLEIN_PROMPT_SUFFIX_TOKENS = 9
+
+# Qwen3's ChatML template, cut down to plain-string content; like the real one it closes an empty
+# think block when the caller passes enable_thinking=False (as Flux2KleinPipeline does).
+KLEIN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
 # (width, height, caption or None); None means "no .txt file" so loaders see a missing caption.
 IMAGE_SPECS = [
     (64, 40, "a photo of sks dog on a red sofa"),
@@ -68,43 +98,93 @@ IMAGE_SIZES = sorted({(w, h) for w, h, _ in IMAGE_SPECS})  # (width, height), al
 # constants stay cheap to import.
 
 
-def _corpus():
-    # Training the BPE on the system message and caption vocabulary makes those words single
-    # tokens: a realistic ~30-token system prefix and distinct tokens per caption word.
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-    words = (
-        "a an the of on in at to with and or next across near under over behind photo picture "
+_WORDS = (
+    "a an the of on in at to with and or next across near under over behind photo picture "
         "portrait close up shot image painting drawing render of sks dog cat person man woman "
         "child car house tree flower sofa chair table door window park street beach mountain "
         "river sky cloud sun moon night day morning evening red green blue yellow orange purple "
         "black white gray pink brown bright dark small big tall short old young happy sad "
         "running sitting standing walking jumping sleeping wearing holding looking eating hat "
         "eyes face hands ball toy book cup light shadow water grass snow rain wooden metal "
-        "glass stone soft sharp blurry detailed realistic colorful style high quality art"
-    )
-    lines = [SYSTEM_MESSAGE, words] + [c for _, _, c in IMAGE_SPECS if c]
+    "glass stone soft sharp blurry detailed realistic colorful style high quality art"
+)
+
+
+def _corpus():
+    # Training the BPE on the system message and caption vocabulary makes those words single
+    # tokens: a realistic ~30-token system prefix and distinct tokens per caption word.
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    lines = [SYSTEM_MESSAGE, _WORDS] + [c for _, _, c in IMAGE_SPECS if c]
     return lines * 3
+
+
+def _klein_corpus():
+    # The chat-template pieces make "user", "assistant", "\n\n" single tokens, as in Qwen3.
+    lines = ["user\n", "assistant\n", "system\n", "\n\n", _WORDS] + [c for _, _, c in IMAGE_SPECS if c]
+    return lines * 3
+
+
+def _train_bpe(model, pre_tokenizer, special_tokens, corpus, normalizer=None):
+    """Train a byte-level BPE (never emits <unk>) on `corpus`; special tokens get the first ids."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+
+    bpe = Tokenizer(model)
+    if normalizer is not None:
+        bpe.normalizer = normalizer
+    bpe.pre_tokenizer = pre_tokenizer
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=special_tokens, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    return bpe
 
 
 def build_tokenizer():
     """Byte-level BPE (never emits <unk>) wrapped as a fast tokenizer with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(_corpus(), trainer)
+    bpe = _train_bpe(models.BPE(unk_token="<unk>"), pre_tokenizers.ByteLevel(add_prefix_space=False),
+                     SPECIAL_TOKENS, _corpus())
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
         model_max_length=131072,
     )
     tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_klein_tokenizer():
+    """Qwen2Tokenizer (transformers' Qwen2TokenizerFast) over a tiny BPE with a Qwen3 chat template.
+
+    Transformers 5 rebuilds a Qwen2Tokenizer from tokenizer.json's vocab/merges with its own NFC
+    normalizer and Qwen2 split regex, so the BPE is trained with exactly that pipeline: the saved
+    tokenizer then encodes identically after AutoTokenizer.from_pretrained.
+    """
+    from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    bpe = _train_bpe(models.BPE(), pre_tokenizer, KLEIN_SPECIAL_TOKENS, _klein_corpus(),
+                     normalizer=normalizers.NFC())
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    # Special-token roles as in Qwen3's tokenizer_config.json.
+    tok = Qwen2TokenizerFast(
+        vocab=model["vocab"], merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=131072,
+    )
+    # <think> / </think> are added (never split) but not special tokens, as in Qwen3.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tok.chat_template = KLEIN_CHAT_TEMPLATE
     return tok
 
 
@@ -144,32 +224,11 @@ def build_tiny_flux2(path, hub_processor=True):
     from components. `hub_processor=False` names the fast tokenizer class instead, so passing
     `tokenizer=tok` (or nothing) works.
     """
-    import diffusers
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     os.makedirs(path, exist_ok=True)
-
-    torch.manual_seed(0)
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=JOINT_ATTENTION_DIM, timestep_guidance_channels=256,
-        axes_dims_rope=[4, 4, 4, 4], guidance_embeds=True,  # [dev] is guidance-distilled
-    )
-
-    torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(
-        sample_size=32, in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(4, 8), layers_per_block=1, latent_channels=1, norm_num_groups=1,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )
-    # Fresh BatchNorm stats are mean 0 / var 1, which would hide a trainer that forgets the
-    # latent normalisation; make them clearly non-trivial.
-    with torch.no_grad():
-        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean))
-        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) * 2.0 + 0.5)
+    transformer = _build_transformer(JOINT_ATTENTION_DIM, guidance_embeds=True)  # [dev] is guidance-distilled
+    vae = _build_vae()
 
     tok = build_tokenizer()
     assert len(tok) <= VOCAB_SIZE
@@ -191,27 +250,108 @@ def build_tiny_flux2(path, hub_processor=True):
     torch.manual_seed(0)
     text_encoder = Mistral3ForConditionalGeneration(config)
 
-    # Same shift settings as the real FLUX.2 [dev] scheduler; the pipeline always passes `mu`.
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    _save_models(path, transformer, vae, text_encoder)
+    _save_tokenizer(tok, os.path.join(path, "tokenizer"))
+    _write_model_index(
+        path, "Flux2Pipeline", text_encoder="Mistral3ForConditionalGeneration",
+        tokenizer="PixtralProcessor" if hub_processor else "PreTrainedTokenizerFast",
+    )
+    return path
 
+
+def build_tiny_flux2_klein(path, distilled=False):
+    """Build and save a deterministic tiny random FLUX.2 [klein] pipeline; return `path`.
+
+    Layout of black-forest-labs/FLUX.2-klein-4B: Qwen3ForCausalLM text encoder, Qwen2 fast
+    tokenizer with Qwen3's chat template, transformer without guidance embedding, and
+    `is_distilled` in model_index.json. `distilled=False` is a klein *base* model (real CFG with
+    guidance_scale > 1); `distilled=True` a step-distilled one (the pipeline ignores guidance_scale).
+    Encode prompts with `text_encoder_out_layers=KLEIN_TEXT_ENCODER_OUT_LAYERS`.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    transformer = _build_transformer(KLEIN_JOINT_ATTENTION_DIM, guidance_embeds=False)
+    vae = _build_vae()
+
+    tok = build_klein_tokenizer()
+    assert len(tok) <= VOCAB_SIZE
+    config = Qwen3Config(  # Qwen3-4B settings (tied embeddings, rope theta 1e6), shrunk
+        vocab_size=VOCAB_SIZE, hidden_size=KLEIN_TEXT_HIDDEN_SIZE, intermediate_size=37,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=KLEIN_PAD_ID, eos_token_id=KLEIN_IM_END_ID,
+    )
+    torch.manual_seed(0)
+    text_encoder = Qwen3ForCausalLM(config)
+
+    _save_models(path, transformer, vae, text_encoder)
+    tok.save_pretrained(os.path.join(path, "tokenizer"))  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    _write_model_index(path, "Flux2KleinPipeline", text_encoder="Qwen3ForCausalLM",
+                       tokenizer="Qwen2TokenizerFast", is_distilled=bool(distilled))
+    return path
+
+
+def _build_transformer(joint_attention_dim, guidance_embeds):
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=joint_attention_dim, timestep_guidance_channels=256,
+        axes_dims_rope=[4, 4, 4, 4], guidance_embeds=guidance_embeds,
+    )
+
+
+def _build_vae():
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(
+        sample_size=32, in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(4, 8), layers_per_block=1, latent_channels=1, norm_num_groups=1,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    # Fresh BatchNorm stats are mean 0 / var 1, which would hide a trainer that forgets the
+    # latent normalisation; make them clearly non-trivial.
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) * 2.0 + 0.5)
+    return vae
+
+
+def _save_models(path, transformer, vae, text_encoder):
+    """Save the three models and the scheduler into the Hub subfolders."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # Same shift settings as the real FLUX.2 schedulers; the pipelines always pass `mu`.
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     transformer.save_pretrained(os.path.join(path, "transformer"))
     vae.save_pretrained(os.path.join(path, "vae"))
     text_encoder.save_pretrained(os.path.join(path, "text_encoder"))
     scheduler.save_pretrained(os.path.join(path, "scheduler"))
-    _save_tokenizer(tok, os.path.join(path, "tokenizer"))
+
+
+def _write_model_index(path, class_name, text_encoder, tokenizer, **pipeline_config):
+    """model_index.json as DiffusionPipeline.save_pretrained writes it (sorted keys; pipeline
+    config entries such as klein's `is_distilled` sit beside the components)."""
+    import diffusers
 
     model_index = {
-        "_class_name": "Flux2Pipeline",
+        "_class_name": class_name,
         "_diffusers_version": diffusers.__version__,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Mistral3ForConditionalGeneration"],
-        "tokenizer": ["transformers", "PixtralProcessor" if hub_processor else "PreTrainedTokenizerFast"],
+        "text_encoder": ["transformers", text_encoder],
+        "tokenizer": ["transformers", tokenizer],
         "transformer": ["diffusers", "Flux2Transformer2DModel"],
         "vae": ["diffusers", "AutoencoderKLFlux2"],
+        **pipeline_config,
     }
     with open(os.path.join(path, "model_index.json"), "w") as f:
         json.dump(model_index, f, indent=2, sort_keys=True)
-    return path
 
 
 def make_images(folder, captions=True):
@@ -245,5 +385,6 @@ if __name__ == "__main__":
         sys.exit("usage: python tests/tiny_flux2.py OUT_DIR")
     out = sys.argv[1]
     print(build_tiny_flux2(os.path.join(out, "tiny-flux2")))
+    print(build_tiny_flux2_klein(os.path.join(out, "tiny-flux2-klein")))
     make_images(os.path.join(out, "images"))
     print(os.path.join(out, "images"))
