@@ -64,6 +64,7 @@ logger = get_logger(__name__)
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
 DEFAULT_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # the diffusers example's default
@@ -136,6 +137,13 @@ def parse_args(argv=None):
     g.add_argument("--precompute_cache_dir", default=None, help="Persistent content-addressed cache of prompt embeddings (and latents with --cache_latents); reruns encode only what changed.")
     g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode", help="Train on the VAE posterior mean, or draw from the posterior at every use (cached: mean and std).")
 
+    g = p.add_argument_group("training quality")
+    g.add_argument("--caption_dropout", type=float, default=0.0, help="Probability of training an instance sample on the empty prompt (class samples never).")
+    g.add_argument("--use_ema", action="store_true", help="Keep an exponential moving average of the LoRA; it is validated and saved as the final LoRA.")
+    g.add_argument("--ema_decay", type=float, default=0.999, help="EMA decay, warmed up as min(decay, (1 + t) / (10 + t)).")
+    g.add_argument("--ema_device", default="cpu", help="Where the EMA lives (cpu: no GPU memory).")
+    g.add_argument("--masked_loss", action="store_true", help="Weight the loss by a mask: <stem>_mask.png beside an image, else its alpha channel.")
+
     g = p.add_argument_group("LoRA")
     g.add_argument("--rank", type=int, default=4, help="LoRA rank.")
     g.add_argument("--lora_alpha", type=int, default=4, help="LoRA alpha; the update is scaled by alpha / rank.")
@@ -190,6 +198,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("validation")
     g.add_argument("--validation_prompt", default=None)
     g.add_argument("--validation_epochs", type=int, default=50, help="Validate every N epochs (the last epoch's are the final images).")
+    g.add_argument("--validation_steps", type=int, default=None, help="Also validate every N optimizer steps.")
     g.add_argument("--num_validation_images", type=int, default=4)
     g.add_argument("--validation_inference_steps", type=int, default=28, help="Denoising steps of validation images.")
     g.add_argument("--final_validation_prompt", default=None, help="Prompt of the final images when --validation_prompt is not given.")
@@ -221,6 +230,12 @@ def validate_args(args):
         parse_buckets(args.aspect_ratio_buckets)
     if args.resume_from_checkpoint not in (None, "latest") and not Path(args.resume_from_checkpoint).is_dir():
         raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such checkpoint folder")
+    if not 0.0 <= args.caption_dropout <= 1.0:
+        raise UsageError(f"--caption_dropout is a probability, got {args.caption_dropout}")
+    if not 0.0 <= args.ema_decay < 1.0:
+        raise UsageError(f"--ema_decay must be in [0, 1), got {args.ema_decay}")
+    if args.validation_steps is not None and args.validation_steps < 1:
+        raise UsageError(f"--validation_steps must be at least 1, got {args.validation_steps}")
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UsageError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
@@ -308,6 +323,7 @@ class ImageRecord:
     caption: str | None = None
     path: str | None = None
     image: object = None
+    mask_path: str | None = None  # <stem>_mask.png beside the image
 
     def content_hash(self):
         """SHA-256 of the file's bytes (a renamed copy hashes the same), or of a dataset row's pixels."""
@@ -318,6 +334,15 @@ class ImageRecord:
     def load(self):
         image = Image.open(self.path) if self.path is not None else self.image
         return to_rgb(ImageOps.exif_transpose(image))
+
+    def load_mask(self):
+        """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
+        if self.mask_path is not None:
+            return ImageOps.exif_transpose(Image.open(self.mask_path)).convert("L")
+        image = ImageOps.exif_transpose(Image.open(self.path) if self.path is not None else self.image)
+        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+            return image.convert("RGBA").getchannel("A")
+        return None
 
 
 def to_rgb(image, background=NEUTRAL_GREY):
@@ -348,9 +373,13 @@ def scan_image_folder(folder, read_captions=True):
     if not folder.is_dir():
         raise UsageError(f"{folder}: no such folder")
     records, bad, empty_captions = [], [], []
-    for path in sorted(folder.iterdir()):
-        if path.name.startswith(".") or path.suffix.lower() not in IMAGE_EXTENSIONS or not path.is_file():
-            continue
+    candidates = [p for p in sorted(folder.iterdir())
+                  if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
+    stems = {p.stem for p in candidates}
+    masks = {p.stem[: -len("_mask")]: p for p in candidates if p.stem.endswith("_mask") and p.stem[: -len("_mask")] in stems}
+    for path in candidates:
+        if path in masks.values():
+            continue  # x_mask.png beside x.png is x's loss mask, not a training image
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -369,7 +398,9 @@ def scan_image_folder(folder, read_captions=True):
                 bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
             if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
                 empty_captions.append(txt.name)
-        records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path)))
+        mask = masks.get(path.stem)
+        records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
+                                   mask_path=str(mask) if mask else None))
     if bad:
         raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
     if empty_captions:
@@ -404,7 +435,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), class_prompt=None, seed=0,
-                 center_crop=False, random_flip=False, with_pixels=True, fixed_crops=False):
+                 center_crop=False, random_flip=False, with_pixels=True, fixed_crops=False, with_masks=False):
         if not instances:
             raise UsageError("no instance images found")
         self.instances, self.classes = list(instances), list(classes)
@@ -412,6 +443,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         self.buckets, self.seed = list(buckets), seed
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
         self.fixed_crops = fixed_crops  # latent caching: crops drawn once (epoch 0); flips stay live
+        self.with_masks = with_masks
         self.num_samples = max(len(self.instances) * repeats, len(self.classes))
         self.image_buckets = [nearest_bucket(r.size[1], r.size[0], self.buckets) for r in self.instances]
         self.epoch = 0
@@ -470,6 +502,17 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         kind, image_id, bucket, *transform = key
         return image_to_tensor(self.record(kind, image_id).load(), transform, bucket)
 
+    def mask(self, key):
+        """The loss mask of a latent key, transformed like its pixels -> [1, H, W] in [0, 1] (ones: no mask)."""
+        kind, image_id, bucket, (rh, rw), top, left, flip = key
+        mask = self.record(kind, image_id).load_mask() if kind == "instance" else None
+        if mask is None:
+            return torch.ones(1, *bucket)
+        mask = mask.resize((rw, rh), Image.Resampling.BILINEAR).crop((left, top, left + bucket[1], top + bucket[0]))
+        if flip:
+            mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
+
     def content_key(self, key):
         """A latent key with the image id replaced by a hash of the image's bytes: stable across renames."""
         kind, image_id, *rest = key
@@ -477,18 +520,33 @@ class DreamBoothDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         item = {"index": index}
+        keys = [self.latent_key(s, self.epoch) for s in self.slots([index])]
         if self.with_pixels:
-            item["pixel_values"] = torch.stack([self.pixels(self.latent_key(s, self.epoch)) for s in self.slots([index])])
+            item["pixel_values"] = torch.stack([self.pixels(k) for k in keys])
+            if self.with_masks:
+                item["masks"] = torch.stack([self.mask(k) for k in keys])
         return item
 
 
 def collate(examples):
-    """-> {"indices": [B], "pixel_values": [B * parts, 3, H, W] laid out as DreamBoothDataset.slots}."""
+    """-> {"indices": [B], "pixel_values": [B * parts, 3, H, W], "masks": [B * parts, 1, H, W]}, rows laid out
+    as DreamBoothDataset.slots (all instance parts, then all class parts)."""
     batch = {"indices": [ex["index"] for ex in examples]}
-    if "pixel_values" in examples[0]:
-        parts = examples[0]["pixel_values"].shape[0]  # 1, or 2 with a class image
-        batch["pixel_values"] = torch.stack([ex["pixel_values"][k] for k in range(parts) for ex in examples])
+    for name in ("pixel_values", "masks"):
+        if name in examples[0]:
+            parts = examples[0][name].shape[0]  # 1, or 2 with a class image
+            batch[name] = torch.stack([ex[name][k] for k in range(parts) for ex in examples])
     return batch
+
+
+def reduce_mask(mask, latent_hw):
+    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
+    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
+
+
+def drop_captions(keys, num_instance, probability, rng):
+    """Replace each of the first `num_instance` prompt keys (instance rows) by "" with `probability`."""
+    return ["" if i < num_instance and rng.random() < probability else k for i, k in enumerate(keys)]
 
 
 class BucketBatchSampler(torch.utils.data.Sampler):
@@ -641,12 +699,57 @@ def draw_latents(params, generator):
     return mean + std * eps
 
 
-def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight):
+class LoraEMA:
+    """Exponential moving average of the trainable (LoRA) parameters, kept in float32 on `device` (the CPU by
+    default, so it costs no GPU memory). It starts at the weights of the first optimizer step (not the random
+    init) and warms up: decay_t = min(decay, (1 + t) / (10 + t)), so early steps are not swamped."""
+
+    def __init__(self, named_params, decay, device="cpu"):
+        self.decay, self.device, self.step = decay, torch.device(device), 0
+        self.shadow = {n: p.detach().to(self.device, torch.float32, copy=True) for n, p in named_params.items()}
+
+    @torch.no_grad()
+    def update(self, named_params):
+        self.step += 1
+        decay = 0.0 if self.step == 1 else min(self.decay, (1 + self.step) / (10 + self.step))
+        for name, param in named_params.items():
+            self.shadow[name].mul_(decay).add_(param.detach().to(self.device, torch.float32), alpha=1 - decay)
+
+    def state_dict(self):
+        return {"step": self.step, "shadow": self.shadow}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+        self.shadow = {n: v.to(self.device, torch.float32) for n, v in state["shadow"].items()}
+
+    @contextlib.contextmanager
+    def applied(self, named_params):
+        """Temporarily put the averaged weights into the model (validation, saving); the raw ones come back."""
+        raw = {n: p.detach().clone() for n, p in named_params.items()}
+        with torch.no_grad():
+            for name, param in named_params.items():
+                param.copy_(self.shadow[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in named_params.items():
+                    param.copy_(raw[name])
+
+
+def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight, mask=None):
     """Weighted MSE per sample; the first `num_instance` rows are instance samples, the rest class samples.
 
-    pred, target: [B, L, C] packed tokens; weighting: [B]. Returns instance loss + prior_loss_weight * class loss.
+    pred, target: [B, L, C] packed tokens; weighting: [B]; mask: [B, L, 1] token weights in [0, 1] or None.
+    A masked sample's loss is its mean over the mask, so its scale does not depend on the mask's area.
+    Returns instance loss + prior_loss_weight * class loss.
     """
-    per_sample = (weighting.float().view(-1, 1, 1) * (pred.float() - target.float()) ** 2).flatten(1).mean(1)
+    err = weighting.float().view(-1, 1, 1) * (pred.float() - target.float()) ** 2
+    if mask is None:
+        per_sample = err.flatten(1).mean(1)
+    else:
+        mask = mask.float()
+        per_sample = (err * mask).flatten(1).sum(1) / (mask.flatten(1).sum(1) * err.shape[-1]).clamp_min(1e-8)
     loss = per_sample[:num_instance].mean()
     if num_instance < per_sample.shape[0]:
         loss = loss + prior_loss_weight * per_sample[num_instance:].mean()
@@ -706,8 +809,9 @@ def encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length, out_la
         system_message=SYSTEM_MESSAGE, hidden_states_layers=list(out_layers))
 
 
-def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator):
-    """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D]; returns a scalar."""
+def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None):
+    """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D]; mask: [B, 1, h, w] or
+    None; returns a scalar."""
     from diffusers import Flux2Pipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
@@ -730,7 +834,8 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
     )[0][:, : packed.shape[1]]
     target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction
     weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
-    return flow_matching_loss(pred, target, weighting, num_instance, cfg.prior_loss_weight)
+    mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
+    return flow_matching_loss(pred, target, weighting, num_instance, cfg.prior_loss_weight, mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -911,7 +1016,7 @@ def build_data(args, instances, classes, seed, accelerator, warn=True):
     dataset = DreamBoothDataset(instances, args.instance_prompt, buckets, repeats=args.repeats, classes=classes,
                                 class_prompt=args.class_prompt, seed=seed, center_crop=args.center_crop,
                                 random_flip=args.random_flip, with_pixels=not args.cache_latents,
-                                fixed_crops=args.cache_latents)
+                                fixed_crops=args.cache_latents, with_masks=args.masked_loss)
     sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
     small = [r.name for r, b in zip(instances, dataset.image_buckets)
@@ -1030,6 +1135,7 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype):
     only if something is missing, and freed afterwards."""
     cache = SampleCache(prompt_store(args, weight_dtype))
     keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
+    keys += [""] if args.caption_dropout > 0 else []  # the dropped caption
     todo = cache.todo(keys)
     accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
     mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
@@ -1106,6 +1212,15 @@ def prepare_latents(args, accelerator, dataset, weight_dtype):
     return cache, vae, (latent_mean, latent_std)
 
 
+def prepare_masks(dataset, latents):
+    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
+    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
+    cache = SampleCache()
+    for key in dict.fromkeys(dataset.cached_latent_keys()):
+        cache.put(key, reduce_mask(dataset.mask(key)[None], latents[key].shape[-2:]))
+    return cache
+
+
 def load_transformer_with_lora(args, accelerator, weight_dtype):
     """Frozen transformer in the training dtype with float32 LoRA adapters on --lora_layers."""
     from diffusers import Flux2Transformer2DModel
@@ -1165,10 +1280,11 @@ def lora_state_dict(transformer, dtype=None):
     return {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
 
 
-def save_lora(transformer, folder, dtype=None):
+def save_lora(transformer, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
     from diffusers import Flux2Pipeline
 
     Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers=lora_state_dict(transformer, dtype),
+                                    weight_name=weight_name,
                                     transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
 
 
@@ -1237,7 +1353,8 @@ def save_checkpoint(args, accelerator, run, global_step):
         if accelerator.is_main_process:
             save_lora(accelerator.unwrap_model(run["transformer"]), partial)
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-            write_state(partial, "training", {"optimizer": run["optimizer"].state_dict(),
+            ema = run["ema"].state_dict() if run["ema"] is not None else None
+            write_state(partial, "training", {"optimizer": run["optimizer"].state_dict(), "ema": ema,
                                               "lr_scheduler": run["lr_scheduler"].state_dict(), "scaler": scaler})
     except OSError as e:  # disk full, quota, ...: never leave a half checkpoint that looks complete
         shutil.rmtree(partial, ignore_errors=True)
@@ -1269,6 +1386,8 @@ def load_checkpoint(checkpoint, accelerator, run):
     training = read_state(checkpoint, "training")
     run["optimizer"].load_state_dict(training["optimizer"])
     run["lr_scheduler"].load_state_dict(training["lr_scheduler"])
+    if run["ema"] is not None and training.get("ema") is not None:
+        run["ema"].load_state_dict(training["ema"])
     if accelerator.scaler is not None and training["scaler"] is not None:
         accelerator.scaler.load_state_dict(training["scaler"])
     rng_file = checkpoint / f"rng-{accelerator.process_index}.json"
@@ -1297,7 +1416,8 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     generator = torch.Generator(accelerator.device).manual_seed(seed_for("validation", run["seed"]))
     height, width = (args.resolution, args.resolution)
     images = []
-    with accelerator.autocast():
+    averaged = run["ema"].applied(run["named_params"]) if run.get("ema") else contextlib.nullcontext()
+    with accelerator.autocast(), averaged:
         for _ in range(args.num_validation_images):
             images.append(pipeline(prompt_embeds=prompt_embeds, height=height,
                                    width=width, num_inference_steps=args.validation_inference_steps,
@@ -1320,18 +1440,24 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     return paths
 
 
-def batch_inputs(batch, epoch, run, generator, device):
-    """A batch's cached (or freshly encoded) inputs on the device -> latents [B', C, h, w], embeds [B', L, D]
-    (B' = 2B with prior preservation: instance rows, then class rows)."""
+def batch_inputs(batch, epoch, run, generator, rng, device):
+    """A batch's cached (or freshly encoded) inputs on the device -> latents [B', C, h, w], embeds [B', L, D],
+    loss mask [B', 1, h, w] or None (B' = 2B with prior preservation: instance rows, then class rows).
+    `rng` draws caption dropout, `generator` posterior samples."""
     dataset, caches, dtype = run["dataset"], run["caches"], run["weight_dtype"]
     slots = dataset.slots(batch["indices"])
-    embeds = caches["prompts"].gather([dataset.prompt_key(s) for s in slots]).to(device, dtype, non_blocking=True)
+    texts = drop_captions([dataset.prompt_key(s) for s in slots], len(batch["indices"]), run["caption_dropout"], rng)
+    embeds = caches["prompts"].gather(texts).to(device, dtype, non_blocking=True)
     if "latents" in caches:
-        params = caches["latents"].gather([dataset.latent_key(s, epoch) for s in slots])
+        keys = [dataset.latent_key(s, epoch) for s in slots]
+        params = caches["latents"].gather(keys)
+        mask = caches["masks"].gather(keys) if "masks" in caches else None
     else:
         with torch.no_grad():
             params = encode_images(run["vae"], batch["pixel_values"], *run["latent_stats"], run["latent_sampling"])
-    return draw_latents(params.to(device, dtype, non_blocking=True), generator), embeds
+        mask = reduce_mask(batch["masks"], params.shape[-2:]) if "masks" in batch else None
+    latents = draw_latents(params.to(device, dtype, non_blocking=True), generator)
+    return latents, embeds, None if mask is None else mask.to(device, non_blocking=True)
 
 
 class StopRequest:
@@ -1368,9 +1494,10 @@ def micro_step(accelerator, run, batch, epoch, micro):
     """Forward and backward of one micro-batch -> (detached loss, latent size). Noise, timesteps and posterior
     draws come from a generator seeded by (seed, micro-step, process): a resumed run draws the same."""
     generator = torch.Generator(accelerator.device).manual_seed(seed_for("step", run["seed"], micro, accelerator.process_index))
-    latents, embeds = batch_inputs(batch, epoch, run, generator, accelerator.device)
+    rng = random.Random(seed_for("caption-dropout", run["seed"], micro, accelerator.process_index))
+    latents, embeds, mask = batch_inputs(batch, epoch, run, generator, rng, accelerator.device)
     loss = flow_matching_step(run["transformer"], latents, embeds, len(batch["indices"]), run["sigmas"],
-                              run["step_config"], generator)
+                              run["step_config"], generator, mask)
     accelerator.backward(loss)
     return loss.detach(), list(latents.shape[-2:])
 
@@ -1380,6 +1507,8 @@ def optimizer_step(args, accelerator, run):
     run["optimizer"].step()
     run["lr_scheduler"].step()
     run["optimizer"].zero_grad(set_to_none=True)
+    if run["ema"] is not None:
+        run["ema"].update(run["named_params"])
 
 
 def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
@@ -1433,6 +1562,10 @@ def train(args, accelerator, run, global_step):
                 tic = time.perf_counter()
                 if global_step % args.checkpointing_steps == 0 or signum:
                     save_checkpoint(args, accelerator, run, global_step)
+                if (args.validation_prompt and args.num_validation_images and args.validation_steps
+                        and global_step % args.validation_steps == 0 and accelerator.is_main_process
+                        and not (global_step >= args.max_train_steps and not args.skip_final_inference)):
+                    run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
                 if signum:
                     raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
                                           "with the same command plus --resume_from_checkpoint latest", 128 + signum)
@@ -1517,8 +1650,14 @@ def finish(args, accelerator, run):
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
-    save_lora(transformer, args.output_dir, torch.float32 if args.upcast_before_saving else run["weight_dtype"])
-    logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}")
+    dtype = torch.float32 if args.upcast_before_saving else run["weight_dtype"]
+    if run["ema"] is None:
+        save_lora(transformer, args.output_dir, dtype)
+    else:  # the average is the LoRA; the last raw weights go beside it
+        save_lora(transformer, args.output_dir, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
+        with run["ema"].applied(run["named_params"]):
+            save_lora(transformer, args.output_dir, dtype)
+    logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run["ema"] else ""))
     prompt = args.validation_prompt or args.final_validation_prompt
     paths = []
     if prompt and not args.skip_final_inference and args.num_validation_images > 0:
@@ -1559,6 +1698,8 @@ def main(argv=None):
     latent_cache, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype)
     if latent_cache is not None:
         caches["latents"] = latent_cache
+        if args.masked_loss:
+            caches["masks"] = prepare_masks(dataset, latent_cache)
     transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.optimization import get_scheduler
@@ -1582,8 +1723,11 @@ def main(argv=None):
     unwrapped = accelerator.unwrap_model(transformer)
     step_config = StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
                              args.guidance_scale if unwrapped.config.guidance_embeds else None, args.prior_loss_weight)
+    named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
+    ema = LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None
     run = dict(transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, dataset=dataset, sampler=sampler,
-               params=[p for p in transformer.parameters() if p.requires_grad], sigmas=scheduler.sigmas.float(),
+               params=list(named_params.values()), named_params=named_params, ema=ema,
+               caption_dropout=args.caption_dropout, sigmas=scheduler.sigmas.float(),
                loader=loader, caches=caches, vae=vae, latent_stats=latent_stats, latent_sampling=args.latent_sampling,
                scheduler=scheduler,
                seed=seed, weight_dtype=weight_dtype, step_config=step_config)

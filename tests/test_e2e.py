@@ -143,7 +143,8 @@ def test_resume_from_latest_checkpoint_matches_a_straight_run(tiny_model, images
     boundary, warm-up and LoRA dropout (global RNG): the resumed LoRA equals the straight one bit for bit."""
     (images / "img_05.png").unlink()
     common = ["--gradient_accumulation_steps", "2", "--max_train_steps", "5", "--checkpointing_steps", "2",
-              "--lr_scheduler", "linear", "--lr_warmup_steps", "2", "--lora_dropout", "0.1", "--random_flip"]
+              "--lr_scheduler", "linear", "--lr_warmup_steps", "2", "--lora_dropout", "0.1", "--random_flip",
+              "--use_ema", "--ema_decay", "0.9", "--caption_dropout", "0.3"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch(base_args(tiny_model, images, straight, *common))
     assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
@@ -152,8 +153,9 @@ def test_resume_from_latest_checkpoint_matches_a_straight_run(tiny_model, images
     shutil.copytree(straight / "checkpoint-4", resumed / "checkpoint-4.partial")  # killed while writing: ignored
     proc = launch(base_args(tiny_model, images, resumed, *common, "--resume_from_checkpoint", "latest"))
     assert "resumed from" in proc.stderr and "checkpoint-2" in proc.stderr
-    a, b = load_file(str(straight / LORA)), load_file(str(resumed / LORA))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name in (LORA, "pytorch_lora_weights_raw.safetensors"):  # the EMA (restored from the checkpoint) and raw
+        a, b = load_file(str(straight / name)), load_file(str(resumed / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sample_log(resumed) == sample_log(straight)[4:]  # the same batches, none repeated, none skipped
     assert {r["epoch"] for r in sample_log(straight)} == {0, 1}
 

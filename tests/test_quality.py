@@ -1,0 +1,151 @@
+"""Training-quality features: caption dropout, EMA of the LoRA, masked loss, step-based validation."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import base_args, launch
+from tests.tiny_flux2 import make_images
+
+LORA, RAW = "pytorch_lora_weights.safetensors", "pytorch_lora_weights_raw.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------------- caption dropout
+
+
+def test_caption_dropout_replaces_instance_prompts_only_and_is_seeded():
+    keys = ["cap a", "cap b", "cap c", "class", "class", "class"]
+    assert T.drop_captions(keys, 3, 0.0, random.Random(0)) == keys
+    assert T.drop_captions(keys, 3, 1.0, random.Random(0)) == ["", "", "", "class", "class", "class"]
+    draws = [T.drop_captions(keys, 3, 0.5, random.Random(T.seed_for("caption-dropout", 0, m, 0))) for m in range(400)]
+    assert all(d[3:] == keys[3:] for d in draws)  # class samples are never dropped
+    assert 0.4 < sum(d[:3].count("") for d in draws) / 1200 < 0.6
+    assert draws == [T.drop_captions(keys, 3, 0.5, random.Random(T.seed_for("caption-dropout", 0, m, 0))) for m in range(400)]
+
+
+# ---------------------------------------------------------------------------------------------------- EMA
+
+
+def _params():
+    return {"a.lora_A.weight": torch.nn.Parameter(torch.zeros(2, 3)), "a.lora_B.weight": torch.nn.Parameter(torch.ones(3))}
+
+
+def test_ema_with_decay_zero_is_the_raw_weights_and_warmup_follows_the_formula():
+    params = _params()
+    ema0, ema = T.LoraEMA(params, 0.0), T.LoraEMA(params, 0.9)
+    expected = None
+    for step in range(1, 8):
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(torch.randn_like(p))
+        ema0.update(params)
+        ema.update(params)
+        decay = 0.0 if step == 1 else min(0.9, (1 + step) / (10 + step))
+        expected = {n: p.detach().clone() if expected is None else decay * expected[n] + (1 - decay) * p.detach()
+                    for n, p in params.items()}
+        assert all(torch.equal(ema0.shadow[n], p.detach()) for n, p in params.items())
+        assert all(torch.allclose(ema.shadow[n], expected[n], atol=1e-6) for n in params)
+
+
+def test_ema_applied_swaps_in_the_average_and_restores_the_raw_weights():
+    params = _params()
+    ema = T.LoraEMA(params, 0.5)
+    ema.shadow = {n: torch.full_like(p, 7.0) for n, p in params.items()}
+    raw = {n: p.detach().clone() for n, p in params.items()}
+    with ema.applied(params):
+        assert all((p == 7.0).all() for p in params.values())
+    assert all(torch.equal(p, raw[n]) for n, p in params.items())
+    restored = T.LoraEMA(params, 0.5)
+    restored.load_state_dict(ema.state_dict())
+    assert restored.step == ema.step and all(torch.equal(restored.shadow[n], ema.shadow[n]) for n in params)
+
+
+def test_ema_lora_matches_a_reference_ema_of_the_checkpointed_raw_weights(tiny_model, images, tmp_path):
+    out = tmp_path / "out"
+    launch(base_args(tiny_model, images, out, "--max_train_steps", "5", "--checkpointing_steps", "1", "--use_ema",
+                     "--ema_decay", "0.8", "--validation_prompt", "a dog", "--validation_steps", "2",
+                     "--num_validation_images", "1"))
+    raws = [load_file(str(out / f"checkpoint-{s}" / LORA)) for s in range(1, 6)]  # checkpoints hold raw weights
+    reference = dict(raws[0])
+    for step, raw in enumerate(raws[1:], start=2):
+        decay = min(0.8, (1 + step) / (10 + step))
+        reference = {k: decay * reference[k] + (1 - decay) * raw[k] for k in raw}
+    final, final_raw = load_file(str(out / LORA)), load_file(str(out / RAW))
+    assert final.keys() == reference.keys()
+    assert all(torch.allclose(final[k], reference[k], rtol=1e-5, atol=1e-7) for k in final)
+    assert all(torch.equal(final_raw[k], raws[-1][k]) for k in final_raw)
+    assert any(not torch.equal(final[k], final_raw[k]) for k in final)
+    names = sorted(p.name for p in (out / "validation").iterdir())
+    assert names == ["final-0.png", "step-000002-0.png", "step-000004-0.png"]  # tagged with the step
+
+
+# ---------------------------------------------------------------------------------------------------- masked loss
+
+
+def test_masked_loss_gives_no_gradient_outside_the_mask():
+    pred = torch.randn(2, 6, 4, requires_grad=True)
+    target = torch.randn(2, 6, 4)
+    mask = torch.tensor([[1, 1, 0, 0, 0.5, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.float32)[..., None]
+    loss = T.flow_matching_loss(pred, target, torch.ones(2), 1, 1.0, mask)
+    loss.backward()
+    assert (pred.grad[0, [2, 3, 5]] == 0).all() and (pred.grad[0, [0, 1, 4]] != 0).all()
+    assert (pred.grad[1] != 0).all()  # the class row (mask of ones) is unmasked
+    unmasked = T.flow_matching_loss(pred, target, torch.ones(2), 1, 1.0)
+    assert torch.allclose(T.flow_matching_loss(pred, target, torch.ones(2), 1, 1.0, torch.ones(2, 6, 1)), unmasked)
+
+
+def test_reduce_mask_is_the_share_of_pixels_per_token():
+    mask = torch.zeros(1, 1, 8, 8)
+    mask[..., :, :4] = 1
+    mask[..., :2, 4:6] = 1
+    reduced = T.reduce_mask(mask, (2, 2))
+    assert reduced.shape == (1, 1, 2, 2) and reduced[0, 0].tolist() == [[1.0, 0.25], [1.0, 0.0]]
+
+
+def test_mask_files_and_alpha_become_masks_that_follow_crop_and_flip(tmp_path):
+    image = np.zeros((32, 64, 3), np.uint8)
+    image[:, :16] = 255
+    Image.fromarray(image).save(tmp_path / "a.png")
+    mask = np.zeros((32, 64), np.uint8)
+    mask[:, :16] = 255  # the mask marks the white stripe
+    Image.fromarray(mask).save(tmp_path / "a_mask.png")
+    rgba = np.zeros((32, 32, 4), np.uint8)
+    rgba[:, :8, 3] = 255
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "b.png")
+    Image.new("RGB", (32, 32)).save(tmp_path / "lonely_mask.png")  # no "lonely.png": an ordinary image
+    records = T.scan_image_folder(tmp_path)
+    assert [r.name for r in records] == ["a.png", "b.png", "lonely_mask.png"]
+    assert records[0].mask_path.endswith("a_mask.png") and records[1].mask_path is None
+    ds = T.DreamBoothDataset(records, "p", [(32, 32)], random_flip=True, with_masks=True, seed=0)
+    for epoch in range(6):
+        key = ds.latent_key(0, epoch)
+        pixels, m = ds.pixels(key), ds.mask(key)
+        assert m.shape == (1, 32, 32)
+        white = pixels[0] > 0.5
+        assert torch.equal(m[0] > 0.5, white)  # the mask went through the same crop and flip as its image
+    key = ds.latent_key(1, 0)
+    alpha = ds.mask(key)[0]  # b.png has no mask file: its opaque left quarter is the mask
+    opaque = alpha[:, -8:] if key[-1] else alpha[:, :8]
+    assert opaque.min() > 0.99 and alpha.sum() == pytest.approx(alpha.numel() / 4)
+    assert (ds.mask(ds.latent_key(2, 0)) == 1).all()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_masked_loss_trains_with_mask_files_and_alpha(cached, tiny_model, tmp_path):
+    folder = tmp_path / "images"
+    make_images(str(folder))
+    mask = np.zeros((40, 64), np.uint8)
+    mask[:, :20] = 255
+    Image.fromarray(mask).save(folder / "img_00_mask.png")
+    rgba = np.full((48, 48, 4), 200, np.uint8)
+    rgba[:, 24:, 3] = 0
+    Image.fromarray(rgba, "RGBA").save(folder / "img_05.png")
+    out = tmp_path / "out"
+    launch(base_args(tiny_model, folder, out, "--max_train_steps", "6", "--masked_loss",
+                     "--caption_dropout", "0.5", *(["--cache_latents"] if cached else [])))
+    assert (out / LORA).is_file()
