@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -68,6 +69,20 @@ RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
 DEFAULT_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # the diffusers example's default
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between FLUX.2 checkpoints, read from their model_index.json; the rest is shared."""
+
+    name: str
+    pipeline: str  # diffusers class
+    text_encoder: str  # transformers class
+    distilled: bool = False  # [klein] distilled checkpoints sample in a few steps without CFG
+
+
+FAMILIES = {"Flux2Pipeline": ("FLUX.2 [dev]", "Mistral3ForConditionalGeneration"),
+            "Flux2KleinPipeline": ("FLUX.2 [klein]", "Qwen3ForCausalLM")}
 
 
 class UsageError(Exception):
@@ -129,7 +144,7 @@ def parse_args(argv=None):
     g.add_argument("--center_crop", action="store_true", help="Center crop after resizing (default: random crop).")
     g.add_argument("--random_flip", action="store_true", help="Randomly flip images horizontally.")
     g.add_argument("--max_sequence_length", type=int, default=512, help="Text tokens per prompt, system message included.")
-    g.add_argument("--text_encoder_out_layers", type=int, nargs="+", default=[10, 20, 30], help="Text-encoder hidden layers stacked into the prompt embedding.")
+    g.add_argument("--text_encoder_out_layers", type=int, nargs="+", default=None, help="Text-encoder hidden layers stacked into the prompt embedding (default: the model family's, from its diffusers pipeline: [dev] 10 20 30, [klein] 9 18 27).")
     g.add_argument("--dataloader_num_workers", type=int, default=0, help="DataLoader worker processes (0: main process).")
 
     g = p.add_argument_group("caching")
@@ -177,7 +192,7 @@ def parse_args(argv=None):
     g.add_argument("--logit_mean", type=float, default=0.0)
     g.add_argument("--logit_std", type=float, default=1.0)
     g.add_argument("--mode_scale", type=float, default=1.29)
-    g.add_argument("--guidance_scale", type=float, default=3.5, help="Guidance embedding value of FLUX.2 [dev] in training and validation.")
+    g.add_argument("--guidance_scale", type=float, default=3.5, help="Guidance embedding value of FLUX.2 [dev] in training and validation ([klein] has no guidance embedding).")
     g.add_argument("--seed", type=int, default=None, help="Seed of everything random; drawn and logged when absent.")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="Overrides the accelerate config.")
     g.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
@@ -200,7 +215,8 @@ def parse_args(argv=None):
     g.add_argument("--validation_epochs", type=int, default=50, help="Validate every N epochs (the last epoch's are the final images).")
     g.add_argument("--validation_steps", type=int, default=None, help="Also validate every N optimizer steps.")
     g.add_argument("--num_validation_images", type=int, default=4)
-    g.add_argument("--validation_inference_steps", type=int, default=28, help="Denoising steps of validation images.")
+    g.add_argument("--validation_inference_steps", type=int, default=None, help="Denoising steps of validation images (default: the pipeline's; 4 for distilled [klein]).")
+    g.add_argument("--validation_guidance_scale", type=float, default=None, help="[klein] classifier-free guidance of validation images (default: the pipeline's; 1.0 when distilled). [dev] uses --guidance_scale.")
     g.add_argument("--final_validation_prompt", default=None, help="Prompt of the final images when --validation_prompt is not given.")
     g.add_argument("--skip_final_inference", action="store_true")
     return p.parse_args(argv)
@@ -799,14 +815,18 @@ def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
     return torch.stack([mean, std], dim=1)
 
 
-def encode_prompts(text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
-    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as Flux2Pipeline does."""
-    from diffusers import Flux2Pipeline
+def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
+    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
+    encodes them ([dev]: Mistral chat with FLUX.2's system message; [klein]: Qwen3 chat)."""
+    import diffusers
+
+    kwargs = dict(text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts),
+                  max_sequence_length=max_sequence_length, hidden_states_layers=list(out_layers))
+    if family.pipeline == "Flux2KleinPipeline":
+        return diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(**kwargs)
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
-    return Flux2Pipeline._get_mistral_3_small_prompt_embeds(
-        text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts), max_sequence_length=max_sequence_length,
-        system_message=SYSTEM_MESSAGE, hidden_states_layers=list(out_layers))
+    return diffusers.Flux2Pipeline._get_mistral_3_small_prompt_embeds(system_message=SYSTEM_MESSAGE, **kwargs)
 
 
 def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None):
@@ -958,6 +978,51 @@ def agree_seed(args, checkpoint, accelerator):
     return seed
 
 
+def detect_family(args):
+    """The checkpoint's family from its model_index.json (a small file; no weights are read)."""
+    root = Path(args.pretrained_model_name_or_path)
+    try:
+        if root.is_dir():
+            index = root / "model_index.json"
+        else:
+            from huggingface_hub import hf_hub_download
+
+            index = hf_hub_download(args.pretrained_model_name_or_path, "model_index.json", revision=args.revision,
+                                    cache_dir=args.cache_dir)
+        config = json.loads(Path(index).read_text())
+    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
+                         f"model_index.json ({e})") from None
+    if config.get("_class_name") not in FAMILIES:
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
+                         f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
+    name, text_encoder = FAMILIES[config["_class_name"]]
+    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
+
+
+def pipeline_default(family, method, parameter):
+    """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
+    import diffusers
+
+    return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
+
+
+def resolve_family_defaults(args, family):
+    """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
+    layers = list(pipeline_default(family, "encode_prompt", "text_encoder_out_layers"))
+    if args.text_encoder_out_layers is None:
+        args.text_encoder_out_layers = layers
+    elif list(args.text_encoder_out_layers) != layers:
+        logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
+                       f"default {layers}")
+    if args.validation_inference_steps is None:
+        args.validation_inference_steps = 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
+    if args.validation_guidance_scale is None:
+        args.validation_guidance_scale = 1.0 if family.distilled else pipeline_default(family, "__call__", "guidance_scale")
+    logger.info(f"{family.name}{' (distilled)' if family.distilled else ''}: text-encoder layers "
+                f"{args.text_encoder_out_layers}, validation with {args.validation_inference_steps} steps")
+
+
 def load_pipeline_tokenizer(args):
     """The FLUX.2 tokenizer without torchvision: the Hub's PixtralProcessor folder holds a plain fast tokenizer."""
     from transformers import AutoTokenizer
@@ -970,9 +1035,9 @@ def load_pipeline_tokenizer(args):
     return tokenizer
 
 
-def generate_class_images(args, accelerator, seed, existing):
+def generate_class_images(args, accelerator, seed, existing, family):
     """Fill --class_data_dir up to --num_class_images with images of the base model (each process a share)."""
-    from diffusers import Flux2Pipeline
+    import diffusers
 
     taken = {p.name for p in Path(args.class_data_dir).iterdir()}
     missing = args.num_class_images - existing
@@ -980,8 +1045,9 @@ def generate_class_images(args, accelerator, seed, existing):
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
         args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
-    pipeline = Flux2Pipeline.from_pretrained(args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision,
-                                             variant=args.variant, torch_dtype=dtype, cache_dir=args.cache_dir)
+    pipeline = getattr(diffusers, family.pipeline).from_pretrained(
+        args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
+        torch_dtype=dtype, cache_dir=args.cache_dir)
     pipeline.tokenizer = load_pipeline_tokenizer(args)
     pipeline.to(accelerator.device)
     pipeline.set_progress_bar_config(disable=True)
@@ -991,7 +1057,8 @@ def generate_class_images(args, accelerator, seed, existing):
     for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
         generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i)) for i, _ in batch]
         images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution,
-                          generator=generators, guidance_scale=args.guidance_scale, max_sequence_length=args.max_sequence_length,
+                          generator=generators, guidance_scale=guidance_scale(args, family),
+                          max_sequence_length=args.max_sequence_length,
                           text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
         for (_, name), image in zip(batch, images):
             image.save(Path(args.class_data_dir, name))  # names not yet taken: existing images are never replaced
@@ -999,13 +1066,18 @@ def generate_class_images(args, accelerator, seed, existing):
     accelerator.wait_for_everyone()
 
 
-def load_class_images(args, accelerator, seed):
+def guidance_scale(args, family):
+    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
+    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
+
+
+def load_class_images(args, accelerator, seed, family):
     if not args.with_prior_preservation:
         return []
     Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
     records = scan_image_folder(args.class_data_dir, read_captions=False)
     if len(records) < args.num_class_images:
-        generate_class_images(args, accelerator, seed, len(records))
+        generate_class_images(args, accelerator, seed, len(records), family)
         records = scan_image_folder(args.class_data_dir, read_captions=False)
     return records
 
@@ -1109,14 +1181,15 @@ def json_digest(*parts):
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def prompt_store(args, weight_dtype):
+def prompt_store(args, weight_dtype, family):
     """Where prompt embeddings live: memory, or --precompute_cache_dir keyed by everything that shapes them."""
     if not args.precompute_cache_dir:
         return {}
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
     identity = [fingerprint_folder(component_folder(args, "text_encoder")), fingerprint_folder(component_folder(args, "tokenizer")),
-                args.max_sequence_length, list(args.text_encoder_out_layers), SYSTEM_MESSAGE, str(weight_dtype)]
+                args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype), family.pipeline,
+                SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None]
     return DiskStore(Path(args.precompute_cache_dir, "prompts"), lambda text: json_digest("prompt", identity, text))
 
 
@@ -1130,28 +1203,31 @@ def latent_store(args, dataset, weight_dtype):
 
 
 @torch.no_grad()
-def precompute_prompts(args, accelerator, dataset, weight_dtype):
+def precompute_prompts(args, accelerator, dataset, weight_dtype, family):
     """Encode every prompt not cached yet, once (training slots and validation); the text encoder is loaded
     only if something is missing, and freed afterwards."""
-    cache = SampleCache(prompt_store(args, weight_dtype))
+    cache = SampleCache(prompt_store(args, weight_dtype, family))
     keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
-    keys += [""] if args.caption_dropout > 0 else []  # the dropped caption
+    # the empty prompt: dropped captions, and the negative prompt of [klein] validation with CFG
+    cfg = family.pipeline == "Flux2KleinPipeline" and validation_prompts(args) and args.validation_guidance_scale > 1
+    keys += [""] if args.caption_dropout > 0 or cfg else []
     todo = cache.todo(keys)
     accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
     mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
     if mine:
-        from transformers import Mistral3ForConditionalGeneration
+        import transformers
         from diffusers.training_utils import free_memory
 
         logger.info("loading the text encoder", main_process_only=False)
         tokenizer = load_pipeline_tokenizer(args)
-        text_encoder = Mistral3ForConditionalGeneration.from_pretrained(
+        text_encoder = getattr(transformers, family.text_encoder).from_pretrained(
             args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
             torch_dtype=weight_dtype, cache_dir=args.cache_dir).to(accelerator.device).eval()
         bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
         for i in range(0, len(mine), args.train_batch_size):
             texts = mine[i:i + args.train_batch_size]
-            embeds = encode_prompts(text_encoder, tokenizer, texts, args.max_sequence_length, args.text_encoder_out_layers)
+            embeds = encode_prompts(family, text_encoder, tokenizer, texts, args.max_sequence_length,
+                                    args.text_encoder_out_layers)
             for text, embed in zip(texts, embeds):
                 cache.put(text, embed[None])  # [1, L, D]
             bar.update(len(texts))
@@ -1396,7 +1472,9 @@ def load_checkpoint(checkpoint, accelerator, run):
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"]
+    global_step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"]
+    logger.info(f"resumed from {checkpoint} at step {global_step}")
+    return global_step
 
 
 @torch.no_grad()
@@ -1404,24 +1482,29 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     """Generate validation images with the transformer being trained, without moving, casting or hooking it.
 
     Saves PNGs under <output_dir>/validation/ and sends them to the trackers. Returns their paths."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    import diffusers
 
     model = accelerator.unwrap_model(run["transformer"])
     was_training = model.training
     model.eval()
-    pipeline = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(run["scheduler"].config),
-                             vae=run["vae"], text_encoder=None, tokenizer=None, transformer=model)
+    family = run["family"]
+    extra = {"is_distilled": family.distilled} if family.pipeline == "Flux2KleinPipeline" else {}
+    pipeline = getattr(diffusers, family.pipeline)(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run["scheduler"].config), vae=run["vae"],
+        text_encoder=None, tokenizer=None, transformer=model, **extra)
     pipeline.set_progress_bar_config(disable=True)
-    prompt_embeds = run["caches"]["prompts"][prompt].to(accelerator.device, run["weight_dtype"])
+    embeds = {"prompt_embeds": run["caches"]["prompts"][prompt].to(accelerator.device, run["weight_dtype"])}
+    if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
+        embeds["negative_prompt_embeds"] = run["caches"]["prompts"][""].to(accelerator.device, run["weight_dtype"])
     generator = torch.Generator(accelerator.device).manual_seed(seed_for("validation", run["seed"]))
     height, width = (args.resolution, args.resolution)
     images = []
     averaged = run["ema"].applied(run["named_params"]) if run.get("ema") else contextlib.nullcontext()
     with accelerator.autocast(), averaged:
         for _ in range(args.num_validation_images):
-            images.append(pipeline(prompt_embeds=prompt_embeds, height=height,
-                                   width=width, num_inference_steps=args.validation_inference_steps,
-                                   guidance_scale=args.guidance_scale, generator=generator).images[0])
+            images.append(pipeline(**embeds, height=height, width=width, generator=generator,
+                                   num_inference_steps=args.validation_inference_steps,
+                                   guidance_scale=guidance_scale(args, family)).images[0])
     model.train(was_training)
     folder = Path(args.output_dir, "validation")
     folder.mkdir(parents=True, exist_ok=True)
@@ -1587,7 +1670,7 @@ def nonfinite_message(args, step, indices):
             "Try a lower --learning_rate, --max_grad_norm, or --mixed_precision bf16 instead of fp16")
 
 
-def write_model_card(args, image_paths, prompt):
+def write_model_card(args, image_paths, prompt, family):
     """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub."""
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
     widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
@@ -1602,11 +1685,12 @@ tags:
 - diffusers
 - lora
 - flux2
+- {"flux2-klein" if family.pipeline == "Flux2KleinPipeline" else "flux2-dev"}
 - dreambooth
 widget:
 {widget}---
 
-# FLUX.2 DreamBooth LoRA
+# {family.name} DreamBooth LoRA
 
 LoRA adapters (rank {args.rank}, alpha {args.lora_alpha}) for `{args.pretrained_model_name_or_path}`, trained with
 DreamBooth on the prompt `{args.instance_prompt}` for {args.max_train_steps} steps at learning rate {args.learning_rate}.
@@ -1617,15 +1701,15 @@ DreamBooth on the prompt `{args.instance_prompt}` for {args.max_train_steps} ste
 
 ```py
 import torch
-from diffusers import Flux2Pipeline
+from diffusers import {family.pipeline}
 
-pipe = Flux2Pipeline.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
-pipe.enable_model_cpu_offload()  # the text encoder alone is ~48 GB in bf16
+pipe = {family.pipeline}.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
+pipe.enable_model_cpu_offload()  # moves each model to the GPU only while it runs
 pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
 image = pipe("{prompt or args.instance_prompt}").images[0]
 ```
 
-(Loading the Hub tokenizer as a PixtralProcessor needs `torchvision`.)
+(FLUX.2 [dev]: loading the Hub tokenizer as a PixtralProcessor needs `torchvision`.)
 
 License: the base model's license applies.
 """
@@ -1662,7 +1746,7 @@ def finish(args, accelerator, run):
     paths = []
     if prompt and not args.skip_final_inference and args.num_validation_images > 0:
         paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
-    write_model_card(args, paths, prompt)
+    write_model_card(args, paths, prompt, run["family"])
     if args.push_to_hub:
         push_to_hub(args)
 
@@ -1677,64 +1761,77 @@ def tracker_config(args):
 # Main
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    validate_args(args)
-    accelerator = setup_accelerator(args)
-    weight_dtype = weight_dtype_of(accelerator)
+def prepare_data(args, accelerator):
+    """Everything that can fail on the user's input, before any weights load: flags that depend on the model
+    family, images, the resume point and seed, the batch size, --lora_layers; then class images and the data."""
+    family = detect_family(args)
+    resolve_family_defaults(args, family)
     instances = load_instance_images(args)
     checkpoint = find_resume_checkpoint(args)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
-    # fail fast on the batch size and LoRA targets, before class images are generated or models loaded
     build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
-               warn=False)
+               warn=False)  # the batch-size check, before class images are generated
     check_lora_targets(args)
-    classes = load_class_images(args, accelerator, seed)
+    classes = load_class_images(args, accelerator, seed, family)
     dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    return family, checkpoint, seed, dataset, sampler, loader
 
-    caches = {"prompts": precompute_prompts(args, accelerator, dataset, weight_dtype)}
+
+def precompute(args, accelerator, dataset, weight_dtype, family):
+    """Prompt embeddings (always) and latents (--cache_latents) -> caches, the VAE if still needed, its stats."""
+    caches = {"prompts": precompute_prompts(args, accelerator, dataset, weight_dtype, family)}
     latent_cache, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype)
     if latent_cache is not None:
         caches["latents"] = latent_cache
         if args.masked_loss:
             caches["masks"] = prepare_masks(dataset, latent_cache)
-    transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
+    return caches, vae, latent_stats
+
+
+def setup_training(args, accelerator, weight_dtype, sampler):
+    """Transformer with LoRA, optimizer, LR schedule (built once max_train_steps is known) and noise schedule."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.optimization import get_scheduler
 
+    transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(args.pretrained_model_name_or_path, subfolder="scheduler",
                                                                 revision=args.revision, cache_dir=args.cache_dir)
-    steps_per_epoch = math.ceil(len(sampler) / args.gradient_accumulation_steps)
     if args.max_train_steps is None:
-        args.max_train_steps = args.num_train_epochs * steps_per_epoch
+        args.max_train_steps = args.num_train_epochs * math.ceil(len(sampler) / args.gradient_accumulation_steps)
     optimizer = setup_optimizer(args, [p for p in transformer.parameters() if p.requires_grad], accelerator.num_processes)
-    # built after max_train_steps is known; stepped once per optimizer step, so it is not passed to prepare()
+    # stepped once per optimizer step by the loop, so not passed to prepare() (which would step it per process)
     lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
                                  num_training_steps=args.max_train_steps, num_cycles=args.lr_num_cycles, power=args.lr_power)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
+    guidance = args.guidance_scale if accelerator.unwrap_model(transformer).config.guidance_embeds else None
+    return dict(transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, scheduler=scheduler,
+                sigmas=scheduler.sigmas.float(), named_params=named_params, params=list(named_params.values()),
+                ema=LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None,
+                step_config=StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
+                                       args.prior_loss_weight))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    validate_args(args)
+    accelerator = setup_accelerator(args)
+    weight_dtype = weight_dtype_of(accelerator)
+    family, checkpoint, seed, dataset, sampler, loader = prepare_data(args, accelerator)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    caches, vae, latent_stats = precompute(args, accelerator, dataset, weight_dtype, family)
+    run = setup_training(args, accelerator, weight_dtype, sampler)
+    run.update(family=family, seed=seed, dataset=dataset, sampler=sampler, loader=loader, caches=caches, vae=vae,
+               latent_stats=latent_stats, weight_dtype=weight_dtype, latent_sampling=args.latent_sampling,
+               caption_dropout=args.caption_dropout)
+    global_step = load_checkpoint(checkpoint, accelerator, run) if checkpoint is not None else 0
     if accelerator.is_main_process:
         accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
     logger.info(f"{len(dataset)} samples, {len(sampler)} batches of {args.train_batch_size} per epoch and process "
-                f"(the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} steps, "
-                f"seed {seed}, {len(caches['prompts'].store)} unique prompts"
+                f"(the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} steps "
+                f"from step {global_step}, seed {seed}, {len(caches['prompts'].store)} unique prompts"
                 + (f", {len(caches['latents'].store)} unique latents" if "latents" in caches else ""))
-    unwrapped = accelerator.unwrap_model(transformer)
-    step_config = StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
-                             args.guidance_scale if unwrapped.config.guidance_embeds else None, args.prior_loss_weight)
-    named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
-    ema = LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None
-    run = dict(transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, dataset=dataset, sampler=sampler,
-               params=list(named_params.values()), named_params=named_params, ema=ema,
-               caption_dropout=args.caption_dropout, sigmas=scheduler.sigmas.float(),
-               loader=loader, caches=caches, vae=vae, latent_stats=latent_stats, latent_sampling=args.latent_sampling,
-               scheduler=scheduler,
-               seed=seed, weight_dtype=weight_dtype, step_config=step_config)
-    global_step = 0
-    if checkpoint is not None:
-        global_step = load_checkpoint(checkpoint, accelerator, run)
-        logger.info(f"resumed from {checkpoint} at step {global_step}")
     try:
         train(args, accelerator, run, global_step)
         finish(args, accelerator, run)

@@ -12,12 +12,18 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_dreambooth_lora_flux2.py"
 sys.path.insert(0, str(ROOT))
 
-from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, build_tiny_flux2, make_images  # noqa: E402
+from tests.tiny_flux2 import (MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, build_tiny_flux2,  # noqa: E402
+                               build_tiny_flux2_klein, make_images)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     return build_tiny_flux2(str(tmp_path_factory.mktemp("model") / "tiny-flux2"))
+
+
+@pytest.fixture(scope="session", params=[False, True], ids=["klein-base", "klein-distilled"])
+def tiny_klein(request, tmp_path_factory):
+    return build_tiny_flux2_klein(str(tmp_path_factory.mktemp("klein") / "tiny-flux2-klein"), distilled=request.param)
 
 
 @pytest.fixture
@@ -28,13 +34,13 @@ def images(tmp_path):
     return folder
 
 
-def base_args(model, images, output_dir, *extra):
+def base_args(model, images, output_dir, *extra, layers=TEXT_ENCODER_OUT_LAYERS):
     """Flags every tiny run needs: small sizes, the tiny text encoder's layers, captions kept visible."""
     return [
         "--pretrained_model_name_or_path", str(model), "--instance_data_dir", str(images),
         "--instance_prompt", "a photo of sks dog", "--output_dir", str(output_dir),
         "--resolution", "32", "--train_batch_size", "1", "--learning_rate", "1e-3",
-        "--text_encoder_out_layers", *map(str, TEXT_ENCODER_OUT_LAYERS),
+        "--text_encoder_out_layers", *map(str, layers),
         "--max_sequence_length", str(MAX_SEQUENCE_LENGTH), "--seed", "0", "--report_to", "none",
         "--validation_inference_steps", "2", *map(str, extra),
     ]

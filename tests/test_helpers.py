@@ -354,5 +354,5 @@ def test_validate_args_names_the_flag(extra, message):
 
 
 def test_tracker_config_never_holds_the_hub_token():
-    config = T.tracker_config(_args("--instance_data_dir", "d", "--hub_token", "hf_secret"))
-    assert "hf_secret" not in str(config) and config["text_encoder_out_layers"] == "[10, 20, 30]"
+    config = T.tracker_config(_args("--instance_data_dir", "d", "--hub_token", "hf_secret", "--text_encoder_out_layers", "1", "2"))
+    assert "hf_secret" not in str(config) and config["text_encoder_out_layers"] == "[1, 2]"

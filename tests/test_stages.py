@@ -8,6 +8,8 @@ import torch
 
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import base_args
+
+DEV = T.Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration")
 from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS
 
 
@@ -32,7 +34,7 @@ def test_prompt_embeddings_equal_flux2_pipeline_encode_prompt(tiny_model, images
     args = T.parse_args(base_args(tiny_model, images, tmp_path / "out"))
     tokenizer = T.load_pipeline_tokenizer(args)
     pipe = _pipeline(tiny_model)
-    ours = T.encode_prompts(pipe.text_encoder, tokenizer, prompts, MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS)
+    ours = T.encode_prompts(T.Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration"), pipe.text_encoder, tokenizer, prompts, MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS)
     theirs, _ = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
                                    text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
     assert ours.shape == (3, MAX_SEQUENCE_LENGTH, 32)
@@ -76,9 +78,9 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
                                   "--with_prior_preservation", "--class_prompt", "a photo of a dog",
                                   "--class_data_dir", class_dir, "--num_class_images", "5"))
     instances = T.load_instance_images(args)
-    classes = T.load_class_images(args, accelerator, seed=0)
+    classes = T.load_class_images(args, accelerator, 0, DEV)
     dataset, sampler, _ = T.build_data(args, instances, classes, 0, accelerator)
-    prompts = T.precompute_prompts(args, accelerator, dataset, torch.float32)
+    prompts = T.precompute_prompts(args, accelerator, dataset, torch.float32, DEV)
     latents, _, _ = T.prepare_latents(args, accelerator, dataset, torch.float32)
     vae, mean, std = T.load_vae(args, accelerator, torch.float32)
     # 12 instance slots (6 images x 2 repeats, center crop) share 6 latents; class slots share per (image, bucket)
@@ -135,7 +137,7 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
     prompts.put("a sks dog", torch.randn(1, MAX_SEQUENCE_LENGTH, 32))
     before = {n: (p.device, p.dtype, p.requires_grad, p.detach().clone()) for n, p in transformer.named_parameters()}
     run = dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"),
-               caches={"prompts": prompts}, seed=0, weight_dtype=torch.float32)
+               caches={"prompts": prompts}, seed=0, weight_dtype=torch.float32, family=DEV)
     paths = T.run_validation(args, accelerator, run, "a sks dog", "step-3", 3)
     assert [p.name for p in paths] == ["step-3-0.png", "step-3-1.png"] and all(p.stat().st_size > 0 for p in paths)
     assert transformer.training
@@ -197,7 +199,7 @@ def test_text_encoder_is_released_after_prompt_precompute(tiny_model, images, tm
     monkeypatch.setattr(Mistral3ForConditionalGeneration, "from_pretrained", classmethod(spy))
     args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--validation_prompt", "a dog"))
     dataset, _, _ = T.build_data(args, T.load_instance_images(args), [], 0, accelerator)
-    cache = T.precompute_prompts(args, accelerator, dataset, torch.float32)
+    cache = T.precompute_prompts(args, accelerator, dataset, torch.float32, DEV)
     gc.collect()
     assert len(loaded) == 1 and loaded[0]() is None
     assert cache["a dog"].device.type == "cpu" and len(cache.store) == 6 + 1  # 5 captions, instance prompt, validation
