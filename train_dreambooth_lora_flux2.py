@@ -197,6 +197,13 @@ def parse_args(argv=None):
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="Overrides the accelerate config.")
     g.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
 
+    g = p.add_argument_group("memory")
+    g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it encodes or decodes.")
+    g.add_argument("--bnb_quantization_config_path", default=None, help="JSON of a bitsandbytes config (e.g. {\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}): quantised frozen transformer (QLoRA). CUDA only.")
+    g.add_argument("--do_fp8_training", action="store_true", help="torchao float8 training of the transformer's linear layers. CUDA, compute capability >= 8.9.")
+    g.add_argument("--remote_text_encoder", action="store_true", help="[dev]: compute prompt embeddings with the Hugging Face remote text encoder instead of loading the 24B model (uses your Hub login).")
+    g.add_argument("--remote_text_encoder_url", default="https://remote-text-encoder-flux-2.huggingface.co/predict", help="Endpoint of --remote_text_encoder.")
+
     g = p.add_argument_group("checkpointing and outputs")
     g.add_argument("--output_dir", default="flux2-dreambooth-lora")
     g.add_argument("--overwrite_output_dir", action="store_true", help="Allow an --output_dir that already holds a finished LoRA.")
@@ -220,6 +227,16 @@ def parse_args(argv=None):
     g.add_argument("--final_validation_prompt", default=None, help="Prompt of the final images when --validation_prompt is not given.")
     g.add_argument("--skip_final_inference", action="store_true")
     return p.parse_args(argv)
+
+
+def read_bnb_config(path):
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--bnb_quantization_config_path {path}: {e}") from None
+    if not isinstance(config, dict) or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
+        raise UsageError(f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or load_in_8bit")
+    return config
 
 
 def validate_args(args):
@@ -252,6 +269,16 @@ def validate_args(args):
         raise UsageError(f"--ema_decay must be in [0, 1), got {args.ema_decay}")
     if args.validation_steps is not None and args.validation_steps < 1:
         raise UsageError(f"--validation_steps must be at least 1, got {args.validation_steps}")
+    if args.do_fp8_training and args.bnb_quantization_config_path:
+        raise UsageError("--do_fp8_training and --bnb_quantization_config_path exclude each other")
+    if args.do_fp8_training and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        raise UsageError("--do_fp8_training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)")
+    if args.remote_text_encoder and not hub_token(args):
+        raise UsageError("--remote_text_encoder needs a Hugging Face token: run `hf auth login` (or pass --hub_token)")
+    if args.bnb_quantization_config_path:
+        read_bnb_config(args.bnb_quantization_config_path)
+        if not torch.cuda.is_available():
+            raise UsageError("--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UsageError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
@@ -1009,6 +1036,8 @@ def pipeline_default(family, method, parameter):
 
 def resolve_family_defaults(args, family):
     """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
+    if args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
+        raise UsageError(f"--remote_text_encoder serves FLUX.2 [dev] embeddings only, not {family.name}")
     layers = list(pipeline_default(family, "encode_prompt", "text_encoder_out_layers"))
     if args.text_encoder_out_layers is None:
         args.text_encoder_out_layers = layers
@@ -1187,7 +1216,9 @@ def prompt_store(args, weight_dtype, family):
         return {}
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
-    identity = [fingerprint_folder(component_folder(args, "text_encoder")), fingerprint_folder(component_folder(args, "tokenizer")),
+    encoder = (["remote", args.remote_text_encoder_url] if args.remote_text_encoder else
+               [fingerprint_folder(component_folder(args, "text_encoder")), fingerprint_folder(component_folder(args, "tokenizer"))])
+    identity = [*encoder,
                 args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype), family.pipeline,
                 SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None]
     return DiskStore(Path(args.precompute_cache_dir, "prompts"), lambda text: json_digest("prompt", identity, text))
@@ -1214,7 +1245,10 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype, family):
     todo = cache.todo(keys)
     accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
     mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
-    if mine:
+    if mine and args.remote_text_encoder:
+        for text in tqdm(mine, desc="Encoding prompts remotely", unit="prompt", disable=not accelerator.is_local_main_process):
+            cache.put(text, remote_prompt_embeds(args.remote_text_encoder_url, text, hub_token(args)))
+    elif mine:
         import transformers
         from diffusers.training_utils import free_memory
 
@@ -1239,6 +1273,38 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype, family):
     return cache
 
 
+def hub_token(args):
+    from huggingface_hub import get_token
+
+    return args.hub_token or get_token()
+
+
+def remote_prompt_embeds(url, prompt, token):
+    """[dev] embedding [1, L, D] of one prompt from the remote text encoder. The reply is decoded with
+    torch.load(weights_only=True): tensors only, so a hostile or broken server cannot run code here."""
+    import io
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps({"prompt": prompt}).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            content = response.read()
+    except urllib.error.HTTPError as e:
+        raise TrainingStopped(f"--remote_text_encoder: {url} answered HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise TrainingStopped(f"--remote_text_encoder: cannot reach {url} ({e.reason})") from None
+    try:
+        embeds = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - not a tensor-only payload: refuse whatever it is
+        raise TrainingStopped(f"--remote_text_encoder: {url} did not send a tensor ({type(e).__name__}: {e})") from None
+    if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3 or embeds.shape[0] != 1:
+        raise TrainingStopped(f"--remote_text_encoder: {url} sent {type(embeds).__name__} "
+                              f"{getattr(embeds, 'shape', '')}, expected a [1, L, D] tensor")
+    return embeds
+
+
 def load_vae(args, accelerator, weight_dtype):
     from diffusers import AutoencoderKLFlux2
 
@@ -1249,7 +1315,21 @@ def load_vae(args, accelerator, weight_dtype):
     # FLUX.2 normalises patchified latents with the VAE's batch-norm running statistics: [1, 4C, 1, 1]
     mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
-    return vae.to(accelerator.device), mean, std
+    return vae.to("cpu" if args.offload else accelerator.device), mean, std
+
+
+@contextlib.contextmanager
+def on_device(module, device, offload):
+    """--offload: `module` lives on the CPU and comes to `device` only while it runs (cost: one host-device
+    copy of its weights each time, about 0.2 GB for the FLUX.2 VAE)."""
+    if not offload or module is None:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to("cpu")
 
 
 @torch.no_grad()
@@ -1275,8 +1355,9 @@ def prepare_latents(args, accelerator, dataset, weight_dtype):
     for keys in by_shape.values():
         for i in range(0, len(keys), args.train_batch_size):
             chunk = keys[i:i + args.train_batch_size]
-            params = encode_images(vae, torch.stack([dataset.pixels(k) for k in chunk]), latent_mean, latent_std,
-                                   args.latent_sampling)
+            with on_device(vae, accelerator.device, args.offload):
+                params = encode_images(vae, torch.stack([dataset.pixels(k) for k in chunk]), latent_mean, latent_std,
+                                       args.latent_sampling)
             for key, value in zip(chunk, params):
                 cache.put(key, value[None])  # [1, 4C, h, w], or [1, 2, 4C, h, w] with --latent_sampling sample
             bar.update(len(chunk))
@@ -1302,10 +1383,32 @@ def load_transformer_with_lora(args, accelerator, weight_dtype):
     from diffusers import Flux2Transformer2DModel
     from peft import LoraConfig
 
+    quantization = None
+    if args.bnb_quantization_config_path:  # QLoRA: the frozen base in 4 or 8 bits, LoRA on top in float32
+        from diffusers import BitsAndBytesConfig
+
+        config = read_bnb_config(args.bnb_quantization_config_path)
+        if config.get("load_in_4bit"):
+            config.setdefault("bnb_4bit_compute_dtype", weight_dtype)
+        quantization = BitsAndBytesConfig(**config)
     transformer = Flux2Transformer2DModel.from_pretrained(args.pretrained_model_name_or_path, subfolder="transformer",
                                                           revision=args.revision, variant=args.variant,
-                                                          torch_dtype=weight_dtype, cache_dir=args.cache_dir)
-    transformer.requires_grad_(False).to(accelerator.device)
+                                                          torch_dtype=weight_dtype, cache_dir=args.cache_dir,
+                                                          quantization_config=quantization)
+    transformer.requires_grad_(False)
+    if quantization is None:
+        transformer.to(accelerator.device)
+    else:
+        from peft import prepare_model_for_kbit_training
+
+        transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
+    if args.do_fp8_training:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
+        convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
+                                   module_filter_fn=lambda m, name: name != "proj_out" and (
+                                       not isinstance(m, torch.nn.Linear) or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     add_lora(transformer, LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
@@ -1500,7 +1603,7 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     height, width = (args.resolution, args.resolution)
     images = []
     averaged = run["ema"].applied(run["named_params"]) if run.get("ema") else contextlib.nullcontext()
-    with accelerator.autocast(), averaged:
+    with accelerator.autocast(), averaged, on_device(run["vae"], accelerator.device, args.offload):
         for _ in range(args.num_validation_images):
             images.append(pipeline(**embeds, height=height, width=width, generator=generator,
                                    num_inference_steps=args.validation_inference_steps,
@@ -1536,7 +1639,7 @@ def batch_inputs(batch, epoch, run, generator, rng, device):
         params = caches["latents"].gather(keys)
         mask = caches["masks"].gather(keys) if "masks" in caches else None
     else:
-        with torch.no_grad():
+        with torch.no_grad(), on_device(run["vae"], device, run["offload"]):
             params = encode_images(run["vae"], batch["pixel_values"], *run["latent_stats"], run["latent_sampling"])
         mask = reduce_mask(batch["masks"], params.shape[-2:]) if "masks" in batch else None
     latents = draw_latents(params.to(device, dtype, non_blocking=True), generator)
@@ -1824,7 +1927,7 @@ def main(argv=None):
     run = setup_training(args, accelerator, weight_dtype, sampler)
     run.update(family=family, seed=seed, dataset=dataset, sampler=sampler, loader=loader, caches=caches, vae=vae,
                latent_stats=latent_stats, weight_dtype=weight_dtype, latent_sampling=args.latent_sampling,
-               caption_dropout=args.caption_dropout)
+               caption_dropout=args.caption_dropout, offload=args.offload)
     global_step = load_checkpoint(checkpoint, accelerator, run) if checkpoint is not None else 0
     if accelerator.is_main_process:
         accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
