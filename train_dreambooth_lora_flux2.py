@@ -1451,20 +1451,44 @@ def setup_optimizer(args, params, num_processes):
                            weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
 
 
-def lora_state_dict(transformer, dtype=None):
-    """The adapter's tensors, detached on the CPU, keys as diffusers' Flux2 LoRA loader expects (sans prefix)."""
-    from peft.utils import get_peft_model_state_dict
+def is_fsdp(accelerator):
+    from accelerate.utils import DistributedType
 
-    state = get_peft_model_state_dict(transformer)
-    return {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
-def save_lora(transformer, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
+def lora_state_dict(accelerator, transformer):
+    """The adapter's tensors, complete and on the CPU, keyed as diffusers' FLUX.2 LoRA loader expects (before its
+    "transformer." prefix). Under FSDP the parameters are shards: they are gathered, a collective every process
+    must join, and only the LoRA is gathered, never the frozen base."""
+    if is_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+        state = {k.replace(".default.", "."): v for k, v in state.items()}  # peft's naming, without the adapter name
+    else:
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(accelerator.unwrap_model(transformer))
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
     from diffusers import Flux2Pipeline
 
-    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers=lora_state_dict(transformer, dtype),
-                                    weight_name=weight_name,
-                                    transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
+    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.to(dtype or v.dtype) for k, v in state.items()},
+                                    weight_name=weight_name, transformer_lora_adapter_metadata=accelerator.unwrap_model(
+                                        transformer).peft_config["default"].to_dict())
+
+
+def optimizer_state(accelerator, run):
+    """optimizer.state_dict(); under FSDP its states are shards, which safetensors cannot hold: the full state is
+    gathered (keyed by parameter name; LoRA states are small). A collective under FSDP."""
+    if not is_fsdp(accelerator):
+        return run["optimizer"].state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(run["transformer"], run["optimizer"], options=StateDictOptions(full_state_dict=True))
 
 
 def flatten_state(obj, tensors, path="t"):
@@ -1529,11 +1553,12 @@ def save_checkpoint(args, accelerator, run, global_step):
     accelerator.wait_for_everyone()
     try:
         write_state(partial, f"rng-{accelerator.process_index}", rng_state())
+        lora, optimizer = lora_state_dict(accelerator, run["transformer"]), optimizer_state(accelerator, run)  # collectives
         if accelerator.is_main_process:
-            save_lora(accelerator.unwrap_model(run["transformer"]), partial)
+            save_lora(accelerator, run["transformer"], lora, partial)
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
             ema = run["ema"].state_dict() if run["ema"] is not None else None
-            write_state(partial, "training", {"optimizer": run["optimizer"].state_dict(), "ema": ema,
+            write_state(partial, "training", {"optimizer": optimizer, "ema": ema,
                                               "lr_scheduler": run["lr_scheduler"].state_dict(), "scaler": scaler})
     except OSError as e:  # disk full, quota, ...: never leave a half checkpoint that looks complete
         shutil.rmtree(partial, ignore_errors=True)
@@ -1559,11 +1584,24 @@ def load_checkpoint(checkpoint, accelerator, run):
     from safetensors.torch import load_file
 
     lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
-    result = set_peft_model_state_dict(accelerator.unwrap_model(run["transformer"]), lora, adapter_name="default")
-    if getattr(result, "unexpected_keys", None):
-        raise UsageError(f"{checkpoint}: its LoRA does not fit this model/--lora_layers (e.g. {result.unexpected_keys[:3]})")
     training = read_state(checkpoint, "training")
-    run["optimizer"].load_state_dict(training["optimizer"])
+    if is_fsdp(accelerator):  # every process passes the full tensors; torch keeps each process's shard
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        names = {n.replace(".default.", "."): n for n in (re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n)
+                 for n, p in run["transformer"].named_parameters() if p.requires_grad)}
+        unexpected = [k for k in lora if k not in names]
+        if unexpected:
+            raise UsageError(f"{checkpoint}: its LoRA does not fit this model/--lora_layers (e.g. {unexpected[:3]})")
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(run["transformer"], {names[k]: v for k, v in lora.items()}, options=options)
+        set_optimizer_state_dict(run["transformer"], run["optimizer"], training["optimizer"], options=options)
+    else:
+        result = set_peft_model_state_dict(accelerator.unwrap_model(run["transformer"]), lora, adapter_name="default")
+        if getattr(result, "unexpected_keys", None):
+            raise UsageError(f"{checkpoint}: its LoRA does not fit this model/--lora_layers (e.g. {result.unexpected_keys[:3]})")
+        run["optimizer"].load_state_dict(training["optimizer"])
     run["lr_scheduler"].load_state_dict(training["lr_scheduler"])
     if run["ema"] is not None and training.get("ema") is not None:
         run["ema"].load_state_dict(training["ema"])
@@ -1587,7 +1625,8 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     Saves PNGs under <output_dir>/validation/ and sends them to the trackers. Returns their paths."""
     import diffusers
 
-    model = accelerator.unwrap_model(run["transformer"])
+    # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
+    model = run["transformer"] if is_fsdp(accelerator) else accelerator.unwrap_model(run["transformer"])
     was_training = model.training
     model.eval()
     family = run["family"]
@@ -1609,6 +1648,8 @@ def run_validation(args, accelerator, run, prompt, tag, step):
                                    num_inference_steps=args.validation_inference_steps,
                                    guidance_scale=guidance_scale(args, family)).images[0])
     model.train(was_training)
+    if not accelerator.is_main_process:
+        return []
     folder = Path(args.output_dir, "validation")
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -1644,6 +1685,11 @@ def batch_inputs(batch, epoch, run, generator, rng, device):
         mask = reduce_mask(batch["masks"], params.shape[-2:]) if "masks" in batch else None
     latents = draw_latents(params.to(device, dtype, non_blocking=True), generator)
     return latents, embeds, None if mask is None else mask.to(device, non_blocking=True)
+
+
+def validates_here(accelerator):
+    """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
+    return accelerator.is_main_process or is_fsdp(accelerator)
 
 
 class StopRequest:
@@ -1749,7 +1795,7 @@ def train(args, accelerator, run, global_step):
                 if global_step % args.checkpointing_steps == 0 or signum:
                     save_checkpoint(args, accelerator, run, global_step)
                 if (args.validation_prompt and args.num_validation_images and args.validation_steps
-                        and global_step % args.validation_steps == 0 and accelerator.is_main_process
+                        and global_step % args.validation_steps == 0 and validates_here(accelerator)
                         and not (global_step >= args.max_train_steps and not args.skip_final_inference)):
                     run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
                 if signum:
@@ -1760,7 +1806,7 @@ def train(args, accelerator, run, global_step):
             epoch_done = micro == (epoch + 1) * batches_per_epoch
             final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # same images
             if (args.validation_prompt and args.num_validation_images and epoch_done and (epoch + 1) % args.validation_epochs == 0
-                    and not final_follows and accelerator.is_main_process):
+                    and not final_follows and validates_here(accelerator)):
                 run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
     bar.close()
     return global_step
@@ -1829,29 +1875,31 @@ def push_to_hub(args):
 
 
 def finish(args, accelerator, run):
-    """Save the LoRA and model card, then the final validation images (main process only)."""
-    transformer = accelerator.unwrap_model(run["transformer"])
+    """Save the LoRA (the EMA with --use_ema, raw weights beside it), the final validation images and the model
+    card. Writing is the main process's; gathering (FSDP) and the fingerprint involve every process."""
+    state = lora_state_dict(accelerator, run["transformer"])
     # processes must agree bit for bit; the fingerprint makes that checkable from the logs
-    fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(lora_state_dict(transformer).items())))
+    fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items())))
     logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        return
     dtype = torch.float32 if args.upcast_before_saving else run["weight_dtype"]
-    if run["ema"] is None:
-        save_lora(transformer, args.output_dir, dtype)
-    else:  # the average is the LoRA; the last raw weights go beside it
-        save_lora(transformer, args.output_dir, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
-        with run["ema"].applied(run["named_params"]):
-            save_lora(transformer, args.output_dir, dtype)
-    logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run["ema"] else ""))
+    if accelerator.is_main_process:
+        if run["ema"] is None:
+            save_lora(accelerator, run["transformer"], state, args.output_dir, dtype)
+        else:  # the average is the LoRA; the last raw weights go beside it
+            save_lora(accelerator, run["transformer"], state, args.output_dir, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
+            with run["ema"].applied(run["named_params"]):
+                save_lora(accelerator, run["transformer"], lora_state_dict(accelerator, run["transformer"]),
+                          args.output_dir, dtype)
+        logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run["ema"] else ""))
     prompt = args.validation_prompt or args.final_validation_prompt
     paths = []
-    if prompt and not args.skip_final_inference and args.num_validation_images > 0:
+    if prompt and not args.skip_final_inference and args.num_validation_images > 0 and validates_here(accelerator):
         paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
-    write_model_card(args, paths, prompt, run["family"])
-    if args.push_to_hub:
-        push_to_hub(args)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_model_card(args, paths, prompt, run["family"])
+        if args.push_to_hub:
+            push_to_hub(args)
 
 
 def tracker_config(args):
@@ -1876,6 +1924,8 @@ def prepare_data(args, accelerator):
     build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
                warn=False)  # the batch-size check, before class images are generated
     check_lora_targets(args)
+    if args.use_ema and is_fsdp(accelerator):
+        raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
     classes = load_class_images(args, accelerator, seed, family)
     dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
     return family, checkpoint, seed, dataset, sampler, loader
@@ -1931,6 +1981,8 @@ def main(argv=None):
     global_step = load_checkpoint(checkpoint, accelerator, run) if checkpoint is not None else 0
     if accelerator.is_main_process:
         accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
+    logger.info(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
+                f"mixed precision {accelerator.mixed_precision}")
     logger.info(f"{len(dataset)} samples, {len(sampler)} batches of {args.train_batch_size} per epoch and process "
                 f"(the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} steps "
                 f"from step {global_step}, seed {seed}, {len(caches['prompts'].store)} unique prompts"
