@@ -25,7 +25,7 @@ $(STAMP): requirements.txt tests/requirements.txt
 	touch $@
 
 test: venv
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 tests $(PYTEST_ARGS)
 
 # Builds a kilobyte-sized random FLUX.2 pipeline plus six images, then trains 8 steps on CPU.
 demo: venv

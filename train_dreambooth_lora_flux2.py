@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 # Copyright 2026 The train_dreambooth_lora_flux2 authors. Licensed under the Apache License, Version 2.0.
-"""DreamBooth LoRA training for FLUX.2 [dev].
+"""DreamBooth LoRA training for FLUX.2 [dev] and FLUX.2 [klein].
 
 Trains PEFT LoRA adapters on the `Flux2Transformer2DModel` of a FLUX.2 checkpoint from a folder of images
 (optionally with same-stem `.txt` captions), with optional prior preservation and aspect-ratio buckets:
@@ -12,6 +12,15 @@ Trains PEFT LoRA adapters on the `Flux2Transformer2DModel` of a FLUX.2 checkpoin
       --cache_latents --resolution 1024 --train_batch_size 1 --gradient_accumulation_steps 4 \
       --learning_rate 1e-4 --max_train_steps 500 --checkpointing_steps 100 --seed 0 \
       --validation_prompt "a photo of sks dog in a bucket" --validation_epochs 25
+
+FLUX.2 [klein] takes the same command with its checkpoint (the family is read from model_index.json, and its
+text-encoder layers and validation defaults from its diffusers pipeline):
+
+    accelerate launch train_dreambooth_lora_flux2.py \
+      --pretrained_model_name_or_path black-forest-labs/FLUX.2-klein-4B \
+      --instance_data_dir dog --instance_prompt "a photo of sks dog" \
+      --output_dir flux2-klein-dog-lora --mixed_precision bf16 --cache_latents --resolution 1024 \
+      --train_batch_size 1 --gradient_accumulation_steps 4 --learning_rate 1e-4 --max_train_steps 500 --seed 0
 
 What is cached and what stays random:
 - Samples are the instance images times `--repeats` (with prior preservation, at least one sample per class
@@ -202,6 +211,7 @@ def parse_args(argv=None):
     g.add_argument("--bnb_quantization_config_path", default=None, help="JSON of a bitsandbytes config (e.g. {\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}): quantised frozen transformer (QLoRA). CUDA only.")
     g.add_argument("--do_fp8_training", action="store_true", help="torchao float8 training of the transformer's linear layers. CUDA, compute capability >= 8.9.")
     g.add_argument("--remote_text_encoder", action="store_true", help="[dev]: compute prompt embeddings with the Hugging Face remote text encoder instead of loading the 24B model (uses your Hub login).")
+    g.add_argument("--fsdp_text_encoder", action="store_true", help="Shard the text encoder over the processes with FSDP while prompts are encoded (each holds 1/N of it).")
     g.add_argument("--remote_text_encoder_url", default="https://remote-text-encoder-flux-2.huggingface.co/predict", help="Endpoint of --remote_text_encoder.")
 
     g = p.add_argument_group("checkpointing and outputs")
@@ -971,7 +981,7 @@ def list_checkpoints(output_dir):
             if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
                 found.append((int(m.group(1)), path))
             else:
-                logger.warning(f"{path} is incomplete (no {TRAINER_STATE_NAME}); ignoring it")
+                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
     return [p for _, p in sorted(found)]
 
 
@@ -1078,14 +1088,18 @@ def generate_class_images(args, accelerator, seed, existing, family):
         args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
         torch_dtype=dtype, cache_dir=args.cache_dir)
     pipeline.tokenizer = load_pipeline_tokenizer(args)
-    pipeline.to(accelerator.device)
+    if args.offload and torch.cuda.is_available():
+        pipeline.enable_model_cpu_offload(device=accelerator.device)
+    else:
+        pipeline.to(accelerator.device)
     pipeline.set_progress_bar_config(disable=True)
     mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
     batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
     logger.info(f"generating {missing} class images into {args.class_data_dir}")
     for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
         generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i)) for i, _ in batch]
-        images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution,
+        steps = {"num_inference_steps": args.validation_inference_steps} if family.distilled else {}
+        images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution, **steps,
                           generator=generators, guidance_scale=guidance_scale(args, family),
                           max_sequence_length=args.max_sequence_length,
                           text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
@@ -1248,7 +1262,7 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype, family):
     if mine and args.remote_text_encoder:
         for text in tqdm(mine, desc="Encoding prompts remotely", unit="prompt", disable=not accelerator.is_local_main_process):
             cache.put(text, remote_prompt_embeds(args.remote_text_encoder_url, text, hub_token(args)))
-    elif mine:
+    elif mine or (todo and args.fsdp_text_encoder):  # sharded, every process joins every forward pass
         import transformers
         from diffusers.training_utils import free_memory
 
@@ -1256,12 +1270,18 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype, family):
         tokenizer = load_pipeline_tokenizer(args)
         text_encoder = getattr(transformers, family.text_encoder).from_pretrained(
             args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
-            torch_dtype=weight_dtype, cache_dir=args.cache_dir).to(accelerator.device).eval()
+            torch_dtype=weight_dtype, cache_dir=args.cache_dir).eval()
+        rounds = math.ceil(len(mine) / args.train_batch_size)
+        if args.fsdp_text_encoder:
+            shard_text_encoder(text_encoder, accelerator)
+            rounds = math.ceil(math.ceil(len(todo) / accelerator.num_processes) / args.train_batch_size)
+        else:
+            text_encoder.to(accelerator.device)
         bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
-        for i in range(0, len(mine), args.train_batch_size):
+        for i in range(0, rounds * args.train_batch_size, args.train_batch_size):
             texts = mine[i:i + args.train_batch_size]
-            embeds = encode_prompts(family, text_encoder, tokenizer, texts, args.max_sequence_length,
-                                    args.text_encoder_out_layers)
+            embeds = encode_prompts(family, text_encoder, tokenizer, texts or todo[:1], args.max_sequence_length,
+                                    args.text_encoder_out_layers)  # todo[:1]: a stand-in keeping shards in step
             for text, embed in zip(texts, embeds):
                 cache.put(text, embed[None])  # [1, L, D]
             bar.update(len(texts))
@@ -1271,6 +1291,19 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype, family):
     logger.info(f"encoded {len(mine)} of {len(todo)} missing prompts ({len(set(keys))} unique)", main_process_only=False)
     share_entries(cache, todo, accelerator)
     return cache
+
+
+def shard_text_encoder(text_encoder, accelerator):
+    """--fsdp_text_encoder: FSDP2-shard the text encoder over the processes (each holds 1/N of its weights, e.g.
+    ~12 GB of [dev]'s 48 GB on 4 GPUs); every decoder layer is a unit, gathered only while it runs. Every process
+    must then run the same number of forward passes, which precompute_prompts ensures."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = [m for m in text_encoder.modules() if type(m).__name__.endswith("DecoderLayer")]
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(text_encoder)
+    logger.info(f"text encoder sharded over {accelerator.num_processes} processes ({len(layers)} layers)")
 
 
 def hub_token(args):
@@ -1915,15 +1948,18 @@ def tracker_config(args):
 def prepare_data(args, accelerator):
     """Everything that can fail on the user's input, before any weights load: flags that depend on the model
     family, images, the resume point and seed, the batch size, --lora_layers; then class images and the data."""
-    family = detect_family(args)
-    resolve_family_defaults(args, family)
     instances = load_instance_images(args)
     checkpoint = find_resume_checkpoint(args)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
     build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
                warn=False)  # the batch-size check, before class images are generated
+    family = detect_family(args)  # the model's small JSON files only
+    resolve_family_defaults(args, family)
     check_lora_targets(args)
+    if args.fsdp_text_encoder and (accelerator.num_processes < 2 or args.remote_text_encoder):
+        raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
+                         "without --remote_text_encoder")
     if args.use_ema and is_fsdp(accelerator):
         raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
     classes = load_class_images(args, accelerator, seed, family)

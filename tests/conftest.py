@@ -46,15 +46,26 @@ def base_args(model, images, output_dir, *extra, layers=TEXT_ENCODER_OUT_LAYERS)
     ]
 
 
-def launch(args, num_processes=1, env=None, check=True, timeout=600):
-    """Run the script under `accelerate launch` on the CPU (torchrun + gloo for several processes, which is what
-    accelerate uses under the hood on GPUs); returns the CompletedProcess."""
-    if num_processes == 1:
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, num_processes=1, env=None, check=True, timeout=600, via_accelerate=False):
+    """Run the real script on the CPU; returns the CompletedProcess. One process runs it directly (what
+    `accelerate launch` does for one process, without a second interpreter's start-up), or under `accelerate
+    launch` with via_accelerate; several processes run under torchrun with gloo (what accelerate uses on GPUs)."""
+    if num_processes == 1 and via_accelerate:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]
+    elif num_processes == 1:
+        cmd = [sys.executable]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
-               "--master_port", str(29500 + os.getpid() % 1000)]
+               "--master_port", str(free_port())]
         env = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     cmd += [str(SCRIPT), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -57,7 +57,8 @@ def test_training_runs_and_writes_a_loadable_lora(name, tiny_model, tmp_path):
     images = tmp_path / "images"
     make_images(str(images), captions=captions)
     out = tmp_path / "out"
-    proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "3", "--checkpointing_steps", "100", *extra))
+    proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "3", "--checkpointing_steps", "100", *extra),
+                  via_accelerate=True)
     assert "Steps" in proc.stderr  # the progress bar
     log = sample_log(out)
     assert len(log) == 3 and all(len(r["indices"]) == 1 for r in log)
@@ -105,7 +106,8 @@ def test_prior_preservation_generates_missing_class_images(tiny_model, images, t
 def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp_path):
     out = tmp_path / "out"
     launch(base_args(tiny_model, images, out, "--num_train_epochs", "2", "--validation_prompt", "a photo of sks dog",
-                     "--validation_epochs", "1", "--num_validation_images", "2", "--report_to", "tensorboard"))
+                     "--validation_epochs", "1", "--num_validation_images", "2", "--report_to", "tensorboard"),
+           via_accelerate=True)
     names = sorted(p.name for p in (out / "validation").iterdir())
     assert names == ["epoch-0001-0.png", "epoch-0001-1.png", "final-0.png", "final-1.png"]  # epoch 2's are the final
     from PIL import Image
@@ -153,6 +155,7 @@ def test_resume_from_latest_checkpoint_matches_a_straight_run(tiny_model, images
     shutil.copytree(straight / "checkpoint-4", resumed / "checkpoint-4.partial")  # killed while writing: ignored
     proc = launch(base_args(tiny_model, images, resumed, *common, "--resume_from_checkpoint", "latest"))
     assert "resumed from" in proc.stderr and "checkpoint-2" in proc.stderr
+    assert "checkpoint-4.partial is incomplete" in proc.stderr  # skipped, with a warning
     for name in (LORA, "pytorch_lora_weights_raw.safetensors"):  # the EMA (restored from the checkpoint) and raw
         a, b = load_file(str(straight / name)), load_file(str(resumed / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -61,3 +61,20 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp(tiny_model, images, tmp_pa
     ckpt = load_file(str(fsdp / "checkpoint-2" / "pytorch_lora_weights.safetensors"))
     assert all(v.shape == load_file(str(ddp / "checkpoint-2" / "pytorch_lora_weights.safetensors"))[k].shape
                for k, v in ckpt.items())  # full tensors, not shards
+
+
+def test_fsdp_text_encoder_shards_and_gives_the_same_embeddings(tiny_model, images, tmp_path):
+    """Two processes, each holding half of the text encoder; different numbers of prompts per process (7 unique
+    prompts over 2), so the padding that keeps the shards in step is exercised. Same LoRA as unsharded."""
+    common = ["--max_train_steps", "2", "--validation_prompt", "a dog", "--num_validation_images", "0",
+              "--precompute_cache_dir"]
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    launch(base_args(tiny_model, images, plain, *common, tmp_path / "cache-plain"), num_processes=2)
+    proc = launch(base_args(tiny_model, images, sharded, *common, tmp_path / "cache-sharded", "--fsdp_text_encoder"),
+                  num_processes=2)
+    assert "text encoder sharded over 2 processes" in proc.stderr
+    assert "[RANK 0] encoded 4 of 7 missing prompts" in proc.stderr and "[RANK 1] encoded 3 of 7" in proc.stderr
+    a = {p.name: load_file(str(p))["value"] for p in (tmp_path / "cache-plain").rglob("*.safetensors")}
+    b = {p.name: load_file(str(p))["value"] for p in (tmp_path / "cache-sharded").rglob("*.safetensors")}
+    assert a.keys() == b.keys() and len(a) == 7
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

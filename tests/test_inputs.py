@@ -238,7 +238,7 @@ def test_disk_full_while_checkpointing_keeps_earlier_checkpoints(tiny_model, tmp
     transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
     T.add_lora(transformer, LoraConfig(r=2, target_modules=["to_q"]))
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad])
-    run = {"transformer": transformer, "optimizer": optimizer, "seed": 0,
+    run = {"transformer": transformer, "optimizer": optimizer, "seed": 0, "ema": None,
            "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
                          "--output_dir", str(tmp_path)])
@@ -294,3 +294,44 @@ def test_hub_token_never_reaches_logs_trackers_or_outputs(tiny_model, images, tm
     checkpoint_files = {p.suffix for p in out.glob("checkpoint-*/*")}
     assert checkpoint_files == {".safetensors", ".json"}  # nothing to unpickle
     json.loads((out / "checkpoint-2" / T.TRAINER_STATE_NAME).read_text())
+
+
+def test_checkpoint_limit_never_deletes_the_one_just_written(tiny_model, tmp_path):
+    from accelerate import Accelerator
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    accelerator = Accelerator(cpu=True)
+    transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
+    T.add_lora(transformer, LoraConfig(r=2, target_modules=["to_q"]))
+    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad])
+    run = {"transformer": transformer, "optimizer": optimizer, "seed": 0, "ema": None,
+           "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+                         "--output_dir", str(tmp_path), "--checkpoints_total_limit", "1"])
+    (tmp_path / "checkpoint-9.partial").mkdir()  # a run killed while writing
+    for step in (2, 4, 6):
+        T.save_checkpoint(args, accelerator, run, step)
+        assert T.list_checkpoints(tmp_path) == [tmp_path / f"checkpoint-{step}"]
+
+
+def test_concurrent_writers_of_one_cache_entry_leave_a_valid_entry(tmp_path):
+    import threading
+
+    from accelerate import PartialState
+
+    PartialState()
+    value = torch.randn(64, 64)
+    stores = [T.DiskStore(tmp_path, lambda key: T.json_digest(key)) for _ in range(4)]
+
+    def write(store):
+        for _ in range(20):
+            store["shared"] = value
+
+    threads = [threading.Thread(target=write, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    fresh = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    assert "shared" in fresh and torch.equal(fresh["shared"], value) and not list(tmp_path.rglob("*.tmp"))

@@ -73,6 +73,7 @@ def test_8bit_adam_trains_and_resumes_exactly(tiny_model, images, tmp_path):
     (["--bnb_quantization_config_path", "broken.json"], "broken.json: Expecting"),
     (["--bnb_quantization_config_path", "empty.json"], "expected a JSON object with load_in_4bit or load_in_8bit"),
     (["--remote_text_encoder", "--hub_token", "x", "--pretrained_model_name_or_path", "KLEIN"], "serves FLUX.2 [dev] embeddings only"),
+    (["--fsdp_text_encoder"], "--fsdp_text_encoder shards the text encoder over several processes"),
 ])
 def test_cuda_only_and_invalid_memory_options_are_refused_before_loading(extra, message, tiny_model, images, tmp_path):
     from tests.tiny_flux2 import build_tiny_flux2_klein
