@@ -229,17 +229,22 @@ def test_out_of_memory_names_the_flags_that_help(tiny_model, images, tmp_path, m
     assert not (tmp_path / "out" / LORA).exists()
 
 
-def test_disk_full_while_checkpointing_keeps_earlier_checkpoints(tiny_model, tmp_path, monkeypatch):
+@pytest.fixture
+def checkpoint_run(tiny_model):
+    """What save_checkpoint needs: an accelerator and a run with a LoRA transformer, optimizer and schedule."""
     from accelerate import Accelerator
-    from peft import LoraConfig
     from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
 
-    accelerator = Accelerator(cpu=True)
     transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
     T.add_lora(transformer, LoraConfig(r=2, target_modules=["to_q"]))
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad])
-    run = {"transformer": transformer, "optimizer": optimizer, "seed": 0, "ema": None,
-           "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
+    return Accelerator(cpu=True), {"transformer": transformer, "optimizer": optimizer, "seed": 0, "ema": None,
+                                   "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
+
+
+def test_disk_full_while_checkpointing_keeps_earlier_checkpoints(checkpoint_run, tmp_path, monkeypatch):
+    accelerator, run = checkpoint_run
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
                          "--output_dir", str(tmp_path)])
     T.save_checkpoint(args, accelerator, run, 2)
@@ -296,17 +301,8 @@ def test_hub_token_never_reaches_logs_trackers_or_outputs(tiny_model, images, tm
     json.loads((out / "checkpoint-2" / T.TRAINER_STATE_NAME).read_text())
 
 
-def test_checkpoint_limit_never_deletes_the_one_just_written(tiny_model, tmp_path):
-    from accelerate import Accelerator
-    from diffusers import Flux2Transformer2DModel
-    from peft import LoraConfig
-
-    accelerator = Accelerator(cpu=True)
-    transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
-    T.add_lora(transformer, LoraConfig(r=2, target_modules=["to_q"]))
-    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad])
-    run = {"transformer": transformer, "optimizer": optimizer, "seed": 0, "ema": None,
-           "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
+def test_checkpoint_limit_never_deletes_the_one_just_written(checkpoint_run, tmp_path):
+    accelerator, run = checkpoint_run
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
                          "--output_dir", str(tmp_path), "--checkpoints_total_limit", "1"])
     (tmp_path / "checkpoint-9.partial").mkdir()  # a run killed while writing

@@ -3,7 +3,6 @@
 import json
 import logging
 
-import pytest
 import torch
 from safetensors.torch import load_file
 

@@ -105,7 +105,7 @@ class StubEncoder(http.server.BaseHTTPRequestHandler):
             return
         buffer = io.BytesIO()
         if self.mode == "hostile":
-            buffer.write(HOSTILE_PICKLE)
+            buffer.write(_hostile_payload())
         else:
             seed = int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16)
             torch.save(torch.randn(1, 64, 32, generator=torch.Generator().manual_seed(seed)), buffer)
@@ -118,15 +118,18 @@ class StubEncoder(http.server.BaseHTTPRequestHandler):
 
 
 class _Pwn:
+    """A payload that runs a shell command when unpickled by anything less careful than weights_only=True."""
+
     def __reduce__(self):
         import os
 
         return (os.system, ("touch /tmp/flux2-remote-pwned",))
 
 
-import pickle  # noqa: E402
-
-HOSTILE_PICKLE = pickle.dumps(_Pwn())
+def _hostile_payload():
+    buffer = io.BytesIO()
+    torch.save(_Pwn(), buffer)  # torch's container around a pickle of _Pwn
+    return buffer.getvalue()
 
 
 @pytest.fixture
