@@ -1254,7 +1254,8 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype, family):
     cache = SampleCache(prompt_store(args, weight_dtype, family))
     keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
     # the empty prompt: dropped captions, and the negative prompt of [klein] validation with CFG
-    cfg = family.pipeline == "Flux2KleinPipeline" and validation_prompts(args) and args.validation_guidance_scale > 1
+    cfg = (family.pipeline == "Flux2KleinPipeline" and not family.distilled and validation_prompts(args)
+           and args.validation_guidance_scale > 1)
     keys += [""] if args.caption_dropout > 0 or cfg else []
     todo = cache.todo(keys)
     accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
