@@ -41,6 +41,7 @@ What is cached and what stays random:
 """
 
 import argparse
+import collections
 import contextlib
 import functools
 import hashlib
@@ -124,14 +125,15 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="DreamBooth LoRA training for FLUX.2.")
+def _model_flags(p):
     g = p.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", required=True, help="Hub id or local folder of a FLUX.2 checkpoint.")
     g.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of the checkpoint.")
     g.add_argument("--variant", default=None, help="Weights variant, e.g. fp16.")
     g.add_argument("--cache_dir", default=None, help="Where downloaded models and datasets are stored.")
 
+
+def _data_flags(p):
     g = p.add_argument_group("data")
     g.add_argument("--instance_data_dir", default=None, help="Folder of instance images; a same-stem .txt file holds an image's caption (UTF-8).")
     g.add_argument("--dataset_name", default=None, help="HF `datasets` name or local folder, instead of --instance_data_dir.")
@@ -156,11 +158,15 @@ def parse_args(argv=None):
     g.add_argument("--text_encoder_out_layers", type=int, nargs="+", default=None, help="Text-encoder hidden layers stacked into the prompt embedding (default: the model family's, from its diffusers pipeline: [dev] 10 20 30, [klein] 9 18 27).")
     g.add_argument("--dataloader_num_workers", type=int, default=0, help="DataLoader worker processes (0: main process).")
 
+
+def _caching_flags(p):
     g = p.add_argument_group("caching")
     g.add_argument("--cache_latents", action="store_true", help="Encode every unique (image, crop) once before training, both orientations with --random_flip; frees the VAE unless validation needs it.")
     g.add_argument("--precompute_cache_dir", default=None, help="Persistent content-addressed cache of prompt embeddings (and latents with --cache_latents); reruns encode only what changed.")
     g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode", help="Train on the VAE posterior mean, or draw from the posterior at every use (cached: mean and std).")
 
+
+def _training_quality_flags(p):
     g = p.add_argument_group("training quality")
     g.add_argument("--caption_dropout", type=float, default=0.0, help="Probability of training an instance sample on the empty prompt (class samples never).")
     g.add_argument("--use_ema", action="store_true", help="Keep an exponential moving average of the LoRA; it is validated and saved as the final LoRA.")
@@ -168,12 +174,16 @@ def parse_args(argv=None):
     g.add_argument("--ema_device", default="cpu", help="Where the EMA lives (cpu: no GPU memory).")
     g.add_argument("--masked_loss", action="store_true", help="Weight the loss by a mask: <stem>_mask.png beside an image, else its alpha channel.")
 
+
+def _lora_flags(p):
     g = p.add_argument_group("LoRA")
     g.add_argument("--rank", type=int, default=4, help="LoRA rank.")
     g.add_argument("--lora_alpha", type=int, default=4, help="LoRA alpha; the update is scaled by alpha / rank.")
     g.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
     g.add_argument("--lora_layers", default=None, help=f"Comma-separated transformer module names to adapt (default: {','.join(DEFAULT_LORA_TARGETS)}).")
 
+
+def _optimisation_flags(p):
     g = p.add_argument_group("optimisation")
     g.add_argument("--learning_rate", type=float, default=1e-4, help="Peak learning rate.")
     g.add_argument("--scale_lr", action="store_true", help="Multiply the learning rate by batch size x accumulation x processes.")
@@ -206,6 +216,8 @@ def parse_args(argv=None):
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="Overrides the accelerate config.")
     g.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
 
+
+def _memory_flags(p):
     g = p.add_argument_group("memory")
     g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it encodes or decodes.")
     g.add_argument("--bnb_quantization_config_path", default=None, help="JSON of a bitsandbytes config (e.g. {\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}): quantised frozen transformer (QLoRA). CUDA only.")
@@ -214,6 +226,8 @@ def parse_args(argv=None):
     g.add_argument("--fsdp_text_encoder", action="store_true", help="Shard the text encoder over the processes with FSDP while prompts are encoded (each holds 1/N of it).")
     g.add_argument("--remote_text_encoder_url", default="https://remote-text-encoder-flux-2.huggingface.co/predict", help="Endpoint of --remote_text_encoder.")
 
+
+def _checkpointing_and_outputs_flags(p):
     g = p.add_argument_group("checkpointing and outputs")
     g.add_argument("--output_dir", default="flux2-dreambooth-lora")
     g.add_argument("--overwrite_output_dir", action="store_true", help="Allow an --output_dir that already holds a finished LoRA.")
@@ -227,6 +241,8 @@ def parse_args(argv=None):
     g.add_argument("--hub_model_id", default=None)
     g.add_argument("--hub_token", default=None, help="Never logged or saved; prefer `hf auth login`.")
 
+
+def _validation_flags(p):
     g = p.add_argument_group("validation")
     g.add_argument("--validation_prompt", default=None)
     g.add_argument("--validation_epochs", type=int, default=50, help="Validate every N epochs (the last epoch's are the final images).")
@@ -236,6 +252,14 @@ def parse_args(argv=None):
     g.add_argument("--validation_guidance_scale", type=float, default=None, help="[klein] classifier-free guidance of validation images (default: the pipeline's; 1.0 when distilled). [dev] uses --guidance_scale.")
     g.add_argument("--final_validation_prompt", default=None, help="Prompt of the final images when --validation_prompt is not given.")
     g.add_argument("--skip_final_inference", action="store_true")
+
+
+def parse_args(argv=None):
+    """Flags by group; names and meanings follow the diffusers example where it has them."""
+    p = argparse.ArgumentParser(description="DreamBooth LoRA training for FLUX.2.")
+    for add_flags in (_model_flags, _data_flags, _caching_flags, _training_quality_flags, _lora_flags,
+                      _optimisation_flags, _memory_flags, _checkpointing_and_outputs_flags, _validation_flags):
+        add_flags(p)
     return p.parse_args(argv)
 
 
@@ -1140,7 +1164,7 @@ def build_data(args, instances, classes, seed, accelerator, warn=True):
         logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
                        f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
     if len(sampler) == 0:
-        sizes = {dataset.buckets[b]: n for b, n in sorted(_count(dataset.sample_buckets()).items())}
+        sizes = {dataset.buckets[b]: n for b, n in sorted(collections.Counter(dataset.sample_buckets()).items())}
         raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
                          f"{sizes} over {accelerator.num_processes} process(es); lower --train_batch_size, raise --repeats, "
                          "or use fewer buckets")
@@ -1149,13 +1173,6 @@ def build_data(args, instances, classes, seed, accelerator, warn=True):
                                          num_workers=args.dataloader_num_workers,
                                          generator=torch.Generator().manual_seed(seed))
     return dataset, sampler, loader
-
-
-def _count(values):
-    counts = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    return counts
 
 
 def validation_prompts(args):
