@@ -57,6 +57,7 @@ import signal
 import sys
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,9 @@ class TrainingStopped(Exception):
         self.code = code
 
 
+# diffusers attention backends with a backward pass (sage and the NPU/XLA/AMD kernels are inference or other hardware)
+TRAINING_ATTENTION_BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math", "flex",
+                               "flash", "flash_hub", "_flash_3", "_flash_3_hub", "xformers")
 NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
 OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
               "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
@@ -156,7 +160,7 @@ def _data_flags(p):
     g.add_argument("--random_flip", action="store_true", help="Randomly flip images horizontally.")
     g.add_argument("--max_sequence_length", type=int, default=512, help="Text tokens per prompt, system message included.")
     g.add_argument("--text_encoder_out_layers", type=int, nargs="+", default=None, help="Text-encoder hidden layers stacked into the prompt embedding (default: the model family's, from its diffusers pipeline: [dev] 10 20 30, [klein] 9 18 27).")
-    g.add_argument("--dataloader_num_workers", type=int, default=0, help="DataLoader worker processes (0: main process).")
+    g.add_argument("--dataloader_num_workers", type=int, default=None, help="DataLoader worker processes decoding images (0: the main process; default: none with --cache_latents, else a share of the cores, at most 8).")
 
 
 def _caching_flags(p):
@@ -217,6 +221,12 @@ def _optimisation_flags(p):
     g.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
 
 
+def _speed_flags(p):
+    g = p.add_argument_group("speed")
+    g.add_argument("--compile", action="store_true", help="torch.compile the transformer's repeated blocks (regional compilation: a one-off compile of tens of seconds per block class and shape, then faster steps).")
+    g.add_argument("--attention_backend", default="native", help=f"diffusers attention kernel for training and validation: {', '.join(TRAINING_ATTENTION_BACKENDS)} (only those with a backward pass; a backend whose package or GPU is missing is refused).")
+
+
 def _memory_flags(p):
     g = p.add_argument_group("memory")
     g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it encodes or decodes.")
@@ -258,7 +268,7 @@ def parse_args(argv=None):
     """Flags by group; names and meanings follow the diffusers example where it has them."""
     p = argparse.ArgumentParser(description="DreamBooth LoRA training for FLUX.2.")
     for add_flags in (_model_flags, _data_flags, _caching_flags, _training_quality_flags, _lora_flags,
-                      _optimisation_flags, _memory_flags, _checkpointing_and_outputs_flags, _validation_flags):
+                      _optimisation_flags, _speed_flags, _memory_flags, _checkpointing_and_outputs_flags, _validation_flags):
         add_flags(p)
     return p.parse_args(argv)
 
@@ -321,8 +331,33 @@ def validate_args(args):
             and args.resume_from_checkpoint is None):
         raise UsageError(f"--output_dir {args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose "
                          "another folder, pass --overwrite_output_dir, or --resume_from_checkpoint to continue it")
+    check_attention_backend(args.attention_backend)
     if args.push_to_hub and args.report_to in ("wandb", "all") and args.hub_token:
         raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
+
+
+def attention_backend_problem(name):
+    """Why --attention_backend `name` cannot train here (None: it can): unknown, inference-only, package missing
+    (diffusers' own requirement check), or a CUDA kernel without a CUDA GPU."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    if name not in TRAINING_ATTENTION_BACKENDS:
+        known = {b.value for b in AttentionBackendName}
+        return "no backward pass (inference only)" if name in known else "not a diffusers attention backend"
+    try:
+        _check_attention_backend_requirements(AttentionBackendName(name))
+    except (RuntimeError, ValueError, ImportError) as e:
+        return str(e)
+    if name not in ("native", "_native_math", "flex") and not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return None
+
+
+def check_attention_backend(name):
+    problem = attention_backend_problem(name)
+    if problem:
+        usable = [b for b in TRAINING_ATTENTION_BACKENDS if attention_backend_problem(b) is None]
+        raise UsageError(f"--attention_backend {name}: {problem}; usable here: {', '.join(usable)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -508,7 +543,9 @@ class DreamBoothDataset(torch.utils.data.Dataset):
 
     Sample i shows instance image i % I (I instance images; len = max(I * repeats, C)) in that image's bucket,
     and with prior preservation class image i % C resized into the same bucket. The model sees "slots": slot i is
-    sample i's instance part and slot N + i its class part, the order in which a batch is laid out.
+    sample i's instance part and slot N + i its class part, the order in which a batch is laid out. Items are
+    addressed by (epoch, index), the pairs the batch sampler yields: the epoch travels with the index, so
+    DataLoader workers that live for the whole run draw each epoch's crops and flips without being told.
     """
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), class_prompt=None, seed=0,
@@ -523,13 +560,9 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         self.with_masks = with_masks
         self.num_samples = max(len(self.instances) * repeats, len(self.classes))
         self.image_buckets = [nearest_bucket(r.size[1], r.size[0], self.buckets) for r in self.instances]
-        self.epoch = 0
 
     def __len__(self):
         return self.num_samples
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
 
     def sample_buckets(self):
         """Bucket id of every sample, for the batch sampler."""
@@ -595,9 +628,10 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         kind, image_id, *rest = key
         return [self.record(kind, image_id).content_hash(), *rest]
 
-    def __getitem__(self, index):
-        item = {"index": index}
-        keys = [self.latent_key(s, self.epoch) for s in self.slots([index])]
+    def __getitem__(self, epoch_and_index):
+        epoch, index = epoch_and_index
+        item = {"index": index, "epoch": epoch}
+        keys = [self.latent_key(s, epoch) for s in self.slots([index])]
         if self.with_pixels:
             item["pixel_values"] = torch.stack([self.pixels(k) for k in keys])
             if self.with_masks:
@@ -606,9 +640,9 @@ class DreamBoothDataset(torch.utils.data.Dataset):
 
 
 def collate(examples):
-    """-> {"indices": [B], "pixel_values": [B * parts, 3, H, W], "masks": [B * parts, 1, H, W]}, rows laid out
-    as DreamBoothDataset.slots (all instance parts, then all class parts)."""
-    batch = {"indices": [ex["index"] for ex in examples]}
+    """-> {"indices": [B], "epoch": e, "pixel_values": [B * parts, 3, H, W], "masks": [B * parts, 1, H, W]}, rows
+    laid out as DreamBoothDataset.slots (all instance parts, then all class parts)."""
+    batch = {"indices": [ex["index"] for ex in examples], "epoch": examples[0]["epoch"]}
     for name in ("pixel_values", "masks"):
         if name in examples[0]:
             parts = examples[0][name].shape[0]  # 1, or 2 with a class image
@@ -627,11 +661,13 @@ def drop_captions(keys, num_instance, probability, rng):
 
 
 class BucketBatchSampler(torch.utils.data.Sampler):
-    """Batches of sample indices from one bucket each, reshuffled every epoch.
+    """Batches of (epoch, sample index) pairs from one bucket each, reshuffled every epoch.
 
     The batches of epoch e are a pure function of (seed, e): shuffle within buckets, cut into batches (dropping a
     bucket's remainder when drop_last), shuffle the batches. With several processes each takes every
     num_replicas-th batch of that list, trimmed to a multiple of num_replicas so all ranks step together.
+    Iteration is one flat stream: epoch after epoch from the start set by set_epoch, until the loop stops, so a
+    DataLoader's workers (and their read-ahead) live across epoch boundaries. len() is the batches of one epoch.
     """
 
     def __init__(self, sample_buckets, batch_size, seed, drop_last=True, num_replicas=1, rank=0):
@@ -643,7 +679,7 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch, start=0):
-        """Select epoch `epoch` and skip its first `start` batches of this rank (used on resume)."""
+        """Start the stream at batch `start` of this rank in epoch `epoch` (resume: the batches already trained)."""
         self.epoch, self.start = epoch, start
 
     def epoch_batches(self, epoch):
@@ -664,7 +700,11 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         return full // self.num_replicas
 
     def __iter__(self):
-        yield from self.epoch_batches(self.epoch)[self.start:]
+        epoch, start = self.epoch, self.start
+        while len(self):
+            for batch in self.epoch_batches(epoch)[start:]:
+                yield [(epoch, index) for index in batch]
+            epoch, start = epoch + 1, 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -693,10 +733,18 @@ class SampleCache:
 
     def gather(self, keys):
         """-> one tensor, the entries of `keys` concatenated along dim 0."""
-        missing = [k for k in keys if k not in self.store]
+        unique, rows = self.gather_unique(keys)
+        return unique[rows]
+
+    def gather_unique(self, keys):
+        """-> (each distinct entry of `keys` once, concatenated [U, ...]; rows [len(keys)] long, key i -> entry).
+        A batch whose rows share a prompt reads and moves that embedding once; unique[rows] expands it."""
+        distinct = list(dict.fromkeys(keys))
+        missing = [k for k in distinct if k not in self.store]
         if missing:
             raise KeyError(f"cache has no entry for {missing[:3]}: precompute did not cover them")
-        return torch.cat([self.store[k] for k in keys])
+        position = {k: i for i, k in enumerate(distinct)}
+        return torch.cat([self.store[k] for k in distinct]), torch.tensor([position[k] for k in keys])
 
 
 class DiskStore:
@@ -920,7 +968,57 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Stages
+# Stages: what they share
+
+
+@dataclass
+class Data:
+    """What prepare_data settles before any weights load."""
+
+    family: Family
+    checkpoint: Path | None  # the checkpoint to resume from
+    seed: int
+    dataset: "DreamBoothDataset"
+    sampler: BucketBatchSampler
+    loader: torch.utils.data.DataLoader
+
+
+@dataclass
+class Caches:
+    """Precomputed inputs, on the CPU or on disk (never the GPU): prompt embeddings always; latents and loss masks
+    with --cache_latents."""
+
+    prompts: SampleCache
+    latents: SampleCache | None = None
+    masks: SampleCache | None = None
+
+
+@dataclass
+class Run:
+    """What training carries from stage to stage, built once by setup_training. The loop changes the objects
+    (weights, optimizer state), never the fields; its counters (step, micro-step, epoch) stay local to train()."""
+
+    data: Data
+    caches: Caches
+    weight_dtype: torch.dtype
+    vae: torch.nn.Module | None  # None when nothing needs it (all latents cached, no validation)
+    latent_stats: tuple | None  # the VAE's batch-norm mean and std, [1, 4C, 1, 1] each
+    transformer: torch.nn.Module  # as accelerate prepared it (wrapped under DDP/FSDP)
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    noise_scheduler: object  # FlowMatchEulerDiscreteScheduler; validation builds its pipeline from its config
+    sigmas: torch.Tensor  # [T] training sigmas, highest first
+    named_params: dict  # trainable (LoRA) parameters by name
+    ema: LoraEMA | None
+    step_config: StepConfig
+
+    @property
+    def params(self):
+        return list(self.named_params.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 1: data (prepare_data)
 
 
 def setup_accelerator(args):
@@ -1168,11 +1266,49 @@ def build_data(args, instances, classes, seed, accelerator, warn=True):
         raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
                          f"{sizes} over {accelerator.num_processes} process(es); lower --train_batch_size, raise --repeats, "
                          "or use fewer buckets")
-    # own generator: each iter() draws a worker seed, which must not consume the global RNG (LoRA dropout)
+    # One iterator for the whole run (the sampler is a flat stream of epochs), so workers start once. Own
+    # generator: iter() draws a worker seed, which must not consume the global RNG (LoRA init and dropout).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                         num_workers=args.dataloader_num_workers,
+                                         num_workers=loader_workers(args.dataloader_num_workers, args.cache_latents,
+                                                                    int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
                                          generator=torch.Generator().manual_seed(seed))
     return dataset, sampler, loader
+
+
+def loader_workers(requested, cache_latents, local_processes):
+    """DataLoader workers: as requested; by default none with --cache_latents (a batch is a list of indices, all
+    inputs come from the caches), else a share of this machine's cores so decoding overlaps training."""
+    if requested is not None:
+        return requested
+    if cache_latents:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores // local_processes - 1))
+
+
+def prepare_data(args, accelerator):
+    """Everything that can fail on the user's input, before any weights load: flags that depend on the model
+    family, images, the resume point and seed, the batch size, --lora_layers; then class images and the data."""
+    instances = load_instance_images(args)
+    checkpoint = find_resume_checkpoint(args)
+    seed = agree_seed(args, checkpoint, accelerator)
+    set_seed(seed)  # LoRA init and dropout draw from the global generators
+    build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
+               warn=False)  # the batch-size check, before class images are generated
+    family = detect_family(args)  # the model's small JSON files only
+    resolve_family_defaults(args, family)
+    check_lora_targets(args)
+    if args.fsdp_text_encoder and (accelerator.num_processes < 2 or args.remote_text_encoder):
+        raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
+                         "without --remote_text_encoder")
+    if args.use_ema and is_fsdp(accelerator):
+        raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
+    classes = load_class_images(args, accelerator, seed, family)
+    return Data(family, checkpoint, seed, *build_data(args, instances, classes, seed, accelerator))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 2: precompute (prompt embeddings, latents)
 
 
 def validation_prompts(args):
@@ -1429,10 +1565,27 @@ def prepare_masks(dataset, latents):
     return cache
 
 
+def precompute(args, accelerator, data, weight_dtype):
+    """Prompt embeddings (always) and latents (--cache_latents) -> Caches, the VAE if still needed, its stats."""
+    caches = Caches(prompts=precompute_prompts(args, accelerator, data.dataset, weight_dtype, data.family))
+    caches.latents, vae, latent_stats = prepare_latents(args, accelerator, data.dataset, weight_dtype)
+    if caches.latents is not None and args.masked_loss:
+        caches.masks = prepare_masks(data.dataset, caches.latents)
+    return caches, vae, latent_stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 3: model and optimizer
+
+
 def load_transformer_with_lora(args, accelerator, weight_dtype):
     """Frozen transformer in the training dtype with float32 LoRA adapters on --lora_layers."""
+    return prepare_transformer(args, accelerator, load_transformer(args, weight_dtype))
+
+
+def load_transformer(args, weight_dtype):
+    """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU)."""
     from diffusers import Flux2Transformer2DModel
-    from peft import LoraConfig
 
     quantization = None
     if args.bnb_quantization_config_path:  # QLoRA: the frozen base in 4 or 8 bits, LoRA on top in float32
@@ -1446,8 +1599,16 @@ def load_transformer_with_lora(args, accelerator, weight_dtype):
                                                           revision=args.revision, variant=args.variant,
                                                           torch_dtype=weight_dtype, cache_dir=args.cache_dir,
                                                           quantization_config=quantization)
+    return transformer
+
+
+def prepare_transformer(args, accelerator, transformer):
+    """A loaded transformer -> frozen, on the device, with float32 LoRA adapters on --lora_layers and the speed and
+    memory options applied. benchmarks/gpu_step.py calls it on real-shaped random transformers."""
+    from peft import LoraConfig
+
     transformer.requires_grad_(False)
-    if quantization is None:
+    if not args.bnb_quantization_config_path:
         transformer.to(accelerator.device)
     else:
         from peft import prepare_model_for_kbit_training
@@ -1464,7 +1625,22 @@ def load_transformer_with_lora(args, accelerator, weight_dtype):
         transformer.enable_gradient_checkpointing()
     add_lora(transformer, LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                      init_lora_weights="gaussian", target_modules=lora_targets(args)))
+    if args.attention_backend != "native":
+        transformer.set_attention_backend(args.attention_backend)
+    if args.compile:
+        compile_blocks(transformer)
     return transformer
+
+
+def compile_blocks(transformer):
+    """--compile: regional compilation. Each repeated block's forward is compiled; the copies of a block class share
+    one compiled graph (their weights are graph inputs), so compiling costs seconds per class instead of minutes
+    for the whole model, and LoRA, gradient checkpointing and module hooks stay outside it. Shapes: the first
+    bucket compiles static shapes; a second shape recompiles once with dynamic shapes, which then serve every
+    bucket (at most two compiles per block class and grad mode, whatever the ladder). The LoRA layers inside a
+    block are compiled with it; gradient checkpointing and module hooks wrap the block from outside."""
+    for block in (*transformer.transformer_blocks, *transformer.single_transformer_blocks):
+        block.forward = torch.compile(block.forward, fullgraph=True)
 
 
 def add_lora(transformer, lora_config):
@@ -1477,10 +1653,10 @@ def add_lora(transformer, lora_config):
     return transformer
 
 
-def setup_optimizer(args, params, num_processes):
+def setup_optimizer(args, params, accelerator):
     lr = args.learning_rate
     if args.scale_lr:
-        lr *= args.gradient_accumulation_steps * args.train_batch_size * num_processes
+        lr *= args.gradient_accumulation_steps * args.train_batch_size * accelerator.num_processes
     if args.optimizer == "prodigy":
         if args.use_8bit_adam:
             logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
@@ -1492,20 +1668,50 @@ def setup_optimizer(args, params, num_processes):
                                   weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
                                   decouple=args.prodigy_decouple, use_bias_correction=args.prodigy_use_bias_correction,
                                   safeguard_warmup=args.prodigy_safeguard_warmup)
+    hyper = dict(lr=lr, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
     if args.use_8bit_adam:
         import bitsandbytes as bnb
 
-        optimizer_class = bnb.optim.AdamW8bit
-    else:
-        optimizer_class = torch.optim.AdamW
-    return optimizer_class(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2),
-                           weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
+        return bnb.optim.AdamW8bit(params, **hyper)
+    # fused: one kernel for all LoRA tensors instead of several per tensor. Not under FSDP, whose sharded
+    # (DTensor) parameters it has not been verified with here.
+    fused = accelerator.device.type == "cuda" and not is_fsdp(accelerator)
+    return torch.optim.AdamW(params, **hyper, fused=fused or None)
 
 
 def is_fsdp(accelerator):
     from accelerate.utils import DistributedType
 
     return accelerator.distributed_type == DistributedType.FSDP
+
+
+def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype):
+    """Transformer with LoRA, optimizer, LR schedule (built once max_train_steps is known) and noise schedule."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.optimization import get_scheduler
+
+    transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
+    noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+        args.pretrained_model_name_or_path, subfolder="scheduler", revision=args.revision, cache_dir=args.cache_dir)
+    if args.max_train_steps is None:
+        args.max_train_steps = args.num_train_epochs * math.ceil(len(data.sampler) / args.gradient_accumulation_steps)
+    optimizer = setup_optimizer(args, [p for p in transformer.parameters() if p.requires_grad], accelerator)
+    # stepped once per optimizer step by the loop, so not passed to prepare() (which would step it per process)
+    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
+                                 num_training_steps=args.max_train_steps, num_cycles=args.lr_num_cycles, power=args.lr_power)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
+    guidance = args.guidance_scale if accelerator.unwrap_model(transformer).config.guidance_embeds else None
+    return Run(data=data, caches=caches, weight_dtype=weight_dtype, vae=vae, latent_stats=latent_stats,
+               transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
+               sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
+               ema=LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None,
+               step_config=StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
+                                      args.prior_loss_weight))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 4: checkpoints
 
 
 def lora_state_dict(accelerator, transformer):
@@ -1536,10 +1742,10 @@ def optimizer_state(accelerator, run):
     """optimizer.state_dict(); under FSDP its states are shards, which safetensors cannot hold: the full state is
     gathered (keyed by parameter name; LoRA states are small). A collective under FSDP."""
     if not is_fsdp(accelerator):
-        return run["optimizer"].state_dict()
+        return run.optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(run["transformer"], run["optimizer"], options=StateDictOptions(full_state_dict=True))
+    return get_optimizer_state_dict(run.transformer, run.optimizer, options=StateDictOptions(full_state_dict=True))
 
 
 def flatten_state(obj, tensors, path="t"):
@@ -1604,13 +1810,13 @@ def save_checkpoint(args, accelerator, run, global_step):
     accelerator.wait_for_everyone()
     try:
         write_state(partial, f"rng-{accelerator.process_index}", rng_state())
-        lora, optimizer = lora_state_dict(accelerator, run["transformer"]), optimizer_state(accelerator, run)  # collectives
+        lora, optimizer = lora_state_dict(accelerator, run.transformer), optimizer_state(accelerator, run)  # collectives
         if accelerator.is_main_process:
-            save_lora(accelerator, run["transformer"], lora, partial)
+            save_lora(accelerator, run.transformer, lora, partial)
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-            ema = run["ema"].state_dict() if run["ema"] is not None else None
+            ema = run.ema.state_dict() if run.ema is not None else None
             write_state(partial, "training", {"optimizer": optimizer, "ema": ema,
-                                              "lr_scheduler": run["lr_scheduler"].state_dict(), "scaler": scaler})
+                                              "lr_scheduler": run.lr_scheduler.state_dict(), "scaler": scaler})
     except OSError as e:  # disk full, quota, ...: never leave a half checkpoint that looks complete
         shutil.rmtree(partial, ignore_errors=True)
         found = list_checkpoints(args.output_dir)
@@ -1618,7 +1824,7 @@ def save_checkpoint(args, accelerator, run, global_step):
                               f"(latest: {found[-1] if found else 'none'})") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run["seed"]}))
+        (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run.data.seed}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         if args.checkpoints_total_limit is not None:
@@ -1641,21 +1847,21 @@ def load_checkpoint(checkpoint, accelerator, run):
                                                              set_optimizer_state_dict)
 
         names = {n.replace(".default.", "."): n for n in (re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n)
-                 for n, p in run["transformer"].named_parameters() if p.requires_grad)}
+                 for n, p in run.transformer.named_parameters() if p.requires_grad)}
         unexpected = [k for k in lora if k not in names]
         if unexpected:
             raise UsageError(f"{checkpoint}: its LoRA does not fit this model/--lora_layers (e.g. {unexpected[:3]})")
         options = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(run["transformer"], {names[k]: v for k, v in lora.items()}, options=options)
-        set_optimizer_state_dict(run["transformer"], run["optimizer"], training["optimizer"], options=options)
+        set_model_state_dict(run.transformer, {names[k]: v for k, v in lora.items()}, options=options)
+        set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
     else:
-        result = set_peft_model_state_dict(accelerator.unwrap_model(run["transformer"]), lora, adapter_name="default")
+        result = set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), lora, adapter_name="default")
         if getattr(result, "unexpected_keys", None):
             raise UsageError(f"{checkpoint}: its LoRA does not fit this model/--lora_layers (e.g. {result.unexpected_keys[:3]})")
-        run["optimizer"].load_state_dict(training["optimizer"])
-    run["lr_scheduler"].load_state_dict(training["lr_scheduler"])
-    if run["ema"] is not None and training.get("ema") is not None:
-        run["ema"].load_state_dict(training["ema"])
+        run.optimizer.load_state_dict(training["optimizer"])
+    run.lr_scheduler.load_state_dict(training["lr_scheduler"])
+    if run.ema is not None and training.get("ema") is not None:
+        run.ema.load_state_dict(training["ema"])
     if accelerator.scaler is not None and training["scaler"] is not None:
         accelerator.scaler.load_state_dict(training["scaler"])
     rng_file = checkpoint / f"rng-{accelerator.process_index}.json"
@@ -1669,78 +1875,8 @@ def load_checkpoint(checkpoint, accelerator, run):
     return global_step
 
 
-@torch.no_grad()
-def run_validation(args, accelerator, run, prompt, tag, step):
-    """Generate validation images with the transformer being trained, without moving, casting or hooking it.
-
-    Saves PNGs under <output_dir>/validation/ and sends them to the trackers. Returns their paths."""
-    import diffusers
-
-    # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
-    model = run["transformer"] if is_fsdp(accelerator) else accelerator.unwrap_model(run["transformer"])
-    was_training = model.training
-    model.eval()
-    family = run["family"]
-    extra = {"is_distilled": family.distilled} if family.pipeline == "Flux2KleinPipeline" else {}
-    pipeline = getattr(diffusers, family.pipeline)(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run["scheduler"].config), vae=run["vae"],
-        text_encoder=None, tokenizer=None, transformer=model, **extra)
-    pipeline.set_progress_bar_config(disable=True)
-    embeds = {"prompt_embeds": run["caches"]["prompts"][prompt].to(accelerator.device, run["weight_dtype"])}
-    if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
-        embeds["negative_prompt_embeds"] = run["caches"]["prompts"][""].to(accelerator.device, run["weight_dtype"])
-    generator = torch.Generator(accelerator.device).manual_seed(seed_for("validation", run["seed"]))
-    height, width = (args.resolution, args.resolution)
-    images = []
-    averaged = run["ema"].applied(run["named_params"]) if run.get("ema") else contextlib.nullcontext()
-    with accelerator.autocast(), averaged, on_device(run["vae"], accelerator.device, args.offload):
-        for _ in range(args.num_validation_images):
-            images.append(pipeline(**embeds, height=height, width=width, generator=generator,
-                                   num_inference_steps=args.validation_inference_steps,
-                                   guidance_scale=guidance_scale(args, family)).images[0])
-    model.train(was_training)
-    if not accelerator.is_main_process:
-        return []
-    folder = Path(args.output_dir, "validation")
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, image in enumerate(images):
-        paths.append(folder / f"{tag}-{i}.png")
-        image.save(paths[-1])
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
-    logger.info(f"validation images ({prompt!r}): {', '.join(map(str, paths))}")
-    return paths
-
-
-def batch_inputs(batch, epoch, run, generator, rng, device):
-    """A batch's cached (or freshly encoded) inputs on the device -> latents [B', C, h, w], embeds [B', L, D],
-    loss mask [B', 1, h, w] or None (B' = 2B with prior preservation: instance rows, then class rows).
-    `rng` draws caption dropout, `generator` posterior samples."""
-    dataset, caches, dtype = run["dataset"], run["caches"], run["weight_dtype"]
-    slots = dataset.slots(batch["indices"])
-    texts = drop_captions([dataset.prompt_key(s) for s in slots], len(batch["indices"]), run["caption_dropout"], rng)
-    embeds = caches["prompts"].gather(texts).to(device, dtype, non_blocking=True)
-    if "latents" in caches:
-        keys = [dataset.latent_key(s, epoch) for s in slots]
-        params = caches["latents"].gather(keys)
-        mask = caches["masks"].gather(keys) if "masks" in caches else None
-    else:
-        with torch.no_grad(), on_device(run["vae"], device, run["offload"]):
-            params = encode_images(run["vae"], batch["pixel_values"], *run["latent_stats"], run["latent_sampling"])
-        mask = reduce_mask(batch["masks"], params.shape[-2:]) if "masks" in batch else None
-    latents = draw_latents(params.to(device, dtype, non_blocking=True), generator)
-    return latents, embeds, None if mask is None else mask.to(device, non_blocking=True)
-
-
-def validates_here(accelerator):
-    """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
-    return accelerator.is_main_process or is_fsdp(accelerator)
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 5: the loop
 
 
 class StopRequest:
@@ -1773,30 +1909,115 @@ class StopRequest:
         return signum, not bad
 
 
-def micro_step(accelerator, run, batch, epoch, micro):
-    """Forward and backward of one micro-batch -> (detached loss, latent size). Noise, timesteps and posterior
-    draws come from a generator seeded by (seed, micro-step, process): a resumed run draws the same."""
-    generator = torch.Generator(accelerator.device).manual_seed(seed_for("step", run["seed"], micro, accelerator.process_index))
-    rng = random.Random(seed_for("caption-dropout", run["seed"], micro, accelerator.process_index))
-    latents, embeds, mask = batch_inputs(batch, epoch, run, generator, rng, accelerator.device)
-    loss = flow_matching_step(run["transformer"], latents, embeds, len(batch["indices"]), run["sigmas"],
-                              run["step_config"], generator, mask)
+@dataclass
+class StepInputs:
+    """A micro-batch's inputs as gathered on the host: each distinct cache entry once, plus which entry each row
+    takes (rows of a batch sharing a prompt move one embedding, 15.7 MB for [dev], not B of them). B' = 2B rows
+    with prior preservation: instance rows, then class rows."""
+
+    embeds: torch.Tensor  # [U, L, D] distinct prompt embeddings
+    embed_rows: torch.Tensor  # [B'] long, row -> embeds
+    images: torch.Tensor  # cached: [V, 4C, h, w] latents ([V, 2, 4C, h, w] mean and std); else pixels [B', 3, H, W]
+    image_rows: torch.Tensor  # [B'] long, row -> images
+    masks: torch.Tensor | None  # loss masks beside `images`: [V, 1, h, w] cached, [B', 1, H, W] in pixels
+    encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
+
+    def apply(self, fn):
+        """A copy with fn applied to every tensor (pin, move to the device)."""
+        names = ("embeds", "embed_rows", "images", "image_rows", "masks")
+        return dataclasses.replace(self, **{n: fn(getattr(self, n)) for n in names if getattr(self, n) is not None})
+
+
+def gather_inputs(batch, dataset, caches, caption_dropout, rng):
+    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout."""
+    slots = dataset.slots(batch["indices"])
+    texts = drop_captions([dataset.prompt_key(s) for s in slots], len(batch["indices"]), caption_dropout, rng)
+    embeds, embed_rows = caches.prompts.gather_unique(texts)
+    if caches.latents is None:
+        return StepInputs(embeds, embed_rows, batch["pixel_values"], torch.arange(len(slots)), batch.get("masks"),
+                          encoded=False)
+    keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
+    latents, image_rows = caches.latents.gather_unique(keys)
+    masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None
+    return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True)
+
+
+def model_inputs(inputs, run, generator, offload, latent_sampling):
+    """Device side of a step: StepInputs already on the device -> latents [B', 4C, h, w], prompt embeddings
+    [B', L, D], loss mask [B', 1, h, w] or None. Uncached pixels are encoded here; `generator` draws posterior
+    samples."""
+    embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # expanded on the device
+    if inputs.encoded:
+        params = inputs.images[inputs.image_rows]
+        mask = None if inputs.masks is None else inputs.masks[inputs.image_rows]
+    else:
+        with torch.no_grad(), on_device(run.vae, inputs.images.device, offload):
+            params = encode_images(run.vae, inputs.images, *run.latent_stats, latent_sampling)
+        mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])
+    return draw_latents(params.to(run.weight_dtype), generator), embeds, mask
+
+
+class Prefetcher:
+    """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a
+    side stream while the current step computes. The loop calls prefetch() once the current step's GPU work is
+    queued and before anything that waits for the GPU (the loss check), so host work hides behind GPU work.
+    Yields (micro-step, batch, StepInputs on the device)."""
+
+    def __init__(self, loader, first_micro, prepare, device):
+        self.batches = enumerate(loader, start=first_micro)
+        self.prepare, self.device = prepare, device  # prepare(micro, batch) -> StepInputs on the host
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead = None  # (micro, batch, inputs, copy-done event) of the next step
+
+    def prefetch(self):
+        if self.ahead is not None:
+            return
+        micro, batch = next(self.batches)
+        inputs = self.prepare(micro, batch)
+        if self.stream is None:
+            self.ahead = (micro, batch, inputs.apply(lambda t: t.to(self.device)), None)
+            return
+        with torch.cuda.stream(self.stream):  # pinned host memory: the copy is asynchronous
+            inputs = inputs.apply(lambda t: t.pin_memory().to(self.device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record()
+        self.ahead = (micro, batch, inputs, done)
+
+    def __iter__(self):
+        while True:
+            self.prefetch()
+            (micro, batch, inputs, done), self.ahead = self.ahead, None
+            if done is not None:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(done)
+                inputs.apply(lambda t: t.record_stream(stream))  # made on the side stream, used on this one
+            yield micro, batch, inputs
+
+
+def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sampling):
+    """Forward and backward of one micro-batch (queued, not waited for) -> (detached loss, latent size). Noise,
+    timesteps and posterior draws come from a generator seeded by (seed, micro-step, process): a resumed run
+    draws the same."""
+    generator = torch.Generator(accelerator.device).manual_seed(
+        seed_for("step", run.data.seed, micro, accelerator.process_index))
+    latents, embeds, mask = model_inputs(inputs, run, generator, offload, latent_sampling)
+    loss = flow_matching_step(run.transformer, latents, embeds, num_instance, run.sigmas, run.step_config, generator, mask)
     accelerator.backward(loss)
     return loss.detach(), list(latents.shape[-2:])
 
 
 def optimizer_step(args, accelerator, run):
-    accelerator.clip_grad_norm_(run["params"], args.max_grad_norm)
-    run["optimizer"].step()
-    run["lr_scheduler"].step()
-    run["optimizer"].zero_grad(set_to_none=True)
-    if run["ema"] is not None:
-        run["ema"].update(run["named_params"])
+    accelerator.clip_grad_norm_(run.params, args.max_grad_norm)
+    run.optimizer.step()
+    run.lr_scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.ema is not None:
+        run.ema.update(run.named_params)
 
 
 def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
     """One line per optimizer step; the same numbers go to the progress bar and the trackers."""
-    logs = {"loss": loss.item(), "lr": run["lr_scheduler"].get_last_lr()[0], "step_seconds": seconds, "epoch": epoch}
+    logs = {"loss": loss.item(), "lr": run.lr_scheduler.get_last_lr()[0], "step_seconds": seconds, "epoch": epoch}
     line = f"step {global_step}/{args.max_train_steps} loss {logs['loss']:.4f} lr {logs['lr']:.2e} {seconds:.2f} s/step"
     if torch.cuda.is_available():
         logs["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -1808,59 +2029,70 @@ def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
 
 
 def train(args, accelerator, run, global_step):
-    """The loop: a flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of
-    epoch m // len(sampler), so a resumed run skips exactly the batches already trained."""
-    batches_per_epoch, accum = len(run["sampler"]), args.gradient_accumulation_steps
-    micro = global_step * accum
+    """The loop: one flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of epoch
+    m // len(sampler), so a resumed run skips exactly the batches already trained."""
+    data, accum = run.data, args.gradient_accumulation_steps
+    batches_per_epoch, micro = len(data.sampler), global_step * accum
     accelerator.step = micro  # accelerate's accumulation counter: sync on every accum-th micro-step
+    data.sampler.set_epoch(*divmod(micro, batches_per_epoch))
+    prefetcher = Prefetcher(data.loader, micro, lambda m, batch: gather_inputs(
+        batch, data.dataset, run.caches, args.caption_dropout,
+        random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index))), accelerator.device)
     stop, finite = StopRequest(), torch.ones((), dtype=torch.bool, device=accelerator.device)
     bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
     # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
     sample_log = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
     sample_log.parent.mkdir(parents=True, exist_ok=True)
+    run.transformer.train()
     tic = time.perf_counter()
     with sample_log.open("a", buffering=1) as sample_log, contextlib.ExitStack() as cleanup:
         cleanup.callback(stop.restore)  # sample_log is line-buffered: readable while training runs
-        while global_step < args.max_train_steps:
-            epoch, position = divmod(micro, batches_per_epoch)
-            run["sampler"].set_epoch(epoch, start=position)
-            run["dataset"].set_epoch(epoch)
-            run["transformer"].train()
-            for batch in run["loader"]:
-                with accelerator.accumulate(run["transformer"]):
-                    loss, latent_hw = micro_step(accelerator, run, batch, epoch, micro)
-                    finite &= torch.isfinite(loss)
-                    if accelerator.sync_gradients:
-                        signum, all_finite = stop.agreed(accelerator, finite)
-                        if not all_finite:
-                            raise TrainingStopped(nonfinite_message(args, global_step + 1, batch["indices"]))
-                        optimizer_step(args, accelerator, run)
-                sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
-                                             "latent_hw": latent_hw}) + "\n")
-                micro += 1
-                if not accelerator.sync_gradients:
-                    continue
+        for micro, batch, inputs in prefetcher:
+            epoch, signum = batch["epoch"], 0
+            with accelerator.accumulate(run.transformer):
+                loss, latent_hw = micro_step(accelerator, run, inputs, len(batch["indices"]), micro, args.offload,
+                                             args.latent_sampling)
+                prefetcher.prefetch()  # the next step's host work, while the GPU runs this one
+                finite &= torch.isfinite(loss)
+                if accelerator.sync_gradients:
+                    signum, all_finite = stop.agreed(accelerator, finite)
+                    if not all_finite:
+                        raise TrainingStopped(nonfinite_message(args, global_step + 1, batch["indices"]))
+                    optimizer_step(args, accelerator, run)
+            sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
+                                         "latent_hw": latent_hw}) + "\n")
+            if accelerator.sync_gradients:
                 global_step += 1
                 log_step(args, accelerator, run, bar, global_step, loss, epoch, time.perf_counter() - tic)
                 tic = time.perf_counter()
-                if global_step % args.checkpointing_steps == 0 or signum:
-                    save_checkpoint(args, accelerator, run, global_step)
-                if (args.validation_prompt and args.num_validation_images and args.validation_steps
-                        and global_step % args.validation_steps == 0 and validates_here(accelerator)
-                        and not (global_step >= args.max_train_steps and not args.skip_final_inference)):
-                    run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
-                if signum:
-                    raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
-                                          "with the same command plus --resume_from_checkpoint latest", 128 + signum)
-                if global_step >= args.max_train_steps:
-                    break
-            epoch_done = micro == (epoch + 1) * batches_per_epoch
-            final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # same images
-            if (args.validation_prompt and args.num_validation_images and epoch_done and (epoch + 1) % args.validation_epochs == 0
-                    and not final_follows and validates_here(accelerator)):
-                run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
+                after_optimizer_step(args, accelerator, run, global_step, signum)
+            if (micro + 1) % batches_per_epoch == 0:
+                after_epoch(args, accelerator, run, global_step, epoch)
+            if global_step >= args.max_train_steps:
+                break
     bar.close()
     return global_step
+
+
+def after_optimizer_step(args, accelerator, run, global_step, signum):
+    """Checkpoint every --checkpointing_steps (and on a stop signal), validate every --validation_steps."""
+    if global_step % args.checkpointing_steps == 0 or signum:
+        save_checkpoint(args, accelerator, run, global_step)
+    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # the same images
+    if (args.validation_prompt and args.num_validation_images and args.validation_steps
+            and global_step % args.validation_steps == 0 and not final_follows and validates_here(accelerator)):
+        run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
+    if signum:
+        raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
+                              "with the same command plus --resume_from_checkpoint latest", 128 + signum)
+
+
+def after_epoch(args, accelerator, run, global_step, epoch):
+    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless the final images follow."""
+    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference
+    if (args.validation_prompt and args.num_validation_images and (epoch + 1) % args.validation_epochs == 0
+            and not final_follows and validates_here(accelerator)):
+        run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
 
 
 def nonfinite_message(args, step, indices):
@@ -1868,6 +2100,64 @@ def nonfinite_message(args, step, indices):
     return (f"the loss became NaN or infinite at step {step} (samples {indices}); stopped without applying that "
             f"update and without writing a final LoRA. Last good checkpoint: {found[-1] if found else 'none'}. "
             "Try a lower --learning_rate, --max_grad_norm, or --mixed_precision bf16 instead of fp16")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 6: validation and outputs
+
+
+def validates_here(accelerator):
+    """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
+    return accelerator.is_main_process or is_fsdp(accelerator)
+
+
+@torch.no_grad()
+def run_validation(args, accelerator, run, prompt, tag, step):
+    """Generate validation images with the transformer being trained, without moving, casting or hooking it.
+
+    Saves PNGs under <output_dir>/validation/ and sends them to the trackers. Returns their paths."""
+    import diffusers
+
+    # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
+    model = run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer)
+    was_training = model.training
+    model.eval()
+    family = run.data.family
+    extra = {"is_distilled": family.distilled} if family.pipeline == "Flux2KleinPipeline" else {}
+    pipeline = getattr(diffusers, family.pipeline)(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run.noise_scheduler.config), vae=run.vae,
+        text_encoder=None, tokenizer=None, transformer=model, **extra)
+    pipeline.set_progress_bar_config(disable=True)
+    embeds = {"prompt_embeds": run.caches.prompts[prompt].to(accelerator.device, run.weight_dtype)}
+    if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
+        embeds["negative_prompt_embeds"] = run.caches.prompts[""].to(accelerator.device, run.weight_dtype)
+    generator = torch.Generator(accelerator.device).manual_seed(seed_for("validation", run.data.seed))
+    height, width = (args.resolution, args.resolution)
+    images = []
+    averaged = run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext()
+    with accelerator.autocast(), averaged, on_device(run.vae, accelerator.device, args.offload):
+        for _ in range(args.num_validation_images):
+            images.append(pipeline(**embeds, height=height, width=width, generator=generator,
+                                   num_inference_steps=args.validation_inference_steps,
+                                   guidance_scale=guidance_scale(args, family)).images[0])
+    model.train(was_training)
+    if not accelerator.is_main_process:
+        return []
+    folder = Path(args.output_dir, "validation")
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, image in enumerate(images):
+        paths.append(folder / f"{tag}-{i}.png")
+        image.save(paths[-1])
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
+    logger.info(f"validation images ({prompt!r}): {', '.join(map(str, paths))}")
+    return paths
 
 
 def write_model_card(args, image_paths, prompt, family):
@@ -1928,29 +2218,42 @@ def push_to_hub(args):
 def finish(args, accelerator, run):
     """Save the LoRA (the EMA with --use_ema, raw weights beside it), the final validation images and the model
     card. Writing is the main process's; gathering (FSDP) and the fingerprint involve every process."""
-    state = lora_state_dict(accelerator, run["transformer"])
+    state = lora_state_dict(accelerator, run.transformer)
     # processes must agree bit for bit; the fingerprint makes that checkable from the logs
     fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items())))
     logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)
-    dtype = torch.float32 if args.upcast_before_saving else run["weight_dtype"]
+    dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
     if accelerator.is_main_process:
-        if run["ema"] is None:
-            save_lora(accelerator, run["transformer"], state, args.output_dir, dtype)
+        if run.ema is None:
+            save_lora(accelerator, run.transformer, state, args.output_dir, dtype)
         else:  # the average is the LoRA; the last raw weights go beside it
-            save_lora(accelerator, run["transformer"], state, args.output_dir, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
-            with run["ema"].applied(run["named_params"]):
-                save_lora(accelerator, run["transformer"], lora_state_dict(accelerator, run["transformer"]),
+            save_lora(accelerator, run.transformer, state, args.output_dir, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
+            with run.ema.applied(run.named_params):
+                save_lora(accelerator, run.transformer, lora_state_dict(accelerator, run.transformer),
                           args.output_dir, dtype)
-        logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run["ema"] else ""))
+        logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run.ema else ""))
     prompt = args.validation_prompt or args.final_validation_prompt
     paths = []
     if prompt and not args.skip_final_inference and args.num_validation_images > 0 and validates_here(accelerator):
         paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_model_card(args, paths, prompt, run["family"])
+        write_model_card(args, paths, prompt, run.data.family)
         if args.push_to_hub:
             push_to_hub(args)
+
+
+def start_logging(args, accelerator, run, global_step):
+    """Start the trackers and say what the run is about to do."""
+    if accelerator.is_main_process:
+        accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
+    data, caches = run.data, run.caches
+    logger.info(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
+                f"mixed precision {accelerator.mixed_precision}")
+    logger.info(f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
+                f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
+                f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts"
+                + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else ""))
 
 
 def tracker_config(args):
@@ -1963,84 +2266,17 @@ def tracker_config(args):
 # Main
 
 
-def prepare_data(args, accelerator):
-    """Everything that can fail on the user's input, before any weights load: flags that depend on the model
-    family, images, the resume point and seed, the batch size, --lora_layers; then class images and the data."""
-    instances = load_instance_images(args)
-    checkpoint = find_resume_checkpoint(args)
-    seed = agree_seed(args, checkpoint, accelerator)
-    set_seed(seed)  # LoRA init and dropout draw from the global generators
-    build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
-               warn=False)  # the batch-size check, before class images are generated
-    family = detect_family(args)  # the model's small JSON files only
-    resolve_family_defaults(args, family)
-    check_lora_targets(args)
-    if args.fsdp_text_encoder and (accelerator.num_processes < 2 or args.remote_text_encoder):
-        raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
-                         "without --remote_text_encoder")
-    if args.use_ema and is_fsdp(accelerator):
-        raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
-    classes = load_class_images(args, accelerator, seed, family)
-    dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
-    return family, checkpoint, seed, dataset, sampler, loader
-
-
-def precompute(args, accelerator, dataset, weight_dtype, family):
-    """Prompt embeddings (always) and latents (--cache_latents) -> caches, the VAE if still needed, its stats."""
-    caches = {"prompts": precompute_prompts(args, accelerator, dataset, weight_dtype, family)}
-    latent_cache, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype)
-    if latent_cache is not None:
-        caches["latents"] = latent_cache
-        if args.masked_loss:
-            caches["masks"] = prepare_masks(dataset, latent_cache)
-    return caches, vae, latent_stats
-
-
-def setup_training(args, accelerator, weight_dtype, sampler):
-    """Transformer with LoRA, optimizer, LR schedule (built once max_train_steps is known) and noise schedule."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.optimization import get_scheduler
-
-    transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(args.pretrained_model_name_or_path, subfolder="scheduler",
-                                                                revision=args.revision, cache_dir=args.cache_dir)
-    if args.max_train_steps is None:
-        args.max_train_steps = args.num_train_epochs * math.ceil(len(sampler) / args.gradient_accumulation_steps)
-    optimizer = setup_optimizer(args, [p for p in transformer.parameters() if p.requires_grad], accelerator.num_processes)
-    # stepped once per optimizer step by the loop, so not passed to prepare() (which would step it per process)
-    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
-                                 num_training_steps=args.max_train_steps, num_cycles=args.lr_num_cycles, power=args.lr_power)
-    transformer, optimizer = accelerator.prepare(transformer, optimizer)
-    named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
-    guidance = args.guidance_scale if accelerator.unwrap_model(transformer).config.guidance_embeds else None
-    return dict(transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, scheduler=scheduler,
-                sigmas=scheduler.sigmas.float(), named_params=named_params, params=list(named_params.values()),
-                ema=LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None,
-                step_config=StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
-                                       args.prior_loss_weight))
-
-
 def main(argv=None):
     args = parse_args(argv)
     validate_args(args)
     accelerator = setup_accelerator(args)
-    weight_dtype = weight_dtype_of(accelerator)
-    family, checkpoint, seed, dataset, sampler, loader = prepare_data(args, accelerator)
+    data = prepare_data(args, accelerator)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    caches, vae, latent_stats = precompute(args, accelerator, dataset, weight_dtype, family)
-    run = setup_training(args, accelerator, weight_dtype, sampler)
-    run.update(family=family, seed=seed, dataset=dataset, sampler=sampler, loader=loader, caches=caches, vae=vae,
-               latent_stats=latent_stats, weight_dtype=weight_dtype, latent_sampling=args.latent_sampling,
-               caption_dropout=args.caption_dropout, offload=args.offload)
-    global_step = load_checkpoint(checkpoint, accelerator, run) if checkpoint is not None else 0
-    if accelerator.is_main_process:
-        accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
-    logger.info(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
-                f"mixed precision {accelerator.mixed_precision}")
-    logger.info(f"{len(dataset)} samples, {len(sampler)} batches of {args.train_batch_size} per epoch and process "
-                f"(the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} steps "
-                f"from step {global_step}, seed {seed}, {len(caches['prompts'].store)} unique prompts"
-                + (f", {len(caches['latents'].store)} unique latents" if "latents" in caches else ""))
+    weight_dtype = weight_dtype_of(accelerator)
+    caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype)
+    run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
+    global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
+    start_logging(args, accelerator, run, global_step)
     try:
         train(args, accelerator, run, global_step)
         finish(args, accelerator, run)

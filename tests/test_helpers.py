@@ -1,5 +1,6 @@
 """CPU unit tests of the pure helpers: buckets, transforms, dataset, sampler, collate, caches, loss, state."""
 
+import itertools
 import random
 
 import pytest
@@ -116,7 +117,7 @@ BUCKETS = [(32, 32), (32, 48), (48, 32)]
 
 def test_dataset_items_carry_their_index_and_repeats_multiply_samples():
     ds = DreamBoothDataset(_records([(48, 32), (32, 48)]), "sks", BUCKETS, repeats=3, with_pixels=False)
-    assert len(ds) == 6 and [ds[i]["index"] for i in range(6)] == list(range(6))
+    assert len(ds) == 6 and [ds[(0, i)]["index"] for i in range(6)] == list(range(6))
     assert ds.sample_buckets() == [1, 2] * 3
 
 
@@ -137,7 +138,7 @@ def test_slots_and_prompt_keys_lay_out_instance_then_class():
 
 def test_class_image_follows_its_instance_bucket():
     ds = DreamBoothDataset(_records([(48, 32)]), "sks", BUCKETS, classes=_records([(32, 32)]), class_prompt="c")
-    item = ds[0]["pixel_values"]
+    item = ds[(0, 0)]["pixel_values"]
     assert item.shape == (2, 3, 32, 48)
 
 
@@ -146,8 +147,8 @@ def test_fresh_augmentation_each_epoch_without_cache_and_reproducible():
     keys = [ds.latent_key(0, e) for e in range(12)]
     assert len({k[5] for k in keys}) > 3 and {k[6] for k in keys} == {True, False}  # crops (left) and flips per epoch
     assert keys == [ds.latent_key(0, e) for e in range(12)]  # ...but a pure function of (seed, epoch, slot)
-    ds.set_epoch(5)
-    assert torch.equal(ds[0]["pixel_values"][0], ds.pixels(keys[5]))
+    item = ds[(5, 0)]  # the epoch travels with the index
+    assert item["epoch"] == 5 and torch.equal(item["pixel_values"][0], ds.pixels(keys[5]))
 
 
 def test_cached_crops_are_fixed_but_flips_stay_live():
@@ -162,11 +163,11 @@ def test_cached_crops_are_fixed_but_flips_stay_live():
 
 
 def test_collate_keeps_order_and_groups_class_after_instance():
-    examples = [{"index": i, "pixel_values": torch.full((2, 3, 2, 2), float(i))} for i in (4, 1, 9)]
+    examples = [{"index": i, "epoch": 3, "pixel_values": torch.full((2, 3, 2, 2), float(i))} for i in (4, 1, 9)]
     batch = collate(examples)
-    assert batch["indices"] == [4, 1, 9]
+    assert batch["indices"] == [4, 1, 9] and batch["epoch"] == 3
     assert batch["pixel_values"][:, 0, 0, 0].tolist() == [4, 1, 9, 4, 1, 9]
-    assert collate([{"index": 2}]) == {"indices": [2]}
+    assert collate([{"index": 2, "epoch": 0}]) == {"indices": [2], "epoch": 0}
 
 
 # ---------------------------------------------------------------------------------------------------- sampler
@@ -176,8 +177,11 @@ BUCKET_OF = [0] * 7 + [1] * 5 + [2] * 3  # 15 samples in three buckets
 
 
 def _epoch(sampler, e):
+    """The batches the sampler streams for epoch e, as plain index lists."""
     sampler.set_epoch(e)
-    return list(sampler)
+    batches = list(itertools.islice(sampler, len(sampler)))
+    assert all(epoch == e for b in batches for epoch, _ in b)
+    return [[i for _, i in b] for b in batches]
 
 
 def test_sampler_batches_hold_one_bucket_and_cover_everything_without_drop_last():
@@ -208,7 +212,9 @@ def test_sampler_start_skips_batches_for_resume():
     sampler = BucketBatchSampler(BUCKET_OF, 2, seed=0)
     full = _epoch(sampler, 3)
     sampler.set_epoch(3, start=4)
-    assert list(sampler) == full[4:]
+    stream = list(itertools.islice(sampler, len(full) - 4 + 2))
+    assert stream[:-2] == [[(3, i) for i in b] for b in full[4:]]  # the rest of epoch 3...
+    assert stream[-2:] == [[(4, i) for i in b] for b in _epoch(sampler, 4)[:2]]  # ...then epoch 4 follows
 
 
 def test_sampler_ranks_get_disjoint_batches_covering_the_epoch():
@@ -232,6 +238,8 @@ def test_cache_shares_one_tensor_per_key_and_gathers_in_order():
     assert cache.todo(keys) == []
     assert cache.gather([keys[i] for i in (4, 1, 3, 0)])[:, 0].tolist() == [1.0, 2.0, 3.0, 1.0]
     assert len(cache.store) == 3  # five samples, three tensors
+    unique, rows = cache.gather_unique(keys)  # what a step moves: each entry once, and the rows that expand it
+    assert unique[:, 0].tolist() == [1.0, 2.0, 3.0] and rows.tolist() == [0, 1, 0, 2, 0]
     with pytest.raises(KeyError, match="precompute"):
         SampleCache().gather(["x"])
 

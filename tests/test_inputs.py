@@ -98,7 +98,7 @@ def test_small_images_are_upscaled_to_their_bucket_with_one_warning(tmp_path, ca
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir",
                          str(tmp_path), "--resolution", "32", "--train_batch_size", "1"])
     dataset, _, _ = T.build_data(args, T.scan_image_folder(tmp_path), [], 0, Accelerator(cpu=True))
-    assert dataset[0]["pixel_values"].shape == (1, 3, 32, 32)
+    assert dataset[(0, 0)]["pixel_values"].shape == (1, 3, 32, 32)
     assert caplog.text.count("smaller than their bucket") == 1 and "tiny.png" in caplog.text
 
 
@@ -238,9 +238,12 @@ def checkpoint_run(tiny_model):
 
     transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
     T.add_lora(transformer, LoraConfig(r=2, target_modules=["to_q"]))
-    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad])
-    return Accelerator(cpu=True), {"transformer": transformer, "optimizer": optimizer, "seed": 0, "ema": None,
-                                   "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(named.values())
+    return Accelerator(cpu=True), T.Run(
+        data=T.Data(None, None, 0, None, None, None), caches=None, weight_dtype=torch.float32, vae=None, latent_stats=None,
+        transformer=transformer, optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        noise_scheduler=None, sigmas=None, named_params=named, ema=None, step_config=None)
 
 
 def test_disk_full_while_checkpointing_keeps_earlier_checkpoints(checkpoint_run, tmp_path, monkeypatch):

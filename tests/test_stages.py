@@ -93,12 +93,10 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
                                else args.instance_prompt) for p in paths}
     seen = set()
     for epoch in range(3):
-        sampler.set_epoch(epoch)
-        fresh_dataset.set_epoch(epoch)
-        for indices in sampler:
+        for indices in sampler.epoch_batches(epoch):
             seen.update(indices)
             slots = dataset.slots(indices)
-            batch = T.collate([fresh_dataset[i] for i in indices])
+            batch = T.collate([fresh_dataset[(epoch, i)] for i in indices])
             with torch.no_grad():
                 expected_latents = T.encode_images(vae, batch["pixel_values"], mean, std)
             cached = latents.gather([dataset.latent_key(s, epoch) for s in slots])
@@ -136,8 +134,10 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
     prompts = T.SampleCache()
     prompts.put("a sks dog", torch.randn(1, MAX_SEQUENCE_LENGTH, 32))
     before = {n: (p.device, p.dtype, p.requires_grad, p.detach().clone()) for n, p in transformer.named_parameters()}
-    run = dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"),
-               caches={"prompts": prompts}, seed=0, weight_dtype=torch.float32, family=DEV)
+    run = T.Run(data=T.Data(DEV, None, 0, None, None, None), caches=T.Caches(prompts), weight_dtype=torch.float32, vae=vae,
+                latent_stats=(mean, std), transformer=transformer, optimizer=None, lr_scheduler=None,
+                noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"),
+                sigmas=None, named_params={}, ema=None, step_config=None)
     paths = T.run_validation(args, accelerator, run, "a sks dog", "step-3", 3)
     assert [p.name for p in paths] == ["step-3-0.png", "step-3-1.png"] and all(p.stat().st_size > 0 for p in paths)
     assert transformer.training
