@@ -1820,7 +1820,7 @@ def prepare_masks(dataset, latents):
     return cache
 
 
-def open_cache(args, accelerator):
+def open_cache(args):
     """The disk cache folder (--precompute_cache_dir, by default per user), or None for 'none' (in memory)."""
     root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
     if root is None:
@@ -2616,7 +2616,7 @@ def main(argv=None):
     validate_args(args)
     accelerator = setup_accelerator(args)
     weight_dtype = weight_dtype_of(accelerator)
-    disk = open_cache(args, accelerator)
+    disk = open_cache(args)
     family, checkpoint, seed, dataset, sampler, loader = prepare_data(args, accelerator, disk)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     caches, vae, latent_stats = precompute(args, accelerator, dataset, weight_dtype, family, disk)
