@@ -1284,7 +1284,7 @@ def scan_folder(folder, disk, read_captions=True):
     if disk is not None:
         disk.write_scan_index(folder, index)
     logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
-                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s")
+                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
     return records
 
 

@@ -278,10 +278,11 @@ def _sourceless(args, manifest):
 
 
 def test_from_manifest_trains_the_same_lora_with_the_images_deleted(tiny_model, images, tmp_path, own_cache_folder):
-    common = ["--max_train_steps", "4", "--cache_latents", "--random_flip", "--repeats", "2", "--caption_dropout", "0.3"]
+    """The sourceless run is given the training flags only: the data flags (flips, repeats) come from the manifest."""
+    common = ["--max_train_steps", "4", "--cache_latents", "--caption_dropout", "0.3"]
     first = tmp_path / "with-images"
-    launch(base_args(tiny_model, images, first, *common, "--validation_prompt", "a sks dog in a bucket",
-                     "--num_validation_images", "0"))
+    launch(base_args(tiny_model, images, first, *common, "--random_flip", "--repeats", "2",
+                     "--validation_prompt", "a sks dog in a bucket", "--num_validation_images", "0"))
     manifest = json.loads((first / T.MANIFEST_NAME).read_text())
     texts = [e["text"] for e in manifest["entries"]["prompts"]]
     assert "" in texts and "a sks dog in a bucket" in texts and len(texts) == 8  # 5 captions, instance prompt

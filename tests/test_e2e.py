@@ -214,6 +214,8 @@ def test_two_processes_share_the_work_and_agree(cache, tiny_model, images, tmp_p
     each rank encodes half the unique inputs (gathered in memory, or through the disk cache; a cache folder that
     cannot be written warns and falls back to memory), and both end with the same LoRA."""
     out = tmp_path / "out"
+    for path in images.iterdir():  # a dataset that exists already (files changed seconds ago are not indexed)
+        os.utime(path, (time.time() - 3600,) * 2)
     (tmp_path / "a-file").write_text("where the cache folder should be")
     extra = {"memory": ["--precompute_cache_dir", "none"], "disk": ["--precompute_cache_dir", tmp_path / "cache"],
              "unwritable": ["--precompute_cache_dir", tmp_path / "a-file" / "cache"]}[cache]
@@ -228,6 +230,8 @@ def test_two_processes_share_the_work_and_agree(cache, tiny_model, images, tmp_p
     for rank in (0, 1):
         assert f"[RANK {rank}] encoded 3 of 6 missing prompts" in proc.stderr
         assert f"[RANK {rank}] encoded 3 of 6 missing images" in proc.stderr
+    if cache == "disk":  # rank 0 scans first; rank 1 finds its scan index
+        assert f"[RANK 1] scanned {images}: 6 images, 6 unchanged since the last scan, 0 decoded" in proc.stderr
     if cache == "memory":
         assert "in-memory precompute cache: " in proc.stderr and "copied into each of 2 processes" in proc.stderr
     if cache == "unwritable":
