@@ -27,8 +27,10 @@ What is cached and what stays random:
   image, each paired with a class image, so every class image is seen every epoch). Each sample has an index;
   the dataset maps a sample (and epoch) to content keys, the caches map keys to tensors.
 - Prompt embeddings are always precomputed, once per unique text (instance prompt, captions, class prompt,
-  validation prompts), and kept on the CPU (or on disk with --precompute_cache_dir, where later runs reuse
-  them). The text encoder is loaded only if some text is missing, and freed afterwards.
+  validation prompts), and kept on disk in a per-user cache that later runs reuse (--precompute_cache_dir; 'none':
+  on the CPU). The text encoder is loaded only if some text is missing, and freed afterwards. The cache is bounded
+  (--precompute_cache_max_gb), shared safely by concurrent runs, and every run leaves a dataset manifest from which
+  --from_manifest trains without the images. SIGTERM/Ctrl-C during precompute keep what is cached.
 - With `--cache_latents`, latents are precomputed once per unique (image, bucket, crop, orientation): the crop
   of each sample is drawn once, at cache time; with --random_flip both orientations are cached and the flip is
   still drawn at every use. Without it, crop and flip are drawn afresh every time a sample is read. Every draw
@@ -88,6 +90,9 @@ TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is nam
 DEFAULT_CACHE_MAX_GB = 50.0
 MANIFEST_NAME = "dataset_manifest.json"
 MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
+# the flags that shaped a manifest's cache entries: --from_manifest takes them from it
+MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution", "center_crop",
+                       "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
 RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
 
@@ -287,7 +292,9 @@ def validate_manifest_args(args):
         raise UsageError("--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
     if args.masked_loss:
         raise UsageError("--from_manifest cannot train with --masked_loss: masks are made from the source images")
-    read_manifest(args.from_manifest)
+    if read_manifest(args.from_manifest)["model"]["latent_identity"] is None:
+        raise UsageError(f"--from_manifest {args.from_manifest} was written by a run without --cache_latents: the cache "
+                         "holds no latents of its images")
 
 
 def read_bnb_config(path):
@@ -487,7 +494,7 @@ class ScanIndex:
 
     def lookup(self, name, stat):
         entry = self.files.get(name)
-        if entry is not None and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+        if isinstance(entry, list) and len(entry) == 5 and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
             return tuple(entry[2:4]), entry[4]
         return None
 
@@ -1061,11 +1068,14 @@ def read_manifest(path):
         manifest = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise UsageError(f"--from_manifest {path}: {e}") from None
-    parts = ("data", "model", "instances", "classes", "entries")
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
         raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
-    if any(part not in manifest for part in parts):
-        raise UsageError(f"--from_manifest {path}: incomplete, expected {', '.join(parts)}")
+    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity", "latent_identity"),
+                "instances": (), "classes": (), "entries": (), "cache": ()}
+    missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
+               if part not in manifest or (key and key not in manifest[part])]
+    if missing:
+        raise UsageError(f"--from_manifest {path}: incomplete, {', '.join(missing)} missing")
     return manifest
 
 
@@ -1923,10 +1933,6 @@ def report_memory_copies(caches, processes):
                        "each process reads the entries of its batch")
     else:
         logger.info(note)
-
-
-MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution", "center_crop",
-                       "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
 
 
 def write_manifest(args, accelerator, dataset, family, identity, plan, disk):

@@ -228,10 +228,19 @@ def test_startup_benchmark_tiny_mode_prints_cold_and_warm_rows():
 # ---------------------------------------------------------------------------------------------------- flags
 
 
-def _manifest_file(tmp_path, **changes):
-    manifest = T.build_manifest({"repeats": 2}, {"family": "Flux2Pipeline"}, [], [], [], [], tmp_path)
-    path = tmp_path / "manifest.json"
-    path.write_text(json.dumps({**manifest, **changes}))
+def _manifest_file(tmp_path, kind="M"):
+    """A complete manifest (M), one of another format (NOT), one without data.seed, one of a run without latents."""
+    data = {**{flag: None for flag in T.MANIFEST_DATA_FLAGS}, "buckets": [[32, 32]], "seed": 0}
+    model = {"family": "Flux2Pipeline", "prompt_identity": [], "latent_identity": []}
+    manifest = T.build_manifest(data, model, [], [], [], [], tmp_path)
+    if kind == "NOT":
+        manifest["format"] = "other"
+    elif kind == "NOSEED":
+        del manifest["data"]["seed"]
+    elif kind == "NOLATENTS":
+        manifest["model"]["latent_identity"] = None
+    path = tmp_path / f"manifest-{kind}.json"
+    path.write_text(json.dumps(manifest))
     return str(path)
 
 
@@ -244,10 +253,11 @@ def _manifest_file(tmp_path, **changes):
     (["--from_manifest", "M", "--cache_latents", "--masked_loss"], "--from_manifest cannot train with --masked_loss"),
     (["--from_manifest", "/nonexistent/m.json", "--cache_latents"], "--from_manifest /nonexistent/m.json: .*No such file"),
     (["--from_manifest", "NOT", "--cache_latents"], "not a dataset_manifest.json of this trainer"),
+    (["--from_manifest", "NOSEED", "--cache_latents"], "incomplete, data.seed missing"),
+    (["--from_manifest", "NOLATENTS", "--cache_latents"], "written by a run without --cache_latents"),
 ])
 def test_cache_flags_are_checked_before_anything_loads(extra, message, tmp_path):
-    extra = [_manifest_file(tmp_path) if a == "M" else _manifest_file(tmp_path, format="other") if a == "NOT" else a
-             for a in extra]
+    extra = [_manifest_file(tmp_path, a) if a in ("M", "NOT", "NOSEED", "NOLATENTS") else a for a in extra]
     with pytest.raises(T.UsageError, match=message):
         T.validate_args(T.parse_args(["--pretrained_model_name_or_path", "m", *extra]))
 
