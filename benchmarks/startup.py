@@ -46,16 +46,23 @@ TINY = {"sizes": (4,), "width": 320, "height": 240}
 # Children (fresh interpreters)
 
 
+GRAIN = {}  # per worker process: one film-grain tile, cropped at a random offset for every image
+
+
 def generate_one(task):
     """Write image i: a smooth colour field (upscaled noise) with film grain; every second image gets a caption."""
     import numpy as np
     from PIL import Image, ImageChops
 
     folder, i, width, height = task
+    if (width, height) not in GRAIN:
+        tile = np.random.default_rng(0).integers(110, 146, (height + 64, width + 64, 3), dtype=np.uint8)
+        GRAIN[width, height] = Image.fromarray(tile)
     rng = np.random.default_rng(i)
     field = Image.fromarray(rng.integers(0, 255, (12, 18, 3), dtype=np.uint8)).resize((width, height), Image.Resampling.BICUBIC)
     detail = Image.fromarray(rng.integers(0, 255, (height // 8, width // 8, 3), dtype=np.uint8)).resize((width, height))
-    grain = Image.fromarray(rng.normal(128, 9, (height, width, 3)).clip(0, 255).astype(np.uint8))
+    left, top = (int(v) for v in rng.integers(0, 64, 2))
+    grain = GRAIN[width, height].crop((left, top, left + width, top + height))
     image = ImageChops.add(Image.blend(field, detail, 0.25), grain, scale=1.0, offset=-128)
     path = Path(folder, f"img_{i:05d}.jpg")
     image.save(path, quality=90)
