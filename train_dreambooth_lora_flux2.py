@@ -881,11 +881,13 @@ class DiskStore:
 @contextlib.contextmanager
 def folder_lock(root):
     """Exclusive lock of a cache folder (flock on <root>/.lock, dropped by the kernel if the holder dies): taking a
-    lease and evicting exclude each other, so an eviction never sees half of a lease or misses a new one."""
+    lease and evicting exclude each other, so an eviction never sees half of a lease or misses a new one. Where the
+    file system has no locks (ENOLCK), runs sharing the folder are not protected (the README says so)."""
     import fcntl
 
     with open(Path(root, ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            fcntl.flock(f, fcntl.LOCK_EX)
         yield
 
 
@@ -915,7 +917,8 @@ def take_lease(root, entries):
     with folder_lock(root):
         path = Path(root, "leases", f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json")
         f = open(path, "w")  # noqa: SIM115 - held open for the run's lifetime: the open file is the lock
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with contextlib.suppress(OSError):  # no locks here: the lease counts as live until its run deletes it
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "entries": sorted(entries)}, f)
         f.flush()
     return f
@@ -1909,8 +1912,12 @@ def settle_cache(accelerator, disk, plan):
             f"{len(wrote)} ({human_bytes(sum(wrote))})")
     if len(wrote) < len(plan.missing):
         line += f", kept {len(plan.missing) - len(wrote)} in memory (the folder could not be written)"
-    if disk.write_error is None:
-        eviction = evict_lru(disk.root, disk.max_bytes, entries)
+    try:
+        eviction = evict_lru(disk.root, disk.max_bytes, entries) if disk.write_error is None else None
+    except OSError as e:  # e.g. another user's entries in a shared folder: the run goes on
+        logger.warning(f"could not bound the precompute cache {disk.root} ({e})", main_process_only=False)
+        eviction = None
+    if eviction is not None:
         line += f"; {human_bytes(eviction.size_after)} of the {human_bytes(disk.max_bytes)} bound"
         if eviction.evicted:
             line += f", {eviction.evicted} least-recently-used entries deleted ({human_bytes(eviction.evicted_bytes)})"

@@ -140,6 +140,19 @@ def test_eviction_spares_a_live_runs_entries_and_reclaims_them_once_it_is_gone(t
     assert entries(tmp_path) == [] and not list((tmp_path / "leases").glob("*.json"))  # stale lease removed
 
 
+def test_a_failed_eviction_warns_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    from accelerate import Accelerator
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(T, "evict_lru", denied)
+    with caplog.at_level(logging.INFO):
+        T.settle_cache(Accelerator(cpu=True), T.CacheFolder(tmp_path, 0), T.PrecomputePlan({}, {}, set(), 0, 0))
+    assert f"could not bound the precompute cache {tmp_path} ([Errno 13] Permission denied)" in caplog.text
+    assert f"precompute cache {tmp_path}: reused 0 entries (0 B), wrote 0 (0 B)" in caplog.text
+
+
 def test_in_memory_copies_are_reported_and_a_large_total_is_a_warning(monkeypatch, caplog):
     cache = T.SampleCache()
     cache.put("a", torch.zeros(1, 1000))  # 4 kB
