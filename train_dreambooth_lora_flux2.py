@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from PIL import Image, ImageOps
@@ -520,12 +520,13 @@ def inspect_image(path):
     return size, hashlib.sha256(data).hexdigest()
 
 
-def scan_image_folder(folder, read_captions=True, index=None, workers=None):
+def scan_image_folder(folder, read_captions=True, index=None, workers=None, progress=False):
     """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
 
     Every image is decoded and hashed once, so a corrupt, truncated, empty or oversized (decompression-bomb) file
     is reported now, all of them in one message; files `index` (a ScanIndex, updated in place) knows unchanged are
-    neither decoded nor hashed again. The decoding is spread over `workers` threads (default: the cores)."""
+    neither decoded nor hashed again. The decoding is spread over `workers` threads (default: the cores); `progress`
+    shows a bar."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UsageError(f"{folder}: no such folder")
@@ -545,7 +546,7 @@ def scan_image_folder(folder, read_captions=True, index=None, workers=None):
     with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         jobs = {p: pool.submit(inspect_image, p) for p in todo}
-    for path in images:
+    for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
         try:
             size, sha = known[path] or jobs[path].result()
         except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
@@ -1293,7 +1294,7 @@ def scan_folder(folder, disk, read_captions=True):
     """scan_image_folder with the disk cache's index of that folder (unchanged files are not decoded again)."""
     index = disk.read_scan_index(folder) if disk is not None and Path(folder).is_dir() else ScanIndex()
     tic = time.perf_counter()
-    records = scan_image_folder(folder, read_captions, index)
+    records = scan_image_folder(folder, read_captions, index, progress=PartialState().is_local_main_process)
     if disk is not None:
         disk.write_scan_index(folder, index)
     logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "

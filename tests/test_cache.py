@@ -395,4 +395,6 @@ def test_a_signal_to_one_process_during_precompute_stops_every_process(tiny_mode
     stops = re.findall(r"\[RANK (\d)\] cached (\d+) of 12 entries; rerun the same command to continue", stderr)
     assert sorted(rank for rank, _ in stops) == ["0", "1"] and stops[0][1] == stops[1][1], stderr[-4000:]
     assert int(stops[0][1]) == len(entries(own_cache_folder)) < 12
-    assert stderr.count(f"exitcode  : {128 + signal.SIGTERM}") == 2, stderr[-4000:]
+    # the first process to exit does so with 128 + SIGTERM; torchrun may then terminate the other before its own exit
+    # (its exit code is tested with one process above), so only the first is certain
+    assert f"exitcode  : {128 + signal.SIGTERM}" in stderr, stderr[-4000:]
