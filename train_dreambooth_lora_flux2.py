@@ -91,8 +91,8 @@ DEFAULT_CACHE_MAX_GB = 50.0
 MANIFEST_NAME = "dataset_manifest.json"
 MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
 # the flags that shaped a manifest's cache entries: --from_manifest takes them from it
-MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution", "center_crop",
-                       "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
+MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution",
+                       "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
 RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
 
@@ -508,7 +508,8 @@ class ScanIndex:
 def inspect_image(path):
     """Decode and hash one file -> ((width, height) as displayed, sha256). Decoding catches corrupt, truncated and
     oversized files now rather than hours into training; JPEGs decode at 1/8 scale (every entropy-coded byte is
-    still read, the inverse DCT is 64x cheaper). Pillow and hashlib release the GIL: threads scale."""
+    still read; the inverse DCT and colour conversion run on 1/64 of the pixels). Pillow and hashlib release the
+    GIL: threads scale."""
     data = Path(path).read_bytes()
     if not data:
         raise ValueError("empty file")
@@ -537,7 +538,8 @@ def scan_image_folder(folder, read_captions=True, index=None, workers=None, prog
                   if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
     stems = {p.stem for p in candidates}
     masks = {p.stem[: -len("_mask")]: p for p in candidates if p.stem.endswith("_mask") and p.stem[: -len("_mask")] in stems}
-    images = [p for p in candidates if p not in masks.values()]  # x_mask.png beside x.png is x's mask, not an image
+    mask_files = set(masks.values())
+    images = [p for p in candidates if p not in mask_files]  # x_mask.png beside x.png is x's mask, not an image
     stats = {p: p.stat() for p in images}
     known = {p: index.lookup(p.name, stats[p]) for p in images}
     todo = [p for p in images if known[p] is None]
@@ -546,25 +548,25 @@ def scan_image_folder(folder, read_captions=True, index=None, workers=None, prog
     with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         jobs = {p: pool.submit(inspect_image, p) for p in todo}
-    for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
-        try:
-            size, sha = known[path] or jobs[path].result()
-        except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
-            bad.append(f"{path}: {e}")
-            continue
-        found[path.name] = (stats[path], size, sha)
-        caption = None
-        txt = path.with_suffix(".txt")
-        if read_captions and txt.is_file():
+        for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
             try:
-                caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
-            except UnicodeDecodeError as e:
-                bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
-            if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
-                empty_captions.append(txt.name)
-        mask = masks.get(path.stem)
-        records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
-                                   mask_path=str(mask) if mask else None, sha256=sha))
+                size, sha = known[path] or jobs[path].result()
+            except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
+                bad.append(f"{path}: {e}")
+                continue
+            found[path.name] = (stats[path], size, sha)
+            caption = None
+            txt = path.with_suffix(".txt")
+            if read_captions and txt.is_file():
+                try:
+                    caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
+                except UnicodeDecodeError as e:
+                    bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
+                if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
+                    empty_captions.append(txt.name)
+            mask = masks.get(path.stem)
+            records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
+                                       mask_path=str(mask) if mask else None, sha256=sha))
     index.keep(found, scanned_at)
     if bad:
         raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
@@ -920,7 +922,8 @@ def take_lease(root, entries):
         f = open(path, "w")  # noqa: SIM115 - held open for the run's lifetime: the open file is the lock
         with contextlib.suppress(OSError):  # no locks here: the lease counts as live until its run deletes it
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "entries": sorted(entries)}, f)
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                   "entries": sorted(entries)}, f)
         f.flush()
     return f
 
@@ -1025,7 +1028,8 @@ class CacheFolder:
     def write_scan_index(self, folder, index):
         if self.write_error is None:
             try:
-                write_json_atomic(self.scan_index_path(folder), {"folder": str(Path(folder).resolve()), "files": index.files})
+                write_json_atomic(self.scan_index_path(folder),
+                                  {"folder": str(Path(folder).resolve()), "files": index.files})
             except OSError as e:
                 self.unwritable(e)
 
