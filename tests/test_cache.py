@@ -230,8 +230,8 @@ def test_truncated_jpeg_is_refused_by_the_reduced_scale_decode(tmp_path):
 
 
 def test_startup_benchmark_tiny_mode_prints_cold_and_warm_rows():
-    proc = subprocess.run([sys.executable, "benchmarks/startup.py", "--tiny"], cwd=ROOT, capture_output=True, text=True, check=False,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run([sys.executable, "benchmarks/startup.py", "--tiny"], cwd=ROOT, capture_output=True, text=True,
+                          check=False, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {(int(m[0]), m[1]): (int(m[2]), int(m[3])) for m in
             re.findall(r"^\s*(\d+)\s+(before|cold|warm)\s+(\d+)\s+(\d+)\s", proc.stdout, re.MULTILINE)}
