@@ -27,8 +27,10 @@ What is cached and what stays random:
   image, each paired with a class image, so every class image is seen every epoch). Each sample has an index;
   the dataset maps a sample (and epoch) to content keys, the caches map keys to tensors.
 - Prompt embeddings are always precomputed, once per unique text (instance prompt, captions, class prompt,
-  validation prompts), and kept on the CPU (or on disk with --precompute_cache_dir, where later runs reuse
-  them). The text encoder is loaded only if some text is missing, and freed afterwards.
+  validation prompts), and kept on disk in a per-user cache that later runs reuse (--precompute_cache_dir; 'none':
+  on the CPU). The text encoder is loaded only if some text is missing, and freed afterwards. The cache is bounded
+  (--precompute_cache_max_gb), shared safely by concurrent runs, and every run leaves a dataset manifest from which
+  --from_manifest trains without the images. SIGTERM/Ctrl-C during precompute keep what is cached.
 - With `--cache_latents`, latents are precomputed once per unique (image, bucket, crop, orientation): the crop
   of each sample is drawn once, at cache time; with --random_flip both orientations are cached and the flip is
   still drawn at every use. Without it, crop and flip are drawn afresh every time a sample is read. Every draw
@@ -41,11 +43,14 @@ What is cached and what stays random:
 """
 
 import argparse
+import atexit
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
 import inspect
+import io
 import json
 import math
 import os
@@ -63,7 +68,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from PIL import Image, ImageOps
@@ -80,6 +85,17 @@ RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
 DEFAULT_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # the diffusers example's default
+TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
+# A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), i.e. two or three
+# captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
+DEFAULT_CACHE_MAX_GB = 50.0
+MANIFEST_NAME = "dataset_manifest.json"
+MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
+# the flags that shaped a manifest's cache entries: --from_manifest takes them from it
+MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution",
+                       "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
+RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
+DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
 
 
 @dataclass(frozen=True)
@@ -144,7 +160,7 @@ def _data_flags(p):
     g.add_argument("--dataset_config_name", default=None, help="Config of --dataset_name.")
     g.add_argument("--image_column", default="image", help="Image column of --dataset_name.")
     g.add_argument("--caption_column", default=None, help="Caption column of --dataset_name (else --instance_prompt).")
-    g.add_argument("--instance_prompt", required=True, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog'.")
+    g.add_argument("--instance_prompt", default=None, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog' (required unless --from_manifest).")
     g.add_argument("--repeats", type=int, default=1, help="Samples per instance image in one epoch.")
     g.add_argument("--with_prior_preservation", action="store_true", help="Add the prior-preservation loss on class images.")
     g.add_argument("--class_data_dir", default=None, help="Folder of class images; missing ones are generated into it.")
@@ -166,7 +182,9 @@ def _data_flags(p):
 def _caching_flags(p):
     g = p.add_argument_group("caching")
     g.add_argument("--cache_latents", action="store_true", help="Encode every unique (image, crop) once before training, both orientations with --random_flip; frees the VAE unless validation needs it.")
-    g.add_argument("--precompute_cache_dir", default=None, help="Persistent content-addressed cache of prompt embeddings (and latents with --cache_latents); reruns encode only what changed.")
+    g.add_argument("--precompute_cache_dir", default=None, help=f"Persistent content-addressed cache of prompt embeddings (and latents with --cache_latents); reruns encode only what changed. Default: $XDG_CACHE_HOME/{TRAINER_NAME} (else ~/.cache/...); 'none' keeps everything in memory.")
+    g.add_argument("--precompute_cache_max_gb", type=float, default=DEFAULT_CACHE_MAX_GB, help="Bound of the disk cache in GB (1e9 bytes): after precompute, least-recently-used entries no live run uses are deleted.")
+    g.add_argument("--from_manifest", default=None, help=f"Train from a {MANIFEST_NAME} and the disk cache alone: no image folders, no text encoder (needs --cache_latents).")
     g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode", help="Train on the VAE posterior mean, or draw from the posterior at every use (cached: mean and std).")
 
 
@@ -273,6 +291,22 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def validate_manifest_args(args):
+    """--from_manifest: the manifest and the disk cache replace the data flags; checked before anything loads."""
+    for flag in ("instance_data_dir", "dataset_name", "class_data_dir"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--from_manifest replaces --{flag}: the manifest names the data, the cache holds it")
+    if not args.cache_latents:
+        raise UsageError("--from_manifest needs --cache_latents (without the images, latents can only come from the cache)")
+    if resolve_cache_dir(args.precompute_cache_dir, os.environ) is None:
+        raise UsageError("--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
+    if args.masked_loss:
+        raise UsageError("--from_manifest cannot train with --masked_loss: masks are made from the source images")
+    if read_manifest(args.from_manifest)["model"]["latent_identity"] is None:
+        raise UsageError(f"--from_manifest {args.from_manifest} was written by a run without --cache_latents: the cache "
+                         "holds no latents of its images")
+
+
 def read_bnb_config(path):
     try:
         config = json.loads(Path(path).read_text())
@@ -285,9 +319,15 @@ def read_bnb_config(path):
 
 def validate_args(args):
     """Fail fast, before anything heavy is loaded. Raises UsageError naming the flag."""
-    if (args.instance_data_dir is None) == (args.dataset_name is None):
+    if args.from_manifest:
+        validate_manifest_args(args)
+    elif (args.instance_data_dir is None) == (args.dataset_name is None):
         raise UsageError("give exactly one of --instance_data_dir or --dataset_name")
-    if args.with_prior_preservation:
+    elif not args.instance_prompt:
+        raise UsageError("--instance_prompt is required (unless --from_manifest)")
+    if not args.precompute_cache_max_gb >= 0:
+        raise UsageError(f"--precompute_cache_max_gb must be at least 0, got {args.precompute_cache_max_gb}")
+    if args.with_prior_preservation and not args.from_manifest:
         if not args.class_prompt:
             raise UsageError("--with_prior_preservation needs --class_prompt")
         if not args.class_data_dir:
@@ -436,9 +476,12 @@ class ImageRecord:
     path: str | None = None
     image: object = None
     mask_path: str | None = None  # <stem>_mask.png beside the image
+    sha256: str | None = None  # of the file's bytes, from the folder scan (or a manifest: then there is no file)
 
     def content_hash(self):
         """SHA-256 of the file's bytes (a renamed copy hashes the same), or of a dataset row's pixels."""
+        if self.sha256 is not None:
+            return self.sha256
         if self.path is not None:
             return file_digest(self.path)
         return hashlib.sha256(f"{self.image.mode}{self.image.size}".encode() + self.image.tobytes()).hexdigest()
@@ -476,43 +519,90 @@ def oriented_size(image):
     return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
 
 
-def scan_image_folder(folder, read_captions=True):
+class ScanIndex:
+    """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
+    time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
+    `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
+
+    def __init__(self, files=None):
+        self.files, self.hits, self.decoded = dict(files or {}), 0, 0
+
+    def lookup(self, name, stat):
+        entry = self.files.get(name)
+        if isinstance(entry, list) and len(entry) == 5 and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+            return tuple(entry[2:4]), entry[4]
+        return None
+
+    def keep(self, found, scanned_at):
+        """Keep the entries of `found` ({name: (stat, size, sha256)}), dropping files no longer there; a file changed
+        within RACY_SECONDS of the scan is left out (a same-size edit in the same tick would look unchanged)."""
+        self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
+                      if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
+
+
+def inspect_image(path):
+    """Decode and hash one file -> ((width, height) as displayed, sha256). Decoding catches corrupt, truncated and
+    oversized files now rather than hours into training; JPEGs decode at 1/8 scale (every entropy-coded byte is
+    still read; the inverse DCT and colour conversion run on 1/64 of the pixels). Pillow and hashlib release the
+    GIL: threads scale."""
+    data = Path(path).read_bytes()
+    if not data:
+        raise ValueError("empty file")
+    with Image.open(io.BytesIO(data)) as im:  # over MAX_IMAGE_PIXELS: raises (scan_image_folder's filter)
+        size = oriented_size(im)
+        if im.format == "JPEG":
+            im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
+        im.load()
+    return size, hashlib.sha256(data).hexdigest()
+
+
+def scan_image_folder(folder, read_captions=True, index=None, workers=None, progress=False):
     """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
 
-    Every image is decoded once here, so a corrupt, truncated, empty or oversized (decompression-bomb) file
-    is reported now, all of them in one message, instead of crashing hours into training."""
+    Every image is decoded and hashed once, so a corrupt, truncated, empty or oversized (decompression-bomb) file
+    is reported now, all of them in one message; files `index` (a ScanIndex, updated in place) knows unchanged are
+    neither decoded nor hashed again. The decoding is spread over `workers` threads (default: the cores); `progress`
+    shows a bar."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UsageError(f"{folder}: no such folder")
-    records, bad, empty_captions = [], [], []
+    index = ScanIndex() if index is None else index
+    scanned_at = time.time()
+    records, bad, empty_captions, found = [], [], [], {}
     candidates = [p for p in sorted(folder.iterdir())
                   if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
     stems = {p.stem for p in candidates}
     masks = {p.stem[: -len("_mask")]: p for p in candidates if p.stem.endswith("_mask") and p.stem[: -len("_mask")] in stems}
-    for path in candidates:
-        if path in masks.values():
-            continue  # x_mask.png beside x.png is x's loss mask, not a training image
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(path) as im:
-                    size = oriented_size(im)
-                    im.load()
-        except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
-            bad.append(f"{path}: {'empty file' if path.stat().st_size == 0 else e}")
-            continue
-        caption = None
-        txt = path.with_suffix(".txt")
-        if read_captions and txt.is_file():
+    mask_files = set(masks.values())
+    images = [p for p in candidates if p not in mask_files]  # x_mask.png beside x.png is x's mask, not an image
+    stats = {p: p.stat() for p in images}
+    known = {p: index.lookup(p.name, stats[p]) for p in images}
+    todo = [p for p in images if known[p] is None]
+    index.hits, index.decoded = len(images) - len(todo), len(todo)
+    # the filter is process-wide, so the threads see it; only this thread enters and leaves it
+    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        jobs = {p: pool.submit(inspect_image, p) for p in todo}
+        for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
             try:
-                caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
-            except UnicodeDecodeError as e:
-                bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
-            if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
-                empty_captions.append(txt.name)
-        mask = masks.get(path.stem)
-        records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
-                                   mask_path=str(mask) if mask else None))
+                size, sha = known[path] or jobs[path].result()
+            except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
+                bad.append(f"{path}: {e}")
+                continue
+            found[path.name] = (stats[path], size, sha)
+            caption = None
+            txt = path.with_suffix(".txt")
+            if read_captions and txt.is_file():
+                try:
+                    caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
+                except UnicodeDecodeError as e:
+                    bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
+                if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
+                    empty_captions.append(txt.name)
+            mask = masks.get(path.stem)
+            records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
+                                       mask_path=str(mask) if mask else None, sha256=sha))
+    index.keep(found, scanned_at)
     if bad:
         raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
     if empty_captions:
@@ -755,17 +845,33 @@ class DiskStore:
     killed run or two runs sharing the folder leave only complete entries. Each entry carries the SHA-256 of
     its tensor bytes, checked the first time a run looks at it; a bad entry is reported, deleted and
     recomputed. Values are read from disk on every lookup, so host memory does not grow with the cache.
-    Nothing is unpickled: safetensors only.
+    Reading an entry sets its modification time: the LRU clock of eviction (atime is often off, e.g. noatime).
+    A write that fails (full disk, quota, read-only) never stops the run: `owner` warns once and this store keeps
+    that entry and all later ones in memory. Nothing is unpickled: safetensors only.
     """
 
-    def __init__(self, folder, digest):
-        self.folder, self.digest, self.checked = Path(folder), digest, set()
+    def __init__(self, folder, digest, owner=None):
+        self.folder, self.digest, self.checked, self.touched = Path(folder), digest, set(), set()
+        self.owner = owner if owner is not None else CacheFolder(self.folder)
+        self.memory = {}  # entries that could not be written
 
     def path(self, key):
         name = self.digest(key)
         return self.folder / name[:2] / f"{name}.safetensors"
 
+    def visible(self, key):
+        """Cheap presence test (no checksum): in memory, or a file (perhaps another process's) on disk."""
+        return key in self.memory or self.path(key).is_file()
+
+    def mark_used(self, path):
+        if path not in self.touched:
+            self.touched.add(path)
+            with contextlib.suppress(OSError):  # a read-only cache is still readable
+                os.utime(path)
+
     def __contains__(self, key):
+        if key in self.memory:
+            return True
         path = self.path(key)
         if path in self.checked:
             return True
@@ -780,38 +886,273 @@ class DiskStore:
                 raise ValueError("checksum mismatch")
         except Exception as e:  # noqa: BLE001 - truncated, corrupt or foreign: all mean "recompute"
             logger.warning(f"cache entry {path} is damaged ({e}); recomputing it", main_process_only=False)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             return False
         self.checked.add(path)
+        self.mark_used(path)
         return True
 
     def __getitem__(self, key):
         from safetensors.torch import load_file
 
-        return load_file(str(self.path(key)))["value"]
+        if key in self.memory:
+            return self.memory[key]
+        path = self.path(key)
+        value = load_file(str(path))["value"]
+        self.mark_used(path)
+        return value
 
     def __setitem__(self, key, value):
         from safetensors.torch import save_file
 
+        if self.owner.write_error is not None:
+            self.memory[key] = value
+            return
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             save_file({"value": value.contiguous()}, str(tmp), metadata={"sha256": tensor_digest(value)})
             os.replace(tmp, path)
         except OSError as e:
-            raise TrainingStopped(f"could not write cache entry {path} ({e}); the entries already written are "
-                                  "complete and will be reused") from None
+            self.owner.unwritable(e)
+            self.memory[key] = value
+            return
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
         self.checked.add(path)
+        self.touched.add(path)  # just written: its mtime is now
 
     def __len__(self):
-        return len(self.checked)
+        return len(self.checked) + len(self.memory)
+
+
+@contextlib.contextmanager
+def folder_lock(root):
+    """Exclusive lock of a cache folder (flock on <root>/.lock, dropped by the kernel if the holder dies): taking a
+    lease and evicting exclude each other, so an eviction never sees half of a lease or misses a new one. Where the
+    file system has no locks (ENOLCK), runs sharing the folder are not protected (the README says so)."""
+    import fcntl
+
+    with open(Path(root, ".lock"), "a") as f:
+        with contextlib.suppress(OSError):
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def lease_is_live(path):
+    """A lease is live while its run holds the flock on it; the kernel drops the lock when the process dies (even on
+    SIGKILL), so no heartbeat or clock is needed. Locks that cannot be probed count as live."""
+    import fcntl
+
+    try:
+        with open(path) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return False
+    except OSError:  # BlockingIOError: held by its run; anything else: cannot tell, so keep its entries
+        return True
+    return False
+
+
+def take_lease(root, entries):
+    """Record that this process uses `entries` (paths relative to `root`) until it exits: <root>/leases/<host>-<pid>-
+    <random>.json names them, and this process keeps an exclusive flock on it. -> the open lease file (the lock lives
+    as long as it stays open). Raises OSError when the folder cannot be written."""
+    import fcntl
+    import socket
+
+    (Path(root) / "leases").mkdir(parents=True, exist_ok=True)
+    with folder_lock(root):
+        path = Path(root, "leases", f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json")
+        f = open(path, "w")  # noqa: SIM115 - held open for the run's lifetime: the open file is the lock
+        with contextlib.suppress(OSError):  # no locks here: the lease counts as live until its run deletes it
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                   "entries": sorted(entries)}, f)
+        f.flush()
+    return f
+
+
+def release_lease(lease):
+    with contextlib.suppress(OSError):
+        Path(lease.name).unlink()
+        lease.close()
+
+
+@dataclass
+class Eviction:
+    """What evict_lru found and did (bytes)."""
+
+    size_before: int
+    size_after: int
+    evicted: int
+    evicted_bytes: int
+    protected_bytes: int  # entries this or another live run uses: never deleted
+
+
+def cache_entries(root):
+    """-> [(mtime, bytes, path relative to root)] of every entry under root (prompts/, latents/, ...)."""
+    found = []
+    for kind in os.scandir(root):
+        if not kind.is_dir() or kind.name in ("leases", "scans"):
+            continue
+        for shard in os.scandir(kind.path):
+            if shard.is_dir():
+                for entry in os.scandir(shard.path):
+                    if entry.name.endswith(".safetensors") and not entry.name.startswith("."):
+                        st = entry.stat()
+                        found.append((st.st_mtime, st.st_size, f"{kind.name}/{shard.name}/{entry.name}"))
+    return found
+
+
+def evict_lru(root, max_bytes, keep=()):
+    """Delete least-recently-used entries of `root` until it holds at most `max_bytes`, never one in `keep` (the
+    calling run's) or in a live lease (another run's); stale leases (their run is gone) are removed. -> Eviction."""
+    protected, blind = set(keep), False
+    with folder_lock(root):
+        for lease in sorted(Path(root, "leases").glob("*.json")):
+            if not lease_is_live(lease):
+                lease.unlink(missing_ok=True)
+                continue
+            try:
+                protected.update(json.loads(lease.read_text())["entries"])
+            except (OSError, ValueError, KeyError):  # live but unreadable: its entries are unknown, delete nothing
+                blind = True
+        entries = cache_entries(root)
+        size = before = sum(e[1] for e in entries)
+        evicted = evicted_bytes = 0
+        for _, nbytes, rel in sorted(entries):  # oldest use first
+            if size <= max_bytes or blind:
+                break
+            if rel in protected:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                Path(root, rel).unlink()
+                evicted, evicted_bytes, size = evicted + 1, evicted_bytes + nbytes, size - nbytes
+    return Eviction(before, size, evicted, evicted_bytes, sum(e[1] for e in entries if e[2] in protected))
+
+
+class CacheFolder:
+    """The disk cache of a run: its entry stores, the scan index of image folders, its lease and the bound. Nothing
+    here may stop a run: the first write that fails warns once, naming the folder and the error, and from then on
+    new entries stay in memory (and nothing more is written: no lease, no index, no eviction)."""
+
+    def __init__(self, root, max_bytes=None):
+        self.root, self.max_bytes = Path(root), max_bytes
+        self.write_error, self.lease = None, None
+
+    def unwritable(self, error):
+        if self.write_error is None:
+            self.write_error = error
+            logger.warning(f"cannot write the precompute cache {self.root} ({error}); this run keeps new entries in "
+                           "memory (free space, or choose another --precompute_cache_dir)", main_process_only=False)
+
+    def store(self, name, digest):
+        return DiskStore(self.root / name, digest, self)
+
+    def relative(self, path):
+        return Path(path).relative_to(self.root).as_posix()
+
+    def take_lease(self, entries):
+        if self.write_error is None and self.lease is None:
+            try:
+                self.lease = take_lease(self.root, entries)
+            except OSError as e:
+                self.unwritable(e)
+                return
+            atexit.register(release_lease, self.lease)
+
+    def scan_index_path(self, folder):
+        return self.root / "scans" / f"{json_digest('scan', str(Path(folder).resolve()))[:32]}.json"
+
+    def read_scan_index(self, folder):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            return ScanIndex(json.loads(self.scan_index_path(folder).read_text())["files"])
+        return ScanIndex()
+
+    def write_scan_index(self, folder, index):
+        if self.write_error is None:
+            try:
+                write_json_atomic(self.scan_index_path(folder),
+                                  {"folder": str(Path(folder).resolve()), "files": index.files})
+            except OSError as e:
+                self.unwritable(e)
+
+
+def write_json_atomic(path, data):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def default_cache_dir(environ):
+    """The per-user cache folder: $XDG_CACHE_HOME (when absolute, as the XDG spec asks), else ~/.cache."""
+    base = environ.get("XDG_CACHE_HOME", "")
+    return Path(base if os.path.isabs(base) else Path(environ.get("HOME") or Path.home(), ".cache"), TRAINER_NAME)
+
+
+def resolve_cache_dir(value, environ):
+    """--precompute_cache_dir: None -> the per-user default; 'none' -> None (in memory); else the folder given."""
+    if value is None:
+        return default_cache_dir(environ)
+    return None if value.lower() == "none" else Path(value).expanduser()
 
 
 def tensor_digest(tensor):
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def human_bytes(n):
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+
+
+def read_manifest(path):
+    """A dataset manifest (JSON) -> dict; UsageError naming the file when it is not one."""
+    try:
+        manifest = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--from_manifest {path}: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
+        raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
+    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity", "latent_identity"),
+                "instances": (), "classes": (), "entries": (), "cache": ()}
+    missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
+               if part not in manifest or (key and key not in manifest[part])]
+    if missing:
+        raise UsageError(f"--from_manifest {path}: incomplete, {', '.join(missing)} missing")
+    return manifest
+
+
+def build_manifest(data, model, instances, classes, prompt_entries, latent_entries, cache):
+    """The dataset manifest: the settings that shaped the data, the model identity, every source image (name, size,
+    caption, SHA-256) and every cache entry training reads. prompt_entries: [(text, entry)]; latent_entries:
+    [((kind, image name, bucket, resized, top, left, flip), entry)]."""
+    fields = ("kind", "image", "bucket", "resized", "top", "left", "flip")
+    return {"format": MANIFEST_FORMAT, "version": 1, "cache": str(cache), "data": data, "model": model,
+            "instances": [manifest_record(r) for r in instances], "classes": [manifest_record(r) for r in classes],
+            "entries": {"prompts": [{"text": text, "entry": entry} for text, entry in prompt_entries],
+                        "latents": [{**dict(zip(fields, key)), "entry": entry} for key, entry in latent_entries]}}
+
+
+def manifest_record(record):
+    return {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
+
+
+def manifest_records(rows):
+    """Manifest images -> ImageRecords without a file: enough for keys and sizes, never for pixels."""
+    return [ImageRecord(name=r["name"], size=tuple(r["size"]), caption=r["caption"], sha256=r["sha256"]) for r in rows]
 
 
 def draw_latents(params, generator):
@@ -1017,6 +1358,47 @@ class Run:
         return list(self.named_params.values())
 
 
+class StopRequest:
+    """SIGTERM/SIGINT (preemption, Ctrl-C) ask the loop to stop after the optimizer step in flight; a second
+    signal stops at once."""
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self):
+        """Back to the usual handlers: after the loop a signal must interrupt (final validation, upload)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving a checkpoint "
+              "(signal again to stop at once)", file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator, finite):
+        """(signal number or 0, whether every process's loss was finite), agreed across processes so all stop
+        together. The one host-device sync of an optimizer step."""
+        flags = torch.stack([torch.tensor(self.signum, device=finite.device), (~finite).long()])
+        if accelerator.num_processes > 1:
+            flags = accelerator.reduce(flags, reduction="max")
+        signum, bad = flags.tolist()
+        return signum, not bad
+
+
+class PrecomputeStop(StopRequest):
+    """StopRequest during precompute: the batch being encoded is finished and written, then every process stops."""
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping once the entries being written are complete "
+              "(signal again to stop at once)", file=sys.stderr, flush=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: data (prepare_data)
 
@@ -1051,10 +1433,22 @@ def weight_dtype_of(accelerator):
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
 
 
-def load_instance_images(args):
+def scan_folder(folder, disk, read_captions=True):
+    """scan_image_folder with the disk cache's index of that folder (unchanged files are not decoded again)."""
+    index = disk.read_scan_index(folder) if disk is not None and Path(folder).is_dir() else ScanIndex()
+    tic = time.perf_counter()
+    records = scan_image_folder(folder, read_captions, index, progress=PartialState().is_local_main_process)
+    if disk is not None:
+        disk.write_scan_index(folder, index)
+    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
+                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
+    return records
+
+
+def load_instance_images(args, disk=None):
     if args.dataset_name:
         return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column, args.cache_dir)
-    records = scan_image_folder(args.instance_data_dir)
+    records = scan_folder(args.instance_data_dir, disk)
     if not records:
         raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
     return records
@@ -1236,15 +1630,22 @@ def guidance_scale(args, family):
     return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
 
 
-def load_class_images(args, accelerator, seed, family):
+def load_class_images(args, accelerator, seed, family, disk=None):
     if not args.with_prior_preservation:
         return []
     Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
-    records = scan_image_folder(args.class_data_dir, read_captions=False)
+    with scan_order(accelerator, disk):
+        records = scan_folder(args.class_data_dir, disk, read_captions=False)
     if len(records) < args.num_class_images:
         generate_class_images(args, accelerator, seed, len(records), family)
-        records = scan_image_folder(args.class_data_dir, read_captions=False)
+        with scan_order(accelerator, disk):
+            records = scan_folder(args.class_data_dir, disk, read_captions=False)
     return records
+
+
+def scan_order(accelerator, disk):
+    """With the disk cache, each machine's first process scans first and the others find its index warm."""
+    return accelerator.local_main_process_first() if disk is not None else contextlib.nullcontext()
 
 
 def build_data(args, instances, classes, seed, accelerator, warn=True):
@@ -1286,16 +1687,24 @@ def loader_workers(requested, cache_latents, local_processes):
     return max(1, min(8, cores // local_processes - 1))
 
 
-def prepare_data(args, accelerator):
+def prepare_data(args, accelerator, disk=None):
     """Everything that can fail on the user's input, before any weights load: flags that depend on the model
-    family, images, the resume point and seed, the batch size, --lora_layers; then class images and the data."""
-    instances = load_instance_images(args)
+    family, images (or the --from_manifest records), the resume point and seed, the batch size, --lora_layers;
+    then class images and the data."""
+    manifest = read_manifest(args.from_manifest) if args.from_manifest else None
+    if manifest is None:
+        with scan_order(accelerator, disk):
+            instances = load_instance_images(args, disk)
+    else:
+        instances, manifest_classes = apply_manifest(args, manifest)
     checkpoint = find_resume_checkpoint(args)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
     build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
                warn=False)  # the batch-size check, before class images are generated
     family = detect_family(args)  # the model's small JSON files only
+    if manifest is not None:
+        check_manifest_model(args, manifest, family)
     resolve_family_defaults(args, family)
     check_lora_targets(args)
     if args.fsdp_text_encoder and (accelerator.num_processes < 2 or args.remote_text_encoder):
@@ -1303,7 +1712,7 @@ def prepare_data(args, accelerator):
                          "without --remote_text_encoder")
     if args.use_ema and is_fsdp(accelerator):
         raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
-    classes = load_class_images(args, accelerator, seed, family)
+    classes = load_class_images(args, accelerator, seed, family, disk) if manifest is None else manifest_classes
     return Data(family, checkpoint, seed, *build_data(args, instances, classes, seed, accelerator))
 
 
@@ -1319,20 +1728,24 @@ def validation_prompts(args):
 def share_entries(cache, keys, accelerator, per_round=16):
     """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]).
 
-    A disk store is shared already once everyone has written; in memory, a few entries are sent per round so
-    no process ever pickles the whole cache into one buffer."""
+    Entries on a disk that every process sees are shared once everyone has written. Otherwise (in memory, a folder
+    local to each machine, or one that could not be written) a few entries are sent per round, so no process ever
+    pickles the whole cache into one buffer."""
     if accelerator.num_processes == 1:
         return
     accelerator.wait_for_everyone()
-    if isinstance(cache.store, DiskStore):
-        return
     from accelerate.utils import gather_object
 
+    store = cache.store
+    unseen = {k for k in keys if not (store.visible(k) if isinstance(store, DiskStore) else k in store)}
+    if not any(gather_object([len(unseen)])):
+        return
     shares = [keys[r::accelerator.num_processes] for r in range(accelerator.num_processes)]
     mine = shares[accelerator.process_index]
     for start in range(0, max(map(len, shares)), per_round):
         for key, value in gather_object([(k, cache[k]) for k in mine[start:start + per_round]]):
-            cache.put(key, value)
+            if key in unseen:
+                cache.put(key, value)
 
 
 def component_folder(args, subfolder):
@@ -1377,70 +1790,102 @@ def json_digest(*parts):
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def prompt_store(args, weight_dtype, family):
-    """Where prompt embeddings live: memory, or --precompute_cache_dir keyed by everything that shapes them."""
-    if not args.precompute_cache_dir:
-        return {}
+@dataclass
+class CacheIdentity:
+    """What shapes the cache entries besides their key: the models and settings, hashed into every entry's name."""
+
+    prompts: list  # text encoder and tokenizer fingerprints (or remote URL), length, layers, dtype, family
+    latents: list | None  # VAE fingerprint, dtype, --latent_sampling; None without --cache_latents
+
+
+def cache_identity(args, weight_dtype, family):
+    """The identity of this run's entries; with --from_manifest the manifest's (no model is fingerprinted, so the
+    text encoder and VAE need not even be downloaded)."""
+    if args.from_manifest:
+        model = read_manifest(args.from_manifest)["model"]
+        return CacheIdentity(model["prompt_identity"], model["latent_identity"])
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
     encoder = (["remote", args.remote_text_encoder_url] if args.remote_text_encoder else
                [fingerprint_folder(component_folder(args, "text_encoder")), fingerprint_folder(component_folder(args, "tokenizer"))])
-    identity = [*encoder,
-                args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype), family.pipeline,
-                SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None]
-    return DiskStore(Path(args.precompute_cache_dir, "prompts"), lambda text: json_digest("prompt", identity, text))
+    prompts = [*encoder, args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype),
+               family.pipeline, SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None]
+    latents = ([fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling]
+               if args.cache_latents else None)
+    return CacheIdentity(prompts, latents)
 
 
-def latent_store(args, dataset, weight_dtype):
-    """Where latents live: memory, or --precompute_cache_dir keyed by image bytes, transform and VAE identity."""
-    if not args.precompute_cache_dir:
-        return {}
-    identity = [fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling]
-    return DiskStore(Path(args.precompute_cache_dir, "latents"),
-                     lambda key: json_digest("latent", identity, dataset.content_key(key)))
+def open_stores(args, dataset, identity, disk):
+    """-> (prompt cache, latent cache or None): over the disk cache's stores, or in memory without one."""
+    if disk is None:
+        return SampleCache(), SampleCache() if args.cache_latents else None
+    prompts = disk.store("prompts", lambda text: json_digest("prompt", identity.prompts, text))
+    latents = disk.store("latents", lambda key: json_digest("latent", identity.latents, dataset.content_key(key)))
+    return SampleCache(prompts), SampleCache(latents) if args.cache_latents else None
+
+
+def needed_prompts(args, dataset, family):
+    """Every text whose embedding the run reads: training slots, validation prompts, and the empty prompt for
+    dropped captions and the negative prompt of [klein] validation with CFG."""
+    keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
+    cfg = (family.pipeline == "Flux2KleinPipeline" and not family.distilled and validation_prompts(args)
+           and args.validation_guidance_scale > 1)
+    return keys + ([""] if args.caption_dropout > 0 or cfg else [])
+
+
+def prompt_encoder(args, accelerator, family, weight_dtype):
+    """-> a function texts -> embeddings [B, L, D]: the remote endpoint, or the text encoder loaded here (sharded
+    with --fsdp_text_encoder); dropping the function frees it."""
+    if args.remote_text_encoder:
+        url, token = args.remote_text_encoder_url, hub_token(args)
+        return lambda texts: torch.cat([remote_prompt_embeds(url, text, token) for text in texts])
+    import transformers
+
+    logger.info("loading the text encoder", main_process_only=False)
+    tokenizer = load_pipeline_tokenizer(args)
+    text_encoder = getattr(transformers, family.text_encoder).from_pretrained(
+        args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
+        torch_dtype=weight_dtype, cache_dir=args.cache_dir).eval()
+    if args.fsdp_text_encoder:
+        shard_text_encoder(text_encoder, accelerator)
+    else:
+        text_encoder.to(accelerator.device)
+    return functools.partial(encode_prompts, family, text_encoder, tokenizer,
+                             max_sequence_length=args.max_sequence_length, out_layers=args.text_encoder_out_layers)
 
 
 @torch.no_grad()
-def precompute_prompts(args, accelerator, dataset, weight_dtype, family):
-    """Encode every prompt not cached yet, once (training slots and validation); the text encoder is loaded
-    only if something is missing, and freed afterwards."""
-    cache = SampleCache(prompt_store(args, weight_dtype, family))
-    keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
-    # the empty prompt: dropped captions, and the negative prompt of [klein] validation with CFG
-    cfg = (family.pipeline == "Flux2KleinPipeline" and not family.distilled and validation_prompts(args)
-           and args.validation_guidance_scale > 1)
-    keys += [""] if args.caption_dropout > 0 or cfg else []
+def precompute_prompts(args, accelerator, dataset, weight_dtype, family, cache=None, plan=None):
+    """Encode every prompt not cached yet, once (training slots and validation) into `cache` (default: a new one in
+    memory); the text encoder is loaded only if something is missing, and freed afterwards. `plan` (a
+    PrecomputePlan) counts the work and stops every process between batches on SIGTERM/SIGINT."""
+    cache = SampleCache() if cache is None else cache
+    keys = needed_prompts(args, dataset, family)
     todo = cache.todo(keys)
     accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
-    mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
-    if mine and args.remote_text_encoder:
-        for text in tqdm(mine, desc="Encoding prompts remotely", unit="prompt", disable=not accelerator.is_local_main_process):
-            cache.put(text, remote_prompt_embeds(args.remote_text_encoder_url, text, hub_token(args)))
-    elif mine or (todo and args.fsdp_text_encoder):  # sharded, every process joins every forward pass
-        import transformers
-        from diffusers.training_utils import free_memory
-
-        logger.info("loading the text encoder", main_process_only=False)
-        tokenizer = load_pipeline_tokenizer(args)
-        text_encoder = getattr(transformers, family.text_encoder).from_pretrained(
-            args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
-            torch_dtype=weight_dtype, cache_dir=args.cache_dir).eval()
-        rounds = math.ceil(len(mine) / args.train_batch_size)
-        if args.fsdp_text_encoder:
-            shard_text_encoder(text_encoder, accelerator)
-            rounds = math.ceil(math.ceil(len(todo) / accelerator.num_processes) / args.train_batch_size)
-        else:
-            text_encoder.to(accelerator.device)
-        bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
-        for i in range(0, rounds * args.train_batch_size, args.train_batch_size):
-            texts = mine[i:i + args.train_batch_size]
-            embeds = encode_prompts(family, text_encoder, tokenizer, texts or todo[:1], args.max_sequence_length,
-                                    args.text_encoder_out_layers)  # todo[:1]: a stand-in keeping shards in step
+    world, size = accelerator.num_processes, 1 if args.remote_text_encoder else args.train_batch_size
+    mine = todo[accelerator.process_index::world]  # each process encodes its share
+    # every process runs as many rounds as the largest share: the stop check and FSDP's forwards are collectives
+    rounds = math.ceil(math.ceil(len(todo) / world) / size)
+    sharded = args.fsdp_text_encoder and bool(todo)  # every process joins every sharded forward pass
+    encode = prompt_encoder(args, accelerator, family, weight_dtype) if mine or sharded else None
+    bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
+    for i in range(0, rounds * size, size):
+        if plan is not None:
+            plan.check(accelerator)
+        texts = mine[i:i + size]
+        if texts or sharded:
+            embeds = encode(texts or todo[:1])  # todo[:1]: a stand-in keeping shards in step
             for text, embed in zip(texts, embeds):
                 cache.put(text, embed[None])  # [1, L, D]
-            bar.update(len(texts))
-        bar.close()
-        del text_encoder, tokenizer
+            if plan is not None:
+                plan.written += len(texts)
+        bar.update(len(texts))
+    bar.close()
+    if encode is not None:
+        from diffusers.training_utils import free_memory
+
+        del encode
         free_memory()
     logger.info(f"encoded {len(mine)} of {len(todo)} missing prompts ({len(set(keys))} unique)", main_process_only=False)
     share_entries(cache, todo, accelerator)
@@ -1519,35 +1964,48 @@ def on_device(module, device, offload):
         module.to("cpu")
 
 
+def latent_batches(keys, batch_size):
+    """VAE batches of latent keys: grouped by bucket (key[2]; one shape per batch), then cut to batch_size."""
+    by_shape = {}
+    for key in keys:
+        by_shape.setdefault(key[2], []).append(key)
+    return [group[i:i + batch_size] for group in by_shape.values() for i in range(0, len(group), batch_size)]
+
+
 @torch.no_grad()
-def prepare_latents(args, accelerator, dataset, weight_dtype):
-    """With --cache_latents, encode every (image, bucket, crop, flip) not cached yet, once. Loads the VAE only if
-    something needs it (missing entries, uncached training, validation). -> (cache or None, vae or None, stats)."""
-    cache, todo, mine = None, [], []
+def prepare_latents(args, accelerator, dataset, weight_dtype, cache=None, plan=None):
+    """With --cache_latents, encode every (image, bucket, crop, flip) not cached yet, once, into `cache` (default: a
+    new one in memory). Loads the VAE only if something needs it (missing entries, uncached training, validation).
+    `plan` as in precompute_prompts. -> (cache or None, vae or None, stats)."""
+    todo, mine, world = [], [], accelerator.num_processes
     if args.cache_latents:
-        cache = SampleCache(latent_store(args, dataset, weight_dtype))
+        cache = SampleCache() if cache is None else cache
         todo = cache.todo(dataset.cached_latent_keys())
         accelerator.wait_for_everyone()
-        mine = todo[accelerator.process_index::accelerator.num_processes]  # each process encodes its share
+        mine = todo[accelerator.process_index::world]  # each process encodes its share
     if args.cache_latents and not todo and not validation_prompts(args):
         logger.info("all latents cached; the VAE is not loaded")
         return cache, None, None
     vae, latent_mean, latent_std = load_vae(args, accelerator, weight_dtype)
     if not args.cache_latents:
         return None, vae, (latent_mean, latent_std)
-    by_shape = {}
-    for key in mine:
-        by_shape.setdefault(key[2], []).append(key)  # key[2] is the bucket: one shape per VAE batch
+    batches = latent_batches(mine, args.train_batch_size)
+    # as many rounds on every process as the longest share has batches: the stop check is a collective
+    rounds = max(len(latent_batches(todo[r::world], args.train_batch_size)) for r in range(world))
     bar = tqdm(total=len(mine), desc="Encoding images", unit="image", disable=not accelerator.is_local_main_process)
-    for keys in by_shape.values():
-        for i in range(0, len(keys), args.train_batch_size):
-            chunk = keys[i:i + args.train_batch_size]
-            with on_device(vae, accelerator.device, args.offload):
-                params = encode_images(vae, torch.stack([dataset.pixels(k) for k in chunk]), latent_mean, latent_std,
-                                       args.latent_sampling)
-            for key, value in zip(chunk, params):
-                cache.put(key, value[None])  # [1, 4C, h, w], or [1, 2, 4C, h, w] with --latent_sampling sample
-            bar.update(len(chunk))
+    for r in range(rounds):
+        if plan is not None:
+            plan.check(accelerator)
+        if r >= len(batches):
+            continue
+        with on_device(vae, accelerator.device, args.offload):
+            params = encode_images(vae, torch.stack([dataset.pixels(k) for k in batches[r]]), latent_mean, latent_std,
+                                   args.latent_sampling)
+        for key, value in zip(batches[r], params):
+            cache.put(key, value[None])  # [1, 4C, h, w], or [1, 2, 4C, h, w] with --latent_sampling sample
+        if plan is not None:
+            plan.written += len(batches[r])
+        bar.update(len(batches[r]))
     bar.close()
     logger.info(f"encoded {len(mine)} of {len(todo)} missing images", main_process_only=False)
     share_entries(cache, todo, accelerator)
@@ -1565,12 +2023,193 @@ def prepare_masks(dataset, latents):
     return cache
 
 
-def precompute(args, accelerator, data, weight_dtype):
-    """Prompt embeddings (always) and latents (--cache_latents) -> Caches, the VAE if still needed, its stats."""
-    caches = Caches(prompts=precompute_prompts(args, accelerator, data.dataset, weight_dtype, data.family))
-    caches.latents, vae, latent_stats = prepare_latents(args, accelerator, data.dataset, weight_dtype)
+def open_cache(args):
+    """The disk cache folder (--precompute_cache_dir, by default per user), or None for 'none' (in memory)."""
+    root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
+    if root is None:
+        return None
+    disk = CacheFolder(root, int(args.precompute_cache_max_gb * 1e9))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        disk.unwritable(e)
+    return disk
+
+
+@dataclass
+class PrecomputePlan:
+    """The entries a run reads and how far precompute got: what its lease, interrupt message, cache log line and
+    manifest are made of. Paths are relative to the cache folder (empty without one)."""
+
+    prompt_paths: dict  # text -> entry
+    latent_paths: dict  # latent key -> entry
+    missing: set  # entries not cached when precompute started
+    needed: int
+    cached: int
+    written: int = 0  # entries this process has written since
+    stop: object = None  # a PrecomputeStop while precompute runs
+    persistent: bool = True
+
+    def check(self, accelerator):
+        """Called by every process before each batch (a collective): when any process was signalled, all stop."""
+        flags = torch.tensor([[self.stop.signum if self.stop else 0, self.written]], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            flags = accelerator.gather(flags)  # [processes, 2]
+        signum, written = int(flags[:, 0].max()), int(flags[:, 1].sum())
+        if signum:
+            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
+                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
+                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
+            logger.warning(message, main_process_only=False)
+            raise TrainingStopped(message, 128 + signum)
+
+
+def plan_precompute(args, accelerator, dataset, family, prompts, latents, disk):
+    """List the entries the run will read and lease them (each machine's first process) before anyone looks at
+    them, so no other run's eviction removes what this one has found; then count what is cached. With
+    --from_manifest a missing entry is an error: nothing could compute it."""
+    prompt_keys = list(dict.fromkeys(needed_prompts(args, dataset, family)))
+    latent_keys = list(dict.fromkeys(dataset.cached_latent_keys())) if latents is not None else []
+    prompt_paths, latent_paths = {}, {}
+    if disk is not None:
+        prompt_paths = {k: disk.relative(prompts.store.path(k)) for k in prompt_keys}
+        latent_paths = {k: disk.relative(latents.store.path(k)) for k in latent_keys}
+        if accelerator.is_local_main_process:
+            disk.take_lease([*prompt_paths.values(), *latent_paths.values()])
+    accelerator.wait_for_everyone()
+    todo_prompts, todo_latents = prompts.todo(prompt_keys), latents.todo(latent_keys) if latents else []
+    if args.from_manifest and (todo_prompts or todo_latents):
+        raise UsageError(missing_entries_message(args, disk, dataset, todo_prompts, todo_latents,
+                                                 len(prompt_keys) + len(latent_keys)))
+    missing = {prompt_paths.get(k) for k in todo_prompts} | {latent_paths.get(k) for k in todo_latents}
+    needed = len(prompt_keys) + len(latent_keys)
+    return PrecomputePlan(prompt_paths, latent_paths, missing - {None}, needed,
+                          needed - len(todo_prompts) - len(todo_latents), persistent=disk is not None)
+
+
+def settle_cache(accelerator, disk, plan):
+    """After precompute: each machine's first process deletes least-recently-used entries beyond the bound (never
+    one a live run uses), and the main process logs one line: where the cache is, what this run reused and wrote,
+    and the cache's size against the bound."""
+    accelerator.wait_for_everyone()  # every process has written its share
+    if not accelerator.is_local_main_process:
+        return
+    entries = [*plan.prompt_paths.values(), *plan.latent_paths.values()]
+    sizes = {rel: (disk.root / rel).stat().st_size for rel in entries if (disk.root / rel).is_file()}
+    reused = [sizes.get(rel, 0) for rel in entries if rel not in plan.missing]
+    wrote = [sizes[rel] for rel in plan.missing if rel in sizes]
+    line = (f"precompute cache {disk.root}: reused {len(reused)} entries ({human_bytes(sum(reused))}), wrote "
+            f"{len(wrote)} ({human_bytes(sum(wrote))})")
+    if len(wrote) < len(plan.missing):
+        line += f", kept {len(plan.missing) - len(wrote)} in memory (the folder could not be written)"
+    try:
+        eviction = evict_lru(disk.root, disk.max_bytes, entries) if disk.write_error is None else None
+    except OSError as e:  # e.g. another user's entries in a shared folder: the run goes on
+        logger.warning(f"could not bound the precompute cache {disk.root} ({e})", main_process_only=False)
+        eviction = None
+    if eviction is not None:
+        line += f"; {human_bytes(eviction.size_after)} of the {human_bytes(disk.max_bytes)} bound"
+        if eviction.evicted:
+            line += f", {eviction.evicted} least-recently-used entries deleted ({human_bytes(eviction.evicted_bytes)})"
+        if eviction.size_after > disk.max_bytes:
+            line += (f"; over the bound: {human_bytes(eviction.protected_bytes)} are entries this or another live run "
+                     "uses (raise --precompute_cache_max_gb)")
+    if accelerator.is_main_process:
+        logger.info(line)
+
+
+def report_memory_copies(caches, processes):
+    """The in-memory cache is copied into every process: say what that costs, as a warning once it is large."""
+    stores = [c.store for c in (caches.prompts, caches.latents, caches.masks) if c is not None]
+    per_process = sum(v.numel() * v.element_size() for store in stores for v in store.values())
+    if processes < 2:
+        return
+    note = (f"in-memory precompute cache: {human_bytes(per_process)} per process, copied into each of {processes} "
+            f"processes on this machine ({human_bytes(per_process * processes)} of host RAM)")
+    if per_process * processes >= DUPLICATED_RAM_WARN_BYTES:
+        logger.warning(note + "; the disk cache (leave out --precompute_cache_dir none) keeps one copy on disk and "
+                       "each process reads the entries of its batch")
+    else:
+        logger.info(note)
+
+
+def write_manifest(args, accelerator, dataset, family, identity, plan, disk):
+    """<output_dir>/dataset_manifest.json (main process): enough to train again from the cache alone
+    (--from_manifest), with the images gone."""
+    if not accelerator.is_main_process:
+        return
+    data = {flag: getattr(args, flag) for flag in MANIFEST_DATA_FLAGS}
+    data.update(buckets=[list(b) for b in dataset.buckets], seed=dataset.seed, caption_dropout=args.caption_dropout,
+                validation_prompts=validation_prompts(args))
+    model = {"pretrained_model_name_or_path": args.pretrained_model_name_or_path, "revision": args.revision,
+             "family": family.pipeline, "prompt_identity": identity.prompts, "latent_identity": identity.latents}
+    latents = [((k[0], dataset.record(k[0], k[1]).name, *k[2:]), entry) for k, entry in plan.latent_paths.items()]
+    manifest = build_manifest(data, model, dataset.instances, dataset.classes, list(plan.prompt_paths.items()), latents,
+                              disk.root)
+    write_json_atomic(Path(args.output_dir, MANIFEST_NAME), manifest)
+
+
+def apply_manifest(args, manifest):
+    """--from_manifest: the data flags become the manifest's (one given differently is overridden, with a warning),
+    the seed too unless --seed is given (random crops depend on it). -> (instance records, class records)."""
+    data, defaults = manifest["data"], vars(parse_args(["--pretrained_model_name_or_path", ""]))
+    for flag in MANIFEST_DATA_FLAGS:
+        if getattr(args, flag) not in (defaults[flag], data[flag]):
+            logger.warning(f"--{flag} {getattr(args, flag)} ignored: the cached data were made with {data[flag]!r} "
+                           "(from the manifest)")
+        setattr(args, flag, data[flag])
+    args.aspect_ratio_buckets, args.use_aspect_ratio_buckets = ";".join(f"{h},{w}" for h, w in data["buckets"]), False
+    args.seed = data["seed"] if args.seed is None else args.seed
+    args.num_class_images = len(manifest["classes"])
+    instances, classes = manifest_records(manifest["instances"]), manifest_records(manifest["classes"])
+    logger.info(f"--from_manifest {args.from_manifest}: {len(instances)} instance and {len(classes)} class images, "
+                f"their data settings and seed {data['seed']}")
+    return instances, classes
+
+
+def check_manifest_model(args, manifest, family):
+    model = manifest["model"]
+    if model["family"] != family.pipeline:
+        raise UsageError(f"--from_manifest {args.from_manifest}: its entries were made for a {model['family']} "
+                         f"checkpoint, --pretrained_model_name_or_path is a {family.pipeline}")
+    if model["pretrained_model_name_or_path"] != args.pretrained_model_name_or_path:
+        logger.warning(f"--from_manifest: its embeddings and latents were made with "
+                       f"{model['pretrained_model_name_or_path']}, training {args.pretrained_model_name_or_path}")
+
+
+def missing_entries_message(args, disk, dataset, prompts, latents, needed):
+    """--from_manifest refusal: how many entries are missing and which images (or prompts) they came from."""
+    images = list(dict.fromkeys(dataset.record(k[0], k[1]).name for k in latents))
+    for text in prompts:  # a prompt's images: those whose caption (or the instance prompt) it is
+        images += [r.name for r in dataset.instances if (r.caption or dataset.instance_prompt) == text]
+    others = [repr(t) for t in prompts if not any((r.caption or dataset.instance_prompt) == t for r in dataset.instances)]
+    sources = list(dict.fromkeys(images)) + [f"prompt {t}" for t in others]
+    cache = read_manifest(args.from_manifest)["cache"]
+    return (f"--from_manifest {args.from_manifest}: {len(prompts) + len(latents)} of {needed} cache entries are "
+            f"missing from {disk.root} (from {', '.join(sources[:10])}{', ...' if len(sources) > 10 else ''}); the "
+            f"manifest was written with --precompute_cache_dir {cache}. Train once with the images to fill the cache")
+def precompute(args, accelerator, data, weight_dtype, disk=None):
+    """Prompt embeddings (always) and latents (--cache_latents) -> Caches, the VAE if still needed, its stats.
+    SIGTERM/SIGINT stop every process once the batch being written is complete. With the disk cache the run leases
+    its entries first and leaves the cache within its bound and a dataset manifest behind."""
+    dataset, family = data.dataset, data.family
+    identity = cache_identity(args, weight_dtype, family) if disk is not None else None
+    prompt_cache, latent_cache = open_stores(args, dataset, identity, disk)
+    plan = plan_precompute(args, accelerator, dataset, family, prompt_cache, latent_cache, disk)
+    plan.stop = PrecomputeStop()
+    try:
+        caches = Caches(prompts=precompute_prompts(args, accelerator, dataset, weight_dtype, family, prompt_cache, plan))
+        caches.latents, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype, latent_cache, plan)
+        plan.check(accelerator)  # a signal during the last batch still stops before training
+    finally:
+        plan.stop.restore()
     if caches.latents is not None and args.masked_loss:
-        caches.masks = prepare_masks(data.dataset, caches.latents)
+        caches.masks = prepare_masks(dataset, caches.latents)
+    if disk is not None:
+        settle_cache(accelerator, disk, plan)
+        write_manifest(args, accelerator, dataset, family, identity, plan, disk)
+    else:
+        report_memory_copies(caches, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
     return caches, vae, latent_stats
 
 
@@ -1877,36 +2516,6 @@ def load_checkpoint(checkpoint, accelerator, run):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 5: the loop
-
-
-class StopRequest:
-    """SIGTERM/SIGINT (preemption, Ctrl-C) ask the loop to stop after the optimizer step in flight; a second
-    signal stops at once."""
-
-    def __init__(self):
-        self.signum = 0
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def restore(self):
-        """Back to the usual handlers: after the loop a signal must interrupt (final validation, upload)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving a checkpoint "
-              "(signal again to stop at once)", file=sys.stderr, flush=True)
-
-    def agreed(self, accelerator, finite):
-        """(signal number or 0, whether every process's loss was finite), agreed across processes so all stop
-        together. The one host-device sync of an optimizer step."""
-        flags = torch.stack([torch.tensor(self.signum, device=finite.device), (~finite).long()])
-        if accelerator.num_processes > 1:
-            flags = accelerator.reduce(flags, reduction="max")
-        signum, bad = flags.tolist()
-        return signum, not bad
 
 
 @dataclass
@@ -2270,10 +2879,11 @@ def main(argv=None):
     args = parse_args(argv)
     validate_args(args)
     accelerator = setup_accelerator(args)
-    data = prepare_data(args, accelerator)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     weight_dtype = weight_dtype_of(accelerator)
-    caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype)
+    disk = open_cache(args)
+    data = prepare_data(args, accelerator, disk)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, disk)
     run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
     global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
     start_logging(args, accelerator, run, global_step)

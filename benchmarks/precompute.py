@@ -89,10 +89,10 @@ def part1(tmp):
 
     row("1. 4 imgs x10, disk cache, cold", (4, 4, 1, 1), four, "--repeats", 10, "--precompute_cache_dir", cache)
     row("1. 4 imgs x10, disk cache, warm", (0, 0, 0, 0), four, "--repeats", 10, "--precompute_cache_dir", cache)
-    row("2. 4 imgs x1,  no disk cache", (4, 4, 1, 1), four, "--repeats", 1)
-    row("2. 4 imgs x10, no disk cache", (4, 4, 1, 1), four, "--repeats", 10)
-    row("3. 8 imgs, 8 distinct captions", (8, 8, 1, 1), eight_distinct)
-    row("3. 8 imgs, 1 caption shared", (8, 1, 1, 1), eight_shared)
+    row("2. 4 imgs x1,  no disk cache", (4, 4, 1, 1), four, "--repeats", 1, "--precompute_cache_dir", "none")
+    row("2. 4 imgs x10, no disk cache", (4, 4, 1, 1), four, "--repeats", 10, "--precompute_cache_dir", "none")
+    row("3. 8 imgs, 8 distinct captions", (8, 8, 1, 1), eight_distinct, "--precompute_cache_dir", "none")
+    row("3. 8 imgs, 1 caption shared", (8, 1, 1, 1), eight_shared, "--precompute_cache_dir", "none")
     # Scenario 4 shares scenario 1's (now warm) cache: only the edited caption should miss.
     (four / "img_2.txt").write_text("a portrait of sks dog wearing a green scarf\n", encoding="utf-8")
     row("4. 1 caption edited, 1's cache", (0, 1, 1, 0), four, "--repeats", 10, "--precompute_cache_dir", cache)

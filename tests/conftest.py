@@ -1,19 +1,33 @@
 """Shared fixtures: a tiny random FLUX.2 [dev] checkpoint on disk and a way to run the real script."""
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the tests may reach the Hub
+# The disk cache is on by default, in $XDG_CACHE_HOME: never the user's, and (fixture below) a fresh one per test,
+# so no test reuses another's entries. This session-wide folder covers fixtures wider than one test.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="flux2-tests-xdg-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_dreambooth_lora_flux2.py"
 sys.path.insert(0, str(ROOT))
 
 from tests.tiny_flux2 import (MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, build_tiny_flux2,  # noqa: E402
                                build_tiny_flux2_klein, make_images)
+
+
+@pytest.fixture(autouse=True)
+def own_cache_folder(tmp_path, monkeypatch):
+    """A per-test XDG_CACHE_HOME (the default --precompute_cache_dir's parent); launched scripts inherit it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    return tmp_path / "xdg-cache" / "train_dreambooth_lora_flux2"
 
 
 @pytest.fixture(scope="session")

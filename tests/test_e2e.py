@@ -1,6 +1,7 @@
 """The real script under `accelerate launch` on the tiny FLUX.2 model; every test asserts on what it wrote."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -207,13 +208,17 @@ def _without_seed(args):
     return args[:i] + args[i + 2:]
 
 
-@pytest.mark.parametrize("cache", ["memory", "disk"])
+@pytest.mark.parametrize("cache", ["memory", "disk", "unwritable"])
 def test_two_processes_share_the_work_and_agree(cache, tiny_model, images, tmp_path):
     """No --seed: the drawn seed is agreed, each epoch the ranks train disjoint batches covering every batch,
-    each rank encodes half the unique inputs (gathered in memory, or through the disk cache), and both end
-    with the same LoRA."""
+    each rank encodes half the unique inputs (gathered in memory, or through the disk cache; a cache folder that
+    cannot be written warns and falls back to memory), and both end with the same LoRA."""
     out = tmp_path / "out"
-    extra = ["--precompute_cache_dir", tmp_path / "cache"] if cache == "disk" else []
+    for path in images.iterdir():  # a dataset that exists already (files changed seconds ago are not indexed)
+        os.utime(path, (time.time() - 3600,) * 2)
+    (tmp_path / "a-file").write_text("where the cache folder should be")
+    extra = {"memory": ["--precompute_cache_dir", "none"], "disk": ["--precompute_cache_dir", tmp_path / "cache"],
+             "unwritable": ["--precompute_cache_dir", tmp_path / "a-file" / "cache"]}[cache]
     proc = launch(_without_seed(base_args(tiny_model, images, out, "--num_train_epochs", "3", "--cache_latents",
                                           "--center_crop", "--checkpointing_steps", "2", *extra)), num_processes=2)
     logs = [[json.loads(line) for line in (out / "logs" / f"samples-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
@@ -225,6 +230,15 @@ def test_two_processes_share_the_work_and_agree(cache, tiny_model, images, tmp_p
     for rank in (0, 1):
         assert f"[RANK {rank}] encoded 3 of 6 missing prompts" in proc.stderr
         assert f"[RANK {rank}] encoded 3 of 6 missing images" in proc.stderr
+    if cache == "disk":  # rank 0 scans first; rank 1 finds its scan index
+        assert f"[RANK 1] scanned {images}: 6 images, 6 unchanged since the last scan, 0 decoded" in proc.stderr
+    if cache == "memory":
+        assert "in-memory precompute cache: " in proc.stderr and "copied into each of 2 processes" in proc.stderr
+    if cache == "unwritable":
+        for rank in (0, 1):  # once per process, naming the folder and the error
+            assert proc.stderr.count(f"[RANK {rank}] cannot write the precompute cache {tmp_path / 'a-file' / 'cache'} "
+                                     "([Errno 20] Not a directory") == 1
+        assert "wrote 0 (0 B), kept 12 in memory" in proc.stderr
     fingerprints = set(re.findall(r"\[RANK \d\] LoRA fingerprint (\w+)", proc.stderr))
     assert len(re.findall(r"LoRA fingerprint", proc.stderr)) == 2 and len(fingerprints) == 1
     assert sorted(p.name for p in (out / "checkpoint-6").glob("rng-*.json")) == ["rng-0.json", "rng-1.json"]
@@ -253,18 +267,26 @@ def test_sigterm_checkpoints_and_resumes_to_the_straight_result(tiny_model, imag
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_precompute_cache_dir_makes_reruns_encode_only_what_changed(tiny_model, images, tmp_path):
-    cache = tmp_path / "cache"
-    args = lambda out: base_args(tiny_model, images, out, "--max_train_steps", "3", "--cache_latents", "--center_crop",  # noqa: E731
-                                 "--repeats", "4", "--precompute_cache_dir", cache)
+def test_default_disk_cache_makes_reruns_encode_only_what_changed(tiny_model, images, tmp_path, own_cache_folder):
+    """No flag: the per-user cache folder. Reruns reuse entries and the scan index; a bound of 0 deletes every
+    entry the run does not use."""
+    cache = own_cache_folder
+    for path in images.iterdir():  # a dataset that exists already (files changed seconds ago are not indexed)
+        os.utime(path, (time.time() - 3600,) * 2)
+    args = lambda out, *extra: base_args(tiny_model, images, out, "--max_train_steps", "3", "--cache_latents",  # noqa: E731
+                                         "--center_crop", "--repeats", "4", *extra)
     cold = launch(args(tmp_path / "cold")).stderr
     assert "encoded 6 of 6 missing prompts (6 unique)" in cold and "encoded 6 of 6 missing images" in cold
     assert cold.count("loading the text encoder") == 1 and "loading the VAE" in cold
+    assert f"precompute cache {cache}: reused 0 entries (0 B), wrote 12 (" in cold and "of the 50.0 GB bound" in cold
+    assert "6 images, 0 unchanged since the last scan, 6 decoded and hashed" in cold
 
     warm = launch(args(tmp_path / "warm")).stderr
     assert "encoded 0 of 0 missing prompts" in warm
     assert "loading the text encoder" not in warm and "loading the VAE" not in warm
     assert "all latents cached; the VAE is not loaded" in warm
+    assert f"precompute cache {cache}: reused 12 entries" in warm and "wrote 0 (0 B)" in warm
+    assert "6 images, 6 unchanged since the last scan, 0 decoded and hashed" in warm
     a, b = load_file(str(tmp_path / "cold" / LORA)), load_file(str(tmp_path / "warm" / LORA))
     assert all(torch.equal(a[k], b[k]) for k in a)  # disk entries are the exact tensors the cold run trained on
 
@@ -274,9 +296,11 @@ def test_precompute_cache_dir_makes_reruns_encode_only_what_changed(tiny_model, 
     assert "encoded 0 of 0 missing prompts" in renamed and "all latents cached" in renamed
 
     (images / "img_01.txt").write_text("a photo of sks dog under a yellow umbrella\n")  # one caption edited
-    edited = launch(args(tmp_path / "edited")).stderr
+    edited = launch(args(tmp_path / "edited", "--precompute_cache_max_gb", "0")).stderr
     assert "encoded 1 of 1 missing prompts" in edited and "loading the VAE" not in edited
-    assert not list(cache.rglob("*.tmp"))
+    assert "1 least-recently-used entries deleted" in edited  # the old caption's embedding; the run's own stay
+    assert len(list(cache.glob("*/??/*.safetensors"))) == 12 and "over the bound" in edited
+    assert not list(cache.rglob("*.tmp")) and not list(cache.glob("leases/*"))  # leases end with their run
 
 
 def test_latent_sampling_sample_with_live_flips_trains(tiny_model, images, tmp_path):
