@@ -1,0 +1,332 @@
+"""Seconds per training step, peak GPU memory and model FLOP utilisation of this trainer's own step on real-shaped
+FLUX.2 transformers (random weights built directly on the GPU: nothing is downloaded).
+
+Each row builds the transformer of FLUX.2 [klein] 4B, [klein] 9B or [dev] from its config (shapes in
+../shared/GPU.md), prepares it with the script's own `prepare_transformer` from the same flags a user passes
+(--compile, --attention_backend, --gradient_checkpointing, --do_fp8_training, --blocks_to_swap, --rank), fills the
+script's caches with real-shaped cached inputs ([B, 512, joint_attention_dim] prompt embeddings, [B, 128, H/16, W/16]
+latents), and times the script's loop body: Prefetcher -> gather_inputs -> micro_step -> optimizer_step, with the
+per-step host-device sync of the real loop. Median seconds per step after warm-up (compilation and autotuning stay
+out), peak allocated GPU memory per row, and MFU = (2 x forward FLOPs, 3 x with gradient checkpointing) / time /
+the card's measured bf16 matmul rate (forward = 2 x block parameters x tokens + attention).
+
+    python benchmarks/gpu_step.py                         # the default grid (see --help); on CUDA only
+    python benchmarks/gpu_step.py --memory                # the memory table: 1024 px, batch 1, rank 16
+    python benchmarks/gpu_step.py --tiny                  # the same code on a tiny model on the CPU (CI smoke test)
+
+Without a GPU (and without --tiny) it says so and exits 0. Rows that run out of memory are reported as OOM; rows are
+skipped once --budget_s is spent. Results also go to --out (JSON lines) as they come.
+"""
+
+import argparse
+import gc
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import train_dreambooth_lora_flux2 as T  # noqa: E402
+
+COMMON = dict(patch_size=1, in_channels=128, attention_head_dim=128, mlp_ratio=3.0, timestep_guidance_channels=256,
+              axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6)
+MODELS = {
+    "klein4b": dict(COMMON, num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680,
+                    guidance_embeds=False),
+    "klein9b": dict(COMMON, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288,
+                    guidance_embeds=False),
+    "dev": dict(COMMON, num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
+                guidance_embeds=True),
+    "tiny": dict(patch_size=1, in_channels=8, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                 num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4),
+                 guidance_embeds=True),
+}
+TEXT_TOKENS = {"tiny": 16}  # real models: 512
+PATCH = 16  # pixels per latent token side: 8x VAE, 2x2 patchify
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="klein4b,klein9b,dev")
+    p.add_argument("--modes", default="eager,compile", help="eager and/or compile (--compile)")
+    p.add_argument("--attention", default="native,_native_cudnn,_native_flash,_native_efficient,flex")
+    p.add_argument("--gc", default="on,off", help="gradient checkpointing")
+    p.add_argument("--resolutions", default="512,1024")
+    p.add_argument("--batch", default="1,4")
+    p.add_argument("--precision", default="bf16,fp8", help="bf16, fp8 (--do_fp8_training), nf4 (bitsandbytes 4-bit)")
+    p.add_argument("--swap", default="0", help="--blocks_to_swap: numbers, 'half' or 'max'")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--baseline", action="store_true", help="add the diffusers example's step as the first row of each "
+                   "model: eager, native attention, foreach AdamW, inputs copied synchronously (no prefetch)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per row (the median is reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, autotune)")
+    p.add_argument("--budget_s", type=float, default=float("inf"), help="start no row after this many seconds")
+    p.add_argument("--out", default=None, help="JSON lines, one per row")
+    p.add_argument("--memory", action="store_true", help="the memory grid: 1024 px, batch 1, rank 16, eager, native, "
+                   "bf16/fp8/nf4 x gradient checkpointing x --blocks_to_swap 0/half/max")
+    p.add_argument("--tiny", action="store_true", help="tiny model on the CPU: a smoke test of this script")
+    args = p.parse_args(argv)
+    if args.memory:
+        args.modes, args.attention, args.resolutions, args.batch, args.rank = "eager", "native", "1024", "1", 16
+        args.precision, args.swap = "bf16,fp8,nf4", "0,half,max"
+    if args.tiny:  # tiny defaults where the grid was not given
+        for flag, value in (("models", "tiny"), ("resolutions", "32,64"), ("batch", "1,2"), ("modes", "eager")):
+            if getattr(args, flag) == p.get_default(flag):
+                setattr(args, flag, value)
+        args.attention = ",".join(a for a in args.attention.split(",") if a in ("native", "_native_math")) or "native"
+        args.precision = "bf16"
+        args.swap = ",".join(s for s in args.swap.split(",") if s == "0") or "0"
+        args.steps, args.warmup = min(args.steps, 3), 1
+    return args
+
+
+def rows(args):
+    """The grid, model by model (each model's rows together, its baseline first)."""
+    split = lambda text: [t.strip() for t in text.split(",") if t.strip()]  # noqa: E731
+    for model in split(args.models):
+        if args.baseline:
+            yield dict(model=model, mode="eager", attention="native", gc="on", resolution=int(split(args.resolutions)[-1]),
+                       batch=int(split(args.batch)[0]), precision="bf16", swap="0", baseline=True)
+        for mode, attention, gc_, res, batch, precision, swap in itertools.product(
+                split(args.modes), split(args.attention), split(args.gc), split(args.resolutions), split(args.batch),
+                split(args.precision), split(args.swap)):
+            yield dict(model=model, mode=mode, attention=attention, gc=gc_, resolution=int(res), batch=int(batch),
+                       precision=precision, swap=swap, baseline=False)
+
+
+def num_blocks(config):
+    return config["num_layers"] + config["num_single_layers"]
+
+
+def script_args(row, config, rank):
+    """The flags a user would pass for this row, parsed by the script itself."""
+    swap = {"0": 0, "half": num_blocks(config) // 2, "max": num_blocks(config) - 1}.get(row["swap"], None)
+    flags = ["--pretrained_model_name_or_path", "random", "--instance_prompt", "x", "--rank", str(rank),
+             "--lora_alpha", str(rank), "--attention_backend", row["attention"], "--resolution", str(row["resolution"])]
+    flags += ["--compile"] * (row["mode"] == "compile") + ["--gradient_checkpointing"] * (row["gc"] == "on")
+    flags += ["--do_fp8_training"] * (row["precision"] == "fp8")
+    swap = int(row["swap"]) if swap is None else swap
+    if swap:
+        flags += ["--blocks_to_swap", str(swap)]
+    args = T.parse_args(flags)
+    args.bnb_quantization_config_path = "nf4" if row["precision"] == "nf4" else None  # quantised here, not loaded
+    return args
+
+
+def build_transformer(config, device, dtype, nf4):
+    """Random real-shaped transformer made directly on the device, in `dtype` (no float32 copy, no download)."""
+    from diffusers import Flux2Transformer2DModel
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            transformer = Flux2Transformer2DModel(**config)
+    finally:
+        torch.set_default_dtype(previous)
+    if nf4:
+        quantize_nf4(transformer, dtype)
+    return transformer
+
+
+def quantize_nf4(transformer, compute_dtype):
+    """The blocks' linear layers -> bitsandbytes NF4 (what --bnb_quantization_config_path with load_in_4bit makes
+    when loading), one layer at a time so the bf16 copy never exists twice."""
+    import bitsandbytes as bnb
+
+    for block in (*transformer.transformer_blocks, *transformer.single_transformer_blocks):
+        for name, module in list(block.named_modules()):
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                          compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+            quantized.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4").to(
+                module.weight.device)
+            if module.bias is not None:
+                quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(block.get_submodule(parent) if parent else block, child, quantized)
+            del module
+
+
+def forward_flops(config, batch, image_tokens, text_tokens):
+    """2 x block parameters x tokens (every token passes one stream's weights in each block) + attention."""
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    block_params = 13 * inner * inner * (2 * config["num_layers"] + config["num_single_layers"])
+    tokens = image_tokens + text_tokens
+    attention = 4 * tokens * tokens * inner * num_blocks(config)
+    return batch * (2 * block_params * tokens + attention)
+
+
+def matmul_rate(device):
+    """The card's bf16 matmul rate, FLOP/s (8192^3, random data)."""
+    if device.type != "cuda":
+        return None
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192**3 / (start.elapsed_time(end) / 1000)
+
+
+def cached_inputs(row, config, text_tokens, dtype, seed=0):
+    """The script's dataset, sampler, loader and caches, filled with real-shaped random entries: what precompute
+    leaves behind for one distinct prompt and 8 distinct images of one bucket."""
+    side = row["resolution"]
+    images = [T.ImageRecord(name=f"img{i}.png", size=(side, side)) for i in range(max(8, row["batch"]))]
+    dataset = T.DreamBoothDataset(images, "x", [(side, side)], seed=seed, center_crop=True, with_pixels=False,
+                                  fixed_crops=True)
+    g = torch.Generator().manual_seed(seed)
+    latents = T.SampleCache()
+    for key in dataset.cached_latent_keys():
+        latents.put(key, torch.randn(1, config["in_channels"], side // PATCH, side // PATCH, generator=g).to(dtype))
+    prompts = T.SampleCache()
+    prompts.put("x", torch.randn(1, text_tokens, config["joint_attention_dim"], generator=g).to(dtype))
+    sampler = T.BucketBatchSampler(dataset.sample_buckets(), row["batch"], seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=T.collate)
+    return T.Data(None, None, seed, dataset, sampler, loader), T.Caches(prompts, latents)
+
+
+def time_row(row, bench, accelerator, rate):
+    config = MODELS[row["model"]]
+    dtype = torch.bfloat16
+    args = script_args(row, config, bench.rank)
+    device = accelerator.device
+    text_tokens = TEXT_TOKENS.get(row["model"], 512)
+    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    transformer = build_transformer(config, device, dtype, row["precision"] == "nf4")
+    transformer = T.prepare_transformer(args, accelerator, transformer)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = T.setup_optimizer(args, params, accelerator)
+    if row["baseline"] and device.type == "cuda":  # the example's optimizer: foreach, not fused
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.adam_weight_decay)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    data, caches = cached_inputs(row, config, text_tokens, dtype)
+    named = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
+    run = T.Run(data=data, caches=caches, weight_dtype=dtype, vae=None, latent_stats=None, transformer=transformer,
+                optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                noise_scheduler=scheduler, sigmas=scheduler.sigmas.float(), named_params=named, ema=None,
+                step_config=T.StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
+                                         3.5 if config["guidance_embeds"] else None, 1.0))
+    prefetch = not row["baseline"]
+    prefetcher = T.Prefetcher(data.loader, 0, lambda m, batch: T.gather_inputs(
+        batch, data.dataset, caches, 0.0, random.Random(m)), device)
+    if not prefetch:
+        prefetcher.stream = None  # synchronous copies from pageable memory, as the example does
+    transformer.train()
+    times = []
+    for micro, batch, inputs in prefetcher:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        tic = time.perf_counter()
+        loss, _ = T.micro_step(accelerator, run, inputs, len(batch["indices"]), micro, False, "mode")
+        if prefetch:
+            prefetcher.prefetch()
+        finite = torch.isfinite(loss).item()  # the loop's per-step host-device sync
+        T.optimizer_step(args, accelerator, run)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - tic)
+        if not finite:
+            raise RuntimeError("non-finite loss")
+        if len(times) == bench.warmup + bench.steps:
+            break
+    seconds = statistics.median(times[bench.warmup:])
+    image_tokens = (row["resolution"] // PATCH) ** 2
+    flops = forward_flops(config, row["batch"], image_tokens, text_tokens) * (3 if row["gc"] == "on" else 2)
+    result = dict(row, s_per_step=seconds, warmup_s=sum(times[:bench.warmup]),
+                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                  mfu=flops / seconds / rate if rate else None, loss=loss.item())
+    return result
+
+
+def cleanup(accelerator):
+    accelerator.free_memory()  # prepare() keeps references to every model and optimizer
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def describe(row):
+    swap = f" swap {row['swap']}" if row["swap"] != "0" else ""
+    name = "example-like baseline" if row["baseline"] else f"{row['mode']} {row['attention']}"
+    return (f"{row['model']:8} {name:26} gc {row['gc']:3} {row['resolution']:4}px b{row['batch']} "
+            f"{row['precision']:4}{swap}")
+
+
+def main(argv=None):
+    bench = parse(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not bench.tiny:
+        print("no CUDA GPU here: nothing measured (run with --tiny for the CPU smoke test)")
+        return 0
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16", cpu=not cuda)
+    rate = matmul_rate(accelerator.device)
+    device_name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"{device_name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+          + (f", bf16 matmul {rate / 1e12:.0f} TFLOP/s" if rate else ""), flush=True)
+    out = open(bench.out, "a") if bench.out else None
+    results, start = [], time.perf_counter()
+    for row in rows(bench):
+        if time.perf_counter() - start > bench.budget_s:
+            print(f"skipped (budget): {describe(row)}", flush=True)
+            continue
+        try:
+            result = time_row(row, bench, accelerator, rate)
+        except torch.OutOfMemoryError:
+            result = dict(row, error="OOM", peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+        except Exception as e:  # noqa: BLE001 - a row that cannot run is reported, the others go on
+            result = dict(row, error=f"{type(e).__name__}: {str(e)[:300]}")
+        cleanup(accelerator)
+        results.append(result)
+        print(line(result), flush=True)
+        if out:
+            out.write(json.dumps(dict(result, device=device_name, date=time.strftime("%Y-%m-%d"))) + "\n")
+            out.flush()
+    print("\n" + table(results, device_name))
+    return 1 if bench.tiny and any("error" in r for r in results) else 0  # the CI smoke test fails on any error
+
+
+def line(r):
+    if "error" in r:
+        peak = f" (peak {r['peak_gib']:.1f} GiB)" if r.get("peak_gib") else ""
+        return f"{describe(r)}  {r['error']}{peak}"
+    peak = f"{r['peak_gib']:6.1f} GiB" if r["peak_gib"] is not None else "     - GiB"
+    mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] else "    -"
+    return f"{describe(r)}  {r['s_per_step']:8.3f} s/it  {peak}  MFU {mfu}  (warm-up {r['warmup_s']:.0f} s)"
+
+
+def table(results, device_name):
+    head = "| model | step | attention | grad ckpt | px | batch | precision | swap | s/it | peak GiB | MFU |"
+    lines = [f"{device_name}, {time.strftime('%Y-%m-%d')}", head, "|" + "---|" * 11]
+    for r in results:
+        step = "example-like" if r["baseline"] else r["mode"]
+        cells = [r["model"], step, r["attention"], r["gc"], r["resolution"], r["batch"], r["precision"], r["swap"]]
+        if "error" in r:
+            cells += [r["error"], f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-", "-"]
+        else:
+            cells += [f"{r['s_per_step']:.3f}", f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-",
+                      f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

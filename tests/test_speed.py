@@ -1,0 +1,172 @@
+"""Speed levers on the CPU: --compile trains like eager (inductor runs on the CPU), --attention_backend is used and
+refused where it cannot train, the overlapped data path gives the step the same inputs as a plain lookup, fused
+AdamW on CUDA only, and the GPU benchmark's --tiny mode runs the script's own step."""
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import ROOT, base_args
+from tests.tiny_flux2 import JOINT_ATTENTION_DIM, MAX_SEQUENCE_LENGTH
+
+
+def _args(tiny_model, images, tmp_path, *extra):
+    return T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--rank", "4", *extra))
+
+
+def _train(args, tiny_model, shapes, steps_per_shape=2):
+    """A few steps of the script's own step on fixed inputs -> (losses, LoRA state). Each shape is a bucket."""
+    from accelerate import Accelerator
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    transformer = T.prepare_transformer(args, accelerator, T.load_transformer(args, torch.float32))
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    optimizer = T.setup_optimizer(args, list(named.values()), accelerator)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler")
+    run = T.Run(data=T.Data(None, None, 0, None, None, None), caches=None, weight_dtype=torch.float32, vae=None,
+                latent_stats=None, transformer=transformer, optimizer=optimizer,
+                lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), noise_scheduler=scheduler,
+                sigmas=scheduler.sigmas.float(), named_params=named, ema=None,
+                step_config=T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, 1.0))
+    g = torch.Generator().manual_seed(1)
+    losses, micro = [], 0
+    for h, w in shapes:
+        for _ in range(steps_per_shape):
+            inputs = T.StepInputs(torch.randn(1, MAX_SEQUENCE_LENGTH, JOINT_ATTENTION_DIM, generator=g), torch.zeros(2, dtype=torch.long),
+                                  torch.randn(2, 4, h, w, generator=g), torch.arange(2), None, encoded=True)
+            loss, _ = T.micro_step(accelerator, run, inputs, 2, micro, False, "mode")
+            T.optimizer_step(args, accelerator, run)
+            losses.append(loss.item())
+            micro += 1
+    return losses, {n: p.detach().clone() for n, p in named.items()}
+
+
+def test_compile_trains_like_eager_with_bounded_recompiles(tiny_model, images, tmp_path):
+    """Regional compilation: the same losses and LoRA as eager to float32 rounding (inductor reorders sums:
+    rtol 1e-4), over two buckets (a new shape recompiles once, with dynamic shapes) and three steps each."""
+    from torch._dynamo.utils import counters
+
+    shapes = [(4, 4), (4, 6), (6, 4)]
+    eager_losses, eager_lora = _train(_args(tiny_model, images, tmp_path), tiny_model, shapes)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_losses, compiled_lora = _train(_args(tiny_model, images, tmp_path, "--compile"), tiny_model, shapes)
+    torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-4, atol=1e-6)
+    assert compiled_lora.keys() == eager_lora.keys()  # names unchanged: checkpoints and resume are unaffected
+    for name in eager_lora:
+        torch.testing.assert_close(compiled_lora[name], eager_lora[name], rtol=1e-4, atol=1e-6)
+    # per block class (one double-stream, one single-stream block here): a static graph for the first shape, a
+    # dynamic one from the second shape on, and nothing for the third. (With several double-stream blocks the first
+    # one, whose input does not require grad, gets one more graph per regime.)
+    assert counters["stats"]["unique_graphs"] == 4
+
+
+def test_compile_compiles_every_repeated_block(tiny_model, images, tmp_path):
+    from accelerate import Accelerator
+
+    args = _args(tiny_model, images, tmp_path, "--compile")
+    transformer = T.prepare_transformer(args, Accelerator(cpu=True), T.load_transformer(args, torch.float32))
+    blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    assert all("forward" in vars(b) and hasattr(vars(b)["forward"], "_torchdynamo_orig_callable") for b in blocks)
+    assert "forward" not in vars(transformer)  # the model around the blocks stays eager
+
+
+def test_attention_backend_is_the_one_that_runs(tiny_model, images, tmp_path, monkeypatch):
+    """--attention_backend _native_math: every attention call of training goes through that kernel, and the loss
+    equals native SDPA's."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    calls = []
+    math_kernel = _AttentionBackendRegistry._backends[AttentionBackendName._NATIVE_MATH]
+
+    def counting(*a, **k):
+        calls.append(1)
+        return math_kernel(*a, **k)
+
+    monkeypatch.setitem(_AttentionBackendRegistry._backends, AttentionBackendName._NATIVE_MATH, counting)
+    native, _ = _train(_args(tiny_model, images, tmp_path), tiny_model, [(4, 4)], steps_per_shape=1)
+    assert calls == []
+    with_math, _ = _train(_args(tiny_model, images, tmp_path, "--attention_backend", "_native_math"), tiny_model,
+                          [(4, 4)], steps_per_shape=1)
+    assert len(calls) == 2  # one double-stream and one single-stream block
+    torch.testing.assert_close(with_math, native, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("bogus", "not a diffusers attention backend"),
+    ("sage", "no backward pass"),
+    ("flash", "flash-attn"),
+    ("xformers", "xformers"),
+    ("_native_cudnn", "needs a CUDA GPU"),
+])
+def test_attention_backend_that_cannot_train_here_is_refused(name, reason, tiny_model, images, tmp_path):
+    if name == "_native_cudnn" and torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: cuDNN attention is usable")
+    with pytest.raises(T.UsageError) as refused:
+        T.validate_args(_args(tiny_model, images, tmp_path, "--attention_backend", name))
+    message = str(refused.value)
+    assert message.startswith(f"--attention_backend {name}: ") and reason in message
+    assert "usable here: native, " in message and "_native_math" in message and "sage" not in message.split("usable")[1]
+
+
+def test_bad_attention_backend_exits_2_before_loading_anything(tiny_model, images, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train_dreambooth_lora_flux2.py"),
+                           *base_args(tiny_model, images, tmp_path / "out", "--attention_backend", "sage")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "--attention_backend sage: no backward pass" in proc.stderr
+    assert "loading" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_prefetched_inputs_equal_a_plain_lookup():
+    """The overlapped path moves each distinct entry once and expands on the device: rows equal the per-row
+    lookup of the old path, for shared prompts, repeated latents, masks and caption dropout."""
+    from tests.test_helpers import _records
+
+    dataset = T.DreamBoothDataset(_records([(32, 32)] * 3, ["same", "same", None]), "sks", [(32, 32)], repeats=2,
+                                  seed=0, center_crop=True, random_flip=True, with_pixels=False, fixed_crops=True)
+    prompts, latents, masks = T.SampleCache(), T.SampleCache(), T.SampleCache()
+    for text in {dataset.prompt_key(s) for s in range(dataset.num_slots)} | {""}:
+        prompts.put(text, torch.randn(1, 8, 4))
+    for key in dataset.cached_latent_keys():
+        latents.put(key, torch.randn(1, 4, 2, 2))
+        masks.put(key, torch.rand(1, 1, 2, 2))
+    caches = T.Caches(prompts, latents, masks)
+    sampler = T.BucketBatchSampler(dataset.sample_buckets(), 3, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=T.collate)
+    prepare = lambda m, batch: T.gather_inputs(batch, dataset, caches, 0.5, random.Random(m))  # noqa: E731
+    prefetcher = T.Prefetcher(loader, 10, prepare, torch.device("cpu"))
+    for step, (micro, batch, inputs) in enumerate(prefetcher):
+        assert micro == 10 + step
+        slots = dataset.slots(batch["indices"])
+        texts = T.drop_captions([dataset.prompt_key(s) for s in slots], 3, 0.5, random.Random(micro))
+        keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
+        assert inputs.embeds.shape[0] == len(set(texts)) and inputs.images.shape[0] == len(set(keys))  # each once
+        assert torch.equal(inputs.embeds[inputs.embed_rows], torch.cat([prompts[t] for t in texts]))
+        assert torch.equal(inputs.images[inputs.image_rows], torch.cat([latents[k] for k in keys]))
+        assert torch.equal(inputs.masks[inputs.image_rows], torch.cat([masks[k] for k in keys]))
+        if step == 5:  # across an epoch boundary (2 batches per epoch)
+            break
+
+
+def test_fused_adamw_only_on_cuda(tiny_model, images, tmp_path):
+    from accelerate import Accelerator
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = T.setup_optimizer(_args(tiny_model, images, tmp_path), [param], Accelerator(cpu=True))
+    assert type(optimizer) is torch.optim.AdamW and not optimizer.defaults["fused"]
+
+
+def test_gpu_benchmark_tiny_mode_runs_the_script_step():
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--tiny", "--steps", "2", "--batch", "1",
+                           "--resolutions", "32", "--gc", "on"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 1 and "| eager | native | on | 32 | 1 | bf16 |" in rows[0]
+    seconds = float(rows[0].split("|")[9])
+    assert seconds > 0
