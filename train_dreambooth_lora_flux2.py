@@ -127,6 +127,12 @@ class TrainingStopped(Exception):
 # diffusers attention backends with a backward pass (sage and the NPU/XLA/AMD kernels are inference or other hardware)
 TRAINING_ATTENTION_BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math", "flex",
                                "flash", "flash_hub", "_flash_3", "_flash_3_hub", "xformers")
+# Backends seen to break a FLUX.2 training step; refused with the evidence, so no run dies mid-way.
+BROKEN_ATTENTION_BACKENDS = {
+    "_native_cudnn": "crashed FLUX.2 [klein] 4B training steps with 'CUDA error: an illegal memory access' at 512 "
+                     "and 1024 px, eager and compiled (H100, torch 2.11 + CUDA 13.0, 2026-11-22); use native, which "
+                     "picks a working SDPA kernel itself",
+}
 NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
 OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
               "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
@@ -384,6 +390,8 @@ def attention_backend_problem(name):
     if name not in TRAINING_ATTENTION_BACKENDS:
         known = {b.value for b in AttentionBackendName}
         return "no backward pass (inference only)" if name in known else "not a diffusers attention backend"
+    if name in BROKEN_ATTENTION_BACKENDS:
+        return BROKEN_ATTENTION_BACKENDS[name]
     try:
         _check_attention_backend_requirements(AttentionBackendName(name))
     except (RuntimeError, ValueError, ImportError) as e:

@@ -54,7 +54,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="klein4b,klein9b,dev")
     p.add_argument("--modes", default="eager,compile", help="eager and/or compile (--compile)")
-    p.add_argument("--attention", default="native,_native_cudnn,_native_flash,_native_efficient,flex")
+    p.add_argument("--attention", default="native,_native_flash,_native_efficient,flex")
     p.add_argument("--gc", default="on,off", help="gradient checkpointing")
     p.add_argument("--resolutions", default="512,1024")
     p.add_argument("--batch", default="1,4")
