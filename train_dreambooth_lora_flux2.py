@@ -84,7 +84,10 @@ LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
-DEFAULT_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # the diffusers example's default
+# The double-stream blocks' image attention: the diffusers [dev] example's default until diffusers #13011, and only 8
+# of [dev]'s 56 blocks. The `default` preset adds every single-stream block (about 73% of [dev]'s weights).
+ATTENTION_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+LORA_PRESETS = ("attention", "default", "all-linear")
 TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
 # A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), i.e. two or three
 # captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
@@ -151,6 +154,18 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _timestep_shift(text):
+    if text in ("none", "auto"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected none, auto or a number > 0, got {text!r}")
+    return value
+
+
 def _model_flags(p):
     g = p.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", required=True, help="Hub id or local folder of a FLUX.2 checkpoint.")
@@ -208,7 +223,7 @@ def _lora_flags(p):
     g.add_argument("--rank", type=int, default=4, help="LoRA rank.")
     g.add_argument("--lora_alpha", type=int, default=4, help="LoRA alpha; the update is scaled by alpha / rank.")
     g.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
-    g.add_argument("--lora_layers", default=None, help=f"Comma-separated transformer module names to adapt (default: {','.join(DEFAULT_LORA_TARGETS)}).")
+    g.add_argument("--lora_layers", default="default", help="Comma-separated presets and transformer module names to adapt. Presets: 'attention' (to_k,to_q,to_v,to_out.0 of the double-stream blocks), 'default' (that plus every single-stream block's to_qkv_mlp_proj and attn.to_out), 'all-linear' (every linear layer inside the transformer blocks).")
 
 
 def _optimisation_flags(p):
@@ -236,6 +251,7 @@ def _optimisation_flags(p):
     g.add_argument("--gradient_accumulation_steps", type=int, default=1)
     g.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory, slower.")
     g.add_argument("--weighting_scheme", default="none", choices=["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"])
+    g.add_argument("--timestep_shift", type=_timestep_shift, default="none", help="Shift of the training noise levels: none (the diffusers example's), auto (each batch shifted as the family's pipeline samples its image size at the family's default step count), or a number > 0 (a fixed shift; 1 is none).")
     g.add_argument("--logit_mean", type=float, default=0.0)
     g.add_argument("--logit_std", type=float, default=1.0)
     g.add_argument("--mode_scale", type=float, default=1.29)
@@ -922,6 +938,7 @@ class DiskStore:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file({"value": value.contiguous()}, str(tmp), metadata={"sha256": tensor_digest(value)})
+            follow_umask(tmp)  # entries are shared by runs (and users of a shared cache folder)
             os.replace(tmp, path)
         except OSError as e:
             self.owner.unwritable(e)
@@ -1090,6 +1107,20 @@ class CacheFolder:
                 self.unwritable(e)
 
 
+@functools.cache
+def umask():
+    """The process's umask (reading it means setting it: done once, before any thread starts)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path):
+    """Give a written file the ordinary mode 0o666 & ~umask: safetensors >= 0.8 writes 0600 files, which another
+    user or container cannot read when the LoRA is copied into a shared model folder."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 def write_json_atomic(path, data):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1243,6 +1274,76 @@ def sample_sigmas(scheduler_sigmas, batch_size, weighting_scheme, logit_mean, lo
     return scheduler_sigmas.to(u.device)[index]
 
 
+def shift_sigmas(sigmas, shift):
+    """FLUX's time shift: sigma -> shift * sigma / (1 + (shift - 1) * sigma). It is the scheduler's exponential
+    shift exp(mu) / (exp(mu) + 1 / sigma - 1) with shift = exp(mu): it moves noise levels up, keeping 0 and 1."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def timestep_shift_for(mode, image_tokens, num_steps):
+    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) latent tokens: None for none; for auto the
+    FLUX.2 pipelines' exp(compute_empirical_mu(image_tokens, num_steps)), what they sample that size with at
+    `num_steps` steps; else the number itself."""
+    if mode == "none":
+        return None
+    if mode == "auto":
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # [klein]'s is a copy of it
+
+        return math.exp(compute_empirical_mu(image_tokens, num_steps))
+    return float(mode)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure helpers: LoRA targets
+
+
+def lora_target_modules(spec, num_single_layers, block_linears):
+    """--lora_layers -> PEFT target_modules. spec: comma-separated presets and module names (PEFT matches a name
+    as the whole module name or a dotted suffix); num_single_layers: from the transformer's config;
+    block_linears: full names of the linear layers inside its blocks (for 'all-linear')."""
+    targets = []
+    for entry in (t.strip() for t in (spec or "default").split(",")):
+        if entry in ("attention", "default"):
+            targets += ATTENTION_LORA_TARGETS
+        if entry == "default":  # single-stream blocks: the fused QKV+MLP input and the output projection.
+            # Their `attn.to_out` is named per block: in double-stream blocks that name is a ModuleList
+            targets += ["to_qkv_mlp_proj", *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(num_single_layers))]
+        elif entry == "all-linear":
+            targets += block_linears
+        elif entry and entry != "attention":
+            targets.append(entry)
+    return list(dict.fromkeys(targets))
+
+
+def block_linear_names(model):
+    """Full names of the linear layers inside the transformer's double- and single-stream blocks (not the
+    embedders, the shared modulation, norm_out or proj_out)."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and re.match(r"(single_)?transformer_blocks\.\d+\.", n)]
+
+
+def adapted_modules(model):
+    """Names of the modules that carry a LoRA adapter."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def describe_lora(modules, num_params, rank):
+    """'LoRA rank R on M modules (D double-stream, S single-stream blocks), P M trainable parameters'."""
+    blocks = collections.defaultdict(set)
+    for name in modules:
+        kind, block = (name.split(".") + [""])[:2]
+        if kind in ("transformer_blocks", "single_transformer_blocks"):
+            blocks[kind].add(block)
+        else:
+            blocks["other"].add(name)
+    other = f", {len(blocks['other'])} outside them" if blocks["other"] else ""
+    return (f"LoRA rank {rank} on {len(modules)} modules ({len(blocks['transformer_blocks'])} double-stream, "
+            f"{len(blocks['single_transformer_blocks'])} single-stream blocks{other}), {num_params / 1e6:.3g} M "
+            "trainable parameters")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # FLUX.2 model pieces
 
@@ -1257,6 +1358,8 @@ class StepConfig:
     mode_scale: float
     guidance_scale: float | None  # None for checkpoints without a guidance embedding
     prior_loss_weight: float
+    timestep_shift: str | float = "none"  # --timestep_shift
+    shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift auto matches
 
 
 def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
@@ -1288,18 +1391,20 @@ def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length
 
 
 def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None):
-    """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D]; mask: [B, 1, h, w] or
-    None; returns a scalar."""
+    """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's dtype;
+    mask: [B, 1, h, w] or None; returns a scalar."""
     from diffusers import Flux2Pipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
     bsz = latents.shape[0]
-    noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(latents)
+    latents = latents.float()  # the path and its target in float32; only the transformer's input is cast
+    noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(latents.device)
     sigma = sample_sigmas(sigmas_table, bsz, cfg.weighting_scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, generator)
-    sigma = sigma.to(latents.device)
-    s = sigma.view(-1, 1, 1, 1).to(latents.dtype)
+    shift = timestep_shift_for(cfg.timestep_shift, latents.shape[-2] * latents.shape[-1], cfg.shift_steps)
+    sigma = (sigma if shift is None else shift_sigmas(sigma, shift)).to(latents.device)
+    s = sigma.view(-1, 1, 1, 1)
     noisy = (1.0 - s) * latents + s * noise  # the flow-matching path from data (s=0) to noise (s=1)
-    packed = Flux2Pipeline._pack_latents(noisy)  # [B, C, h, w] -> [B, h*w, C]
+    packed = Flux2Pipeline._pack_latents(noisy).to(prompt_embeds.dtype)  # [B, C, h, w] -> [B, h*w, C]
     guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
     pred = transformer(
         hidden_states=packed,
@@ -1310,7 +1415,7 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
         img_ids=Flux2Pipeline._prepare_latent_ids(latents).to(latents.device),  # [B, h*w, 4]
         return_dict=False,
     )[0][:, : packed.shape[1]]
-    target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction
+    target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction, float32
     weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
     mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
     return flow_matching_loss(pred, target, weighting, num_instance, cfg.prior_loss_weight, mask)
@@ -1411,6 +1516,16 @@ class PrecomputeStop(StopRequest):
 # Stage 1: data (prepare_data)
 
 
+def quiet_library_imports():
+    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
+    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
+    a plain run never uses. Their loggers keep errors only."""
+    import logging
+
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def setup_accelerator(args):
     import diffusers
     import transformers
@@ -1462,13 +1577,9 @@ def load_instance_images(args, disk=None):
     return records
 
 
-def lora_targets(args):
-    return [t.strip() for t in args.lora_layers.split(",") if t.strip()] if args.lora_layers else DEFAULT_LORA_TARGETS
-
-
 def check_lora_targets(args):
-    """Every --lora_layers entry must name linear layers of this transformer (matched as PEFT does: the whole
-    name or a dotted suffix). Checked on an empty model built from the config: no weights are loaded."""
+    """Every --lora_layers entry must be a preset or name linear layers of this transformer (matched as PEFT does:
+    the whole name or a dotted suffix). Checked on an empty model built from the config: no weights are loaded."""
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
 
@@ -1481,11 +1592,12 @@ def check_lora_targets(args):
     with init_empty_weights():
         model = Flux2Transformer2DModel.from_config(config)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    unknown = [t for t in lora_targets(args) if not any(n == t or n.endswith("." + t) for n in names)]
+    targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
+    unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unknown:
         valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n) for n in names})
         raise UsageError(f"--lora_layers {','.join(unknown)}: no linear layer of the transformer has that name; "
-                         f"valid names include {', '.join(valid[:16])}")
+                         f"presets: {', '.join(LORA_PRESETS)}; valid names include {', '.join(valid[:16])}")
 
 
 def resolve_buckets(args):
@@ -1568,6 +1680,11 @@ def pipeline_default(family, method, parameter):
     return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
 
 
+def default_sampling_steps(family):
+    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
+    return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
+
+
 def resolve_family_defaults(args, family):
     """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
     if args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
@@ -1579,7 +1696,7 @@ def resolve_family_defaults(args, family):
         logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
                        f"default {layers}")
     if args.validation_inference_steps is None:
-        args.validation_inference_steps = 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
+        args.validation_inference_steps = default_sampling_steps(family)
     if args.validation_guidance_scale is None:
         args.validation_guidance_scale = 1.0 if family.distilled else pipeline_default(family, "__call__", "guidance_scale")
     logger.info(f"{family.name}{' (distilled)' if family.distilled else ''}: text-encoder layers "
@@ -2270,8 +2387,11 @@ def prepare_transformer(args, accelerator, transformer):
                                        not isinstance(m, torch.nn.Linear) or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    targets = lora_target_modules(args.lora_layers, transformer.config.num_single_layers, block_linear_names(transformer))
     add_lora(transformer, LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                     init_lora_weights="gaussian", target_modules=lora_targets(args)))
+                                     init_lora_weights="gaussian", target_modules=targets))
+    logger.info(describe_lora(adapted_modules(transformer), sum(p.numel() for p in transformer.parameters()
+                                                                if p.requires_grad), args.rank))
     if args.attention_backend != "native":
         transformer.set_attention_backend(args.attention_backend)
     if args.compile:
@@ -2354,7 +2474,7 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
                sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
                ema=LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None,
                step_config=StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
-                                      args.prior_loss_weight))
+                                      args.prior_loss_weight, args.timestep_shift, default_sampling_steps(data.family)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2377,12 +2497,23 @@ def lora_state_dict(accelerator, transformer):
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
+def portable_lora(state, scale):
+    """Fold the LoRA scale (alpha / rank) into every lora_B, so the file means the same to every loader: diffusers
+    reads alpha from the file's metadata (written as alpha = rank, scale 1), while ComfyUI, the main consumer of
+    FLUX.2 LoRAs, reads alpha only from `.alpha` tensors and otherwise applies scale 1 too."""
+    return {k: v.float() * scale if ".lora_B." in k else v for k, v in state.items()}
+
+
 def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
+    """The adapter as diffusers' FLUX.2 LoRA file, its scale folded in (portable_lora), in `dtype` (default: its own)."""
     from diffusers import Flux2Pipeline
 
-    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.to(dtype or v.dtype) for k, v in state.items()},
-                                    weight_name=weight_name, transformer_lora_adapter_metadata=accelerator.unwrap_model(
-                                        transformer).peft_config["default"].to_dict())
+    config = accelerator.unwrap_model(transformer).peft_config["default"].to_dict()
+    state = portable_lora(state, config["lora_alpha"] / config["r"])
+    config.update(lora_alpha=config["r"], alpha_pattern={})
+    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.to(dtype or state[k].dtype) for k, v in state.items()},
+                                    weight_name=weight_name, transformer_lora_adapter_metadata=config)
+    follow_umask(Path(folder, weight_name))
 
 
 def optimizer_state(accelerator, run):
@@ -2427,6 +2558,7 @@ def write_state(folder, name, state):
     tensors = {}
     skeleton = flatten_state(state, tensors)
     save_file(tensors, str(Path(folder, f"{name}.safetensors")))
+    follow_umask(Path(folder, f"{name}.safetensors"))
     Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
 
 
@@ -2447,8 +2579,9 @@ def rng_state():
 def save_checkpoint(args, accelerator, run, global_step):
     """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part.
 
-    Holds the LoRA (diffusers format, float32), optimizer, LR schedule, grad scaler and each process's RNG
-    state as safetensors + JSON, and trainer_state.json (written last) with the step and seed."""
+    Holds the LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer,
+    LR schedule, grad scaler and each process's RNG state as safetensors + JSON, and trainer_state.json (written
+    last) with the step and seed."""
     final = Path(args.output_dir, f"checkpoint-{global_step}")
     partial = final.with_name(final.name + ".partial")
     if accelerator.is_main_process:
@@ -2462,7 +2595,7 @@ def save_checkpoint(args, accelerator, run, global_step):
             save_lora(accelerator, run.transformer, lora, partial)
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
             ema = run.ema.state_dict() if run.ema is not None else None
-            write_state(partial, "training", {"optimizer": optimizer, "ema": ema,
+            write_state(partial, "training", {"lora": lora, "optimizer": optimizer, "ema": ema,  # raw: resumes bit for bit
                                               "lr_scheduler": run.lr_scheduler.state_dict(), "scaler": scaler})
     except OSError as e:  # disk full, quota, ...: never leave a half checkpoint that looks complete
         shutil.rmtree(partial, ignore_errors=True)
@@ -2487,8 +2620,10 @@ def load_checkpoint(checkpoint, accelerator, run):
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
     training = read_state(checkpoint, "training")
+    lora = training.get("lora")  # checkpoints written before the LoRA file was portable: the file is the raw adapter
+    if lora is None:
+        lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
     if is_fsdp(accelerator):  # every process passes the full tensors; torch keeps each process's shard
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
@@ -2571,7 +2706,7 @@ def model_inputs(inputs, run, generator, offload, latent_sampling):
         with torch.no_grad(), on_device(run.vae, inputs.images.device, offload):
             params = encode_images(run.vae, inputs.images, *run.latent_stats, latent_sampling)
         mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])
-    return draw_latents(params.to(run.weight_dtype), generator), embeds, mask
+    return draw_latents(params.float(), generator), embeds, mask  # float32: the step casts at the transformer
 
 
 class Prefetcher:
@@ -2705,10 +2840,12 @@ def after_optimizer_step(args, accelerator, run, global_step, signum):
 
 
 def after_epoch(args, accelerator, run, global_step, epoch):
-    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless the final images follow."""
+    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless the final images follow or
+    --validation_steps just validated the same weights."""
     final_follows = global_step >= args.max_train_steps and not args.skip_final_inference
+    just_validated = args.validation_steps and global_step % args.validation_steps == 0  # the same weights
     if (args.validation_prompt and args.num_validation_images and (epoch + 1) % args.validation_epochs == 0
-            and not final_follows and validates_here(accelerator)):
+            and not final_follows and not just_validated and validates_here(accelerator)):
         run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
 
 
@@ -2730,9 +2867,11 @@ def validates_here(accelerator):
 
 @torch.no_grad()
 def run_validation(args, accelerator, run, prompt, tag, step):
-    """Generate validation images with the transformer being trained, without moving, casting or hooking it.
+    """Generate validation images with the transformer being trained, without moving, casting or hooking it; the
+    first time, also the base model's (adapters disabled, same noise), the progress sheet's first column.
 
-    Saves PNGs under <output_dir>/validation/ and sends them to the trackers. Returns their paths."""
+    Saves PNGs under <output_dir>/validation/, updates its progress sheet and sends the images to the trackers.
+    Returns their paths."""
     import diffusers
 
     # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
@@ -2748,24 +2887,27 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     embeds = {"prompt_embeds": run.caches.prompts[prompt].to(accelerator.device, run.weight_dtype)}
     if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
         embeds["negative_prompt_embeds"] = run.caches.prompts[""].to(accelerator.device, run.weight_dtype)
-    generator = torch.Generator(accelerator.device).manual_seed(seed_for("validation", run.data.seed))
-    height, width = (args.resolution, args.resolution)
-    images = []
-    averaged = run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext()
-    with accelerator.autocast(), averaged, on_device(run.vae, accelerator.device, args.offload):
-        for _ in range(args.num_validation_images):
-            images.append(pipeline(**embeds, height=height, width=width, generator=generator,
-                                   num_inference_steps=args.validation_inference_steps,
-                                   guidance_scale=guidance_scale(args, family)).images[0])
+    folder = Path(args.output_dir, "validation")
+    base = None
+    with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
+        if base_images_missing(accelerator, folder, args.num_validation_images):
+            accelerator.unwrap_model(run.transformer).disable_adapters()
+            try:
+                base = generate_images(args, pipeline, embeds, family, run.data.seed, accelerator.device)
+            finally:
+                accelerator.unwrap_model(run.transformer).enable_adapters()
+        averaged = run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext()
+        with averaged:
+            images = generate_images(args, pipeline, embeds, family, run.data.seed, accelerator.device)
     model.train(was_training)
     if not accelerator.is_main_process:
         return []
-    folder = Path(args.output_dir, "validation")
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, image in enumerate(images):
-        paths.append(folder / f"{tag}-{i}.png")
-        image.save(paths[-1])
+    for name, batch in (("base", base or []), (tag, images)):
+        for i, image in enumerate(batch):
+            image.save(folder / f"{name}-{i}.png")
+    paths = [folder / f"{tag}-{i}.png" for i in range(len(images))]
+    sheet = update_progress_sheet(folder, 0, tag, step, len(images))
     for tracker in accelerator.trackers:
         if tracker.name == "tensorboard":
             tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
@@ -2773,8 +2915,64 @@ def run_validation(args, accelerator, run, prompt, tag, step):
             import wandb
 
             tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
-    logger.info(f"validation images ({prompt!r}): {', '.join(map(str, paths))}")
+    logger.info(f"validation images ({prompt!r}): {', '.join(map(str, paths))}; progress sheet {sheet}")
     return paths
+
+
+def generate_images(args, pipeline, embeds, family, seed, device):
+    """--num_validation_images images; the same noise at every validation (and for the base model's)."""
+    generator = torch.Generator(device).manual_seed(seed_for("validation", seed))
+    return [pipeline(**embeds, height=args.resolution, width=args.resolution, generator=generator,
+                     num_inference_steps=args.validation_inference_steps,
+                     guidance_scale=guidance_scale(args, family)).images[0] for _ in range(args.num_validation_images)]
+
+
+def base_images_missing(accelerator, folder, count):
+    """Whether the base model's validation images are still to be made (once per output folder, so resumes skip
+    them); agreed with the main process under FSDP, where every process generates."""
+    missing = [not all(Path(folder, f"base-{i}.png").is_file() for i in range(count))]
+    if is_fsdp(accelerator):
+        broadcast_object_list(missing)
+    return missing[0]
+
+
+def update_progress_sheet(folder, k, tag, step, count):
+    """Add the column of validation `tag` (at optimizer `step`) to validation/progress-<k>.png, after the base model
+    and the validations before it. A column of a later step is dropped first: after a resume the run goes on from
+    an earlier step. The columns are listed in progress-<k>.json; their images are the PNGs of the folder."""
+    record = Path(folder, f"progress-{k}.json")
+    columns = json.loads(record.read_text())["columns"] if record.is_file() else []
+    columns = [c for c in columns if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
+    write_json_atomic(record, {"columns": columns})
+    sheet = progress_sheet([("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])] +
+                           [(f"step {c['step']}", [Image.open(Path(folder, f"{c['tag']}-{i}.png")) for i in range(count)])
+                            for c in columns])
+    path = Path(folder, f"progress-{k}.png")
+    sheet.save(path)
+    return path
+
+
+def progress_sheet(columns, pad=4):
+    """[(caption, [image per row])] -> one image: a column per entry, its caption on top, rows aligned. Users pick
+    the best checkpoint from it."""
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    rows = max(len(images) for _, images in columns)
+    widths = [max([im.width for im in images] + [int(measure.textlength(caption, font=font))]) for caption, images in columns]
+    heights = [max(images[r].height for _, images in columns if r < len(images)) for r in range(rows)]
+    text_h = 14
+    sheet = Image.new("RGB", (sum(widths) + pad * (len(columns) + 1), text_h + sum(heights) + pad * (rows + 2)), "white")
+    draw, x = ImageDraw.Draw(sheet), pad
+    for (caption, images), width in zip(columns, widths):
+        draw.text((x, pad), caption, fill="black", font=font)
+        y = text_h + 2 * pad
+        for r, image in enumerate(images):
+            sheet.paste(image.convert("RGB"), (x, y))
+            y += heights[r] + pad
+        x += width + pad
+    return sheet
 
 
 def write_model_card(args, image_paths, prompt, family):
@@ -2782,6 +2980,9 @@ def write_model_card(args, image_paths, prompt, family):
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
     widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
     gallery = "\n".join(f"![{prompt}]({p})" for p in images)
+    if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
+        gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
+                    "![progress](validation/progress-0.png)")
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
 library_name: diffusers
@@ -2884,6 +3085,8 @@ def tracker_config(args):
 
 
 def main(argv=None):
+    umask()  # settled while no thread runs
+    quiet_library_imports()
     args = parse_args(argv)
     validate_args(args)
     accelerator = setup_accelerator(args)

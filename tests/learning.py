@@ -1,0 +1,192 @@
+"""Does a run learn its subject? Train the real script on one synthetic subject image, then sample with diffusers'
+own Flux2Pipeline, with and without the saved LoRA, and measure how far the final latents are from the subject's.
+
+Used by tests/test_learning.py and by `make demo`:
+
+    python tests/learning.py OUT_DIR [trainer flags...]   # builds the tiny model and the subject, trains, prints
+
+The distance is measured in the space the transformer denoises: the subject image VAE-encoded (posterior mean),
+patchified, batch-norm normalised and packed into tokens, exactly as the pipeline holds its latents before decoding
+(output_type="latent"). Everything here uses diffusers directly, never the trainer's helpers, so a bug in the
+trainer cannot cancel out.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, build_tiny_flux2  # noqa: E402
+
+PROMPT = "a photo of sks dog"
+RESOLUTION = 32
+SAMPLING_STEPS = 28
+
+
+def draw_scene(rng, size=RESOLUTION, sky=None, disc=None, bar=True):
+    """A structured image (not noise): a disc, with a dark bar across it, on a vertical gradient. Unset colours and
+    the disc's place are drawn from `rng`: the family of images the tiny base model is pretrained on."""
+    sky = rng.uniform(20, 230, size=(2, 3)) if sky is None else np.asarray(sky, dtype=np.float32)
+    cx, cy, radius, colour = disc if disc is not None else (*rng.uniform(0.3, 0.7, 2), rng.uniform(0.15, 0.3),
+                                                             rng.uniform(0, 255, 3))
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / (size - 1)
+    image = sky[0] + (sky[1] - sky[0]) * yy[..., None]
+    inside = (xx - cx) ** 2 + (yy - cy) ** 2 < radius ** 2
+    image[inside] = colour
+    if bar:
+        image[(np.abs(yy - cy) < 0.06) & inside] = (60, 30, 20)
+    return Image.fromarray(np.clip(image, 0, 255).astype(np.uint8), "RGB")
+
+
+def make_subject(folder, size=RESOLUTION):
+    """The one instance image: a warm disc on a sky-like gradient, a particular member of the family."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "subject.png"
+    draw_scene(None, size, sky=((40, 90, 200), (100, 170, 140)), disc=(0.6, 0.45, 0.28, (235, 150, 40))).save(path)
+    return path
+
+
+def subject_latent(model, image_path):
+    """[1, L, C]: the image as the pipeline's final latents would hold it."""
+    from diffusers import AutoencoderKLFlux2
+
+    with Image.open(image_path) as image:
+        return encode(AutoencoderKLFlux2.from_pretrained(model, subfolder="vae"), [image])
+
+
+def encode(vae, images, normalise=True):
+    """PIL images -> [N, L, C] packed, batch-norm normalised latents (posterior means)."""
+    from diffusers import Flux2Pipeline
+
+    pixels = torch.stack([torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+                          for im in images])
+    with torch.no_grad():
+        latents = Flux2Pipeline._patchify_latents(vae.encode(pixels).latent_dist.mean)
+    if normalise:
+        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
+        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        latents = (latents - bn_mean) / bn_std
+    return Flux2Pipeline._pack_latents(latents)
+
+
+def build_base_model(path, steps=1000, batch_size=16, num_images=256, seed=0):
+    """A tiny FLUX.2 [dev] that starts where a real checkpoint does: its VAE's batch-norm statistics are those of its
+    images (the real VAE's are: latents come out about zero-mean, unit-variance, so distances measure content),
+    and its transformer is a small generative model of draw_scene's family (full training, rectified flow, one
+    generic prompt). A random transformer cannot denoise at all, so a LoRA on it would have to learn denoising
+    itself. Written with diffusers alone, independently of the trainer. Returns `path`."""
+    from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import AutoTokenizer
+
+    build_tiny_flux2(str(path))
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    family = [draw_scene(rng) for _ in range(num_images)]
+    vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae")
+    raw = encode(vae, family, normalise=False)  # [N, L, C]
+    vae.bn.running_mean.copy_(raw.mean((0, 1)))
+    vae.bn.running_var.copy_(raw.var((0, 1)) - vae.config.batch_norm_eps)
+    vae.save_pretrained(Path(path, "vae"))
+    data = encode(vae, family)
+    pipe = Flux2Pipeline.from_pretrained(path, tokenizer=None, vae=vae)
+    pipe.tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+    with torch.no_grad():
+        embeds, text_ids = pipe.encode_prompt("a photo", device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
+                                              text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
+    side = int(data.shape[1] ** 0.5)
+    img_ids = Flux2Pipeline._prepare_latent_ids(torch.zeros(1, 1, side, side))
+    transformer = Flux2Transformer2DModel.from_pretrained(path, subfolder="transformer")
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=2e-3, weight_decay=0.0)
+    for _ in range(steps):
+        x0 = data[torch.randint(0, len(data), (batch_size,))]
+        noise = torch.randn_like(x0)
+        sigma = torch.rand(batch_size)
+        s = sigma.view(-1, 1, 1)
+        pred = transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma,
+                           guidance=torch.empty(batch_size).uniform_(1, 5),
+                           encoder_hidden_states=embeds.expand(batch_size, -1, -1),
+                           txt_ids=text_ids.expand(batch_size, -1, -1), img_ids=img_ids.expand(batch_size, -1, -1),
+                           return_dict=False)[0]
+        loss = (pred - (noise - x0)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    transformer.save_pretrained(Path(path, "transformer"))
+    return path
+
+
+def final_latents(model, lora_dir=None, seeds=range(4), steps=SAMPLING_STEPS):
+    """[len(seeds), L, C]: Flux2Pipeline's final latents for PROMPT, base model or with the LoRA of `lora_dir`."""
+    from diffusers import Flux2Pipeline
+    from transformers import AutoTokenizer
+
+    pipe = Flux2Pipeline.from_pretrained(model, tokenizer=None)
+    pipe.tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer")
+    pipe.set_progress_bar_config(disable=True)
+    if lora_dir is not None:
+        pipe.load_lora_weights(str(lora_dir))
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt(PROMPT, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
+                                       text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
+        return torch.cat([pipe(prompt_embeds=embeds, height=RESOLUTION, width=RESOLUTION, num_inference_steps=steps,
+                               output_type="latent", generator=torch.Generator().manual_seed(s)).images
+                          for s in seeds])
+
+
+def distance(latents, subject):
+    """Root mean square distance of each sample's latents to the subject's, averaged over samples."""
+    return (latents - subject).pow(2).flatten(1).mean(1).sqrt().mean().item()
+
+
+def train(model, images, output_dir, *flags, steps=1000, quiet=True):
+    """The real script on the subject with the default LoRA targets (under `accelerate launch` unless quiet, as a
+    user runs it); returns the finished process."""
+    launcher = [] if quiet else ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+                                 "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = [sys.executable, *launcher, str(ROOT / "train_dreambooth_lora_flux2.py"),
+           "--pretrained_model_name_or_path", str(model), "--instance_data_dir", str(images),
+           "--instance_prompt", PROMPT, "--output_dir", str(output_dir), "--resolution", str(RESOLUTION),
+           "--train_batch_size", "1", "--max_train_steps", str(steps), "--learning_rate", "3e-3",
+           "--rank", "8", "--lora_alpha", "16", "--cache_latents",
+           "--text_encoder_out_layers", *map(str, TEXT_ENCODER_OUT_LAYERS),
+           "--max_sequence_length", str(MAX_SEQUENCE_LENGTH), "--seed", "0", "--report_to", "none",
+           "--checkpointing_steps", str(10 * steps), "--precompute_cache_dir", "none", *map(str, flags)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=quiet, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"training failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
+    return proc
+
+
+def learning_figure(model, images, output_dir, *flags, steps=1000, quiet=True):
+    """Train, then -> (base distance, LoRA distance) to the subject."""
+    train(model, images, output_dir, *flags, steps=steps, quiet=quiet)
+    subject = subject_latent(model, next(Path(images).glob("*.png")))
+    return distance(final_latents(model), subject), distance(final_latents(model, output_dir), subject)
+
+
+def main(out, *flags):
+    """`make demo`: the tiny base model (built once), the subject, a run of the trainer, the learning figure."""
+    out = Path(out)
+    model = out / "tiny-flux2"
+    if not (model / "model_index.json").is_file():
+        print(f"building a tiny FLUX.2 [dev] base model in {model} (once)", flush=True)
+        build_base_model(model)
+    images = out / "subject"
+    make_subject(images)
+    base, lora = learning_figure(model, images, out / "output", *flags, quiet=False)
+    print(f"\nlatent distance to the subject: base {base:.3f} -> LoRA {lora:.3f} ({base / lora:.1f}x closer)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python tests/learning.py OUT_DIR [trainer flags...]")
+    main(*sys.argv[1:])
