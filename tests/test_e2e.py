@@ -67,6 +67,9 @@ def test_training_runs_and_writes_a_loadable_lora(name, tiny_model, tmp_path):
         assert len({tuple(r["latent_hw"]) for r in sample_log(out)}) >= 1
         assert "unique prompts" in proc.stderr
     assert_lora_works(tiny_model, out, {"attn.to_q", "attn.to_qkv_mlp_proj"} if name == "lora_layers" else None)
+    if name == "lora_layers":  # exactly the named layers, in both the double- and the single-stream block
+        assert {k.split(".lora_")[0] for k in load_file(str(out / LORA))} == {
+            "transformer.transformer_blocks.0.attn.to_q", "transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj"}
     assert (out / "README.md").is_file()
 
 
@@ -110,11 +113,22 @@ def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp
                      "--validation_epochs", "1", "--num_validation_images", "2", "--report_to", "tensorboard"),
            via_accelerate=True)
     names = sorted(p.name for p in (out / "validation").iterdir())
-    assert names == ["epoch-0001-0.png", "epoch-0001-1.png", "final-0.png", "final-1.png"]  # epoch 2's are the final
+    assert names == ["base-0.png", "base-1.png", "epoch-0001-0.png", "epoch-0001-1.png", "final-0.png", "final-1.png",
+                     "progress-0.json", "progress-0.png"]  # epoch 2's are the final
     from PIL import Image
 
     with Image.open(out / "validation" / "final-0.png") as im:
         assert im.format == "PNG" and im.size == (32, 32)
+    folder = out / "validation"
+    assert json.loads((folder / "progress-0.json").read_text())["columns"] == [
+        {"tag": "epoch-0001", "step": 6}, {"tag": "final", "step": 12}]
+    with Image.open(folder / "progress-0.png") as sheet:  # base, epoch 1, final: three columns of two rows
+        sheet = sheet.convert("RGB")
+        assert sheet.height == 14 + 2 * 32 + 4 * 4 and sheet.width >= 3 * 32 + 4 * 4
+        base = [sheet.crop((4, 22 + r * 36, 36, 54 + r * 36)) for r in range(2)]
+        for r in range(2):  # the base model's images are in the first column, in row order
+            assert list(base[r].getdata()) == list(Image.open(folder / f"base-{r}.png").convert("RGB").getdata())
+    assert list(Image.open(folder / "base-0.png").getdata()) != list(Image.open(folder / "final-0.png").getdata())
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(next((out / "logs").rglob("events.out.tfevents.*")).parent), size_guidance={"images": 0})
@@ -124,6 +138,7 @@ def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp
     assert {"validation/epoch-0001", "validation/final"} <= set(events.Tags()["images"])
     card = (out / "README.md").read_text()
     assert "validation/final-0.png" in card and "validation/final-1.png" in card and "a photo of sks dog" in card
+    assert "![progress](validation/progress-0.png)" in card
 
 
 def test_dataset_name_accepts_a_local_folder(tiny_model, tmp_path):

@@ -70,7 +70,8 @@ def test_ema_lora_matches_a_reference_ema_of_the_checkpointed_raw_weights(tiny_m
     launch(base_args(tiny_model, images, out, "--max_train_steps", "5", "--checkpointing_steps", "1", "--use_ema",
                      "--ema_decay", "0.8", "--validation_prompt", "a dog", "--validation_steps", "2",
                      "--num_validation_images", "1"))
-    raws = [load_file(str(out / f"checkpoint-{s}" / LORA)) for s in range(1, 6)]  # checkpoints hold raw weights
+    # alpha = rank (scale 1): the checkpoints' portable LoRA files hold the raw weights
+    raws = [load_file(str(out / f"checkpoint-{s}" / LORA)) for s in range(1, 6)]
     reference = dict(raws[0])
     for step, raw in enumerate(raws[1:], start=2):
         decay = min(0.8, (1 + step) / (10 + step))
@@ -81,7 +82,8 @@ def test_ema_lora_matches_a_reference_ema_of_the_checkpointed_raw_weights(tiny_m
     assert all(torch.equal(final_raw[k], raws[-1][k]) for k in final_raw)
     assert any(not torch.equal(final[k], final_raw[k]) for k in final)
     names = sorted(p.name for p in (out / "validation").iterdir())
-    assert names == ["final-0.png", "step-000002-0.png", "step-000004-0.png"]  # tagged with the step
+    assert names == ["base-0.png", "final-0.png", "progress-0.json", "progress-0.png", "step-000002-0.png",
+                     "step-000004-0.png"]  # tagged with the step
 
 
 # ---------------------------------------------------------------------------------------------------- masked loss
