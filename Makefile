@@ -28,7 +28,7 @@ test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 tests $(PYTEST_ARGS)
 
 # Trains a LoRA on one synthetic subject with a kilobyte-sized FLUX.2 [dev] base model (built and pretrained once,
-# about 30 s), under a minute on a CPU, and prints how much closer to the subject the LoRA's samples are.
+# about 45 s), in under a minute on a CPU, and prints how much closer to the subject the LoRA's samples are.
 demo: venv
 	rm -rf $(DEMO)/output  # a fresh run each time
 	HF_HUB_OFFLINE=1 $(PY) tests/learning.py $(DEMO) \

@@ -66,10 +66,8 @@ def encode(vae, images, normalise=True):
     """PIL images -> [N, L, C] packed, batch-norm normalised latents (posterior means)."""
     from diffusers import Flux2Pipeline
 
-    pixels = torch.stack([torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
-                          for im in images])
     with torch.no_grad():
-        latents = Flux2Pipeline._patchify_latents(vae.encode(pixels).latent_dist.mean)
+        latents = Flux2Pipeline._patchify_latents(vae.encode(pixels_of(images)).latent_dist.mean)
     if normalise:
         bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
         bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
@@ -77,34 +75,70 @@ def encode(vae, images, normalise=True):
     return Flux2Pipeline._pack_latents(latents)
 
 
-def build_base_model(path, steps=1000, batch_size=16, num_images=256, seed=0):
-    """A tiny FLUX.2 [dev] that starts where a real checkpoint does: its VAE's batch-norm statistics are those of its
-    images (the real VAE's are: latents come out about zero-mean, unit-variance, so distances measure content),
-    and its transformer is a small generative model of draw_scene's family (full training, rectified flow, one
-    generic prompt). A random transformer cannot denoise at all, so a LoRA on it would have to learn denoising
-    itself. Written with diffusers alone, independently of the trainer. Returns `path`."""
-    from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel
-    from transformers import AutoTokenizer
+def build_base_model(path, vae_steps=300, steps=1000, batch_size=16, num_images=256, seed=0):
+    """A tiny FLUX.2 [dev] that starts where a real checkpoint does, built with diffusers alone (independently of the
+    trainer); returns `path`. The random fixture of tests/tiny_flux2.py cannot serve: its VAE reconstructs nothing
+    (so decoded validation images are noise) and its transformer cannot denoise at all (a LoRA on it would have to
+    learn denoising itself, and plateaus at 1.8x). So, on draw_scene's family of images:
+    - the VAE (4 latent channels) is trained as an autoencoder, and its batch-norm statistics are set to its
+      latents' (as the real VAE's are: latents come out about zero-mean, unit-variance);
+    - the transformer is trained as a small generative model (rectified flow, one generic prompt), so it arrives
+      knowing how to denoise and knowing the class, as a real checkpoint does."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
-    build_tiny_flux2(str(path))
+    build_tiny_flux2(str(path))  # text encoder, tokenizer, scheduler and model_index.json
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     family = [draw_scene(rng) for _ in range(num_images)]
-    vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae")
+    vae = AutoencoderKLFlux2(sample_size=RESOLUTION, in_channels=3, out_channels=3, block_out_channels=(8, 16),
+                             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             layers_per_block=1, latent_channels=4, norm_num_groups=1, use_quant_conv=False,
+                             use_post_quant_conv=False)
+    train_autoencoder(vae, pixels_of(family), vae_steps, batch_size)
     raw = encode(vae, family, normalise=False)  # [N, L, C]
     vae.bn.running_mean.copy_(raw.mean((0, 1)))
     vae.bn.running_var.copy_(raw.var((0, 1)) - vae.config.batch_norm_eps)
     vae.save_pretrained(Path(path, "vae"))
-    data = encode(vae, family)
-    pipe = Flux2Pipeline.from_pretrained(path, tokenizer=None, vae=vae)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * 4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=16 * len(TEXT_ENCODER_OUT_LAYERS), timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4],
+        guidance_embeds=True)
+    train_generator(path, transformer, encode(vae, family), steps, batch_size)
+    transformer.save_pretrained(Path(path, "transformer"))
+    return path
+
+
+def pixels_of(images):
+    """PIL images -> [N, 3, H, W] in [-1, 1]."""
+    return torch.stack([torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+                        for im in images])
+
+
+def train_autoencoder(vae, pixels, steps, batch_size, lr=3e-3):
+    optimizer = torch.optim.Adam(vae.parameters(), lr=lr)
+    for _ in range(steps):
+        x = pixels[torch.randint(0, len(pixels), (batch_size,))]
+        posterior = vae.encode(x).latent_dist
+        loss = (vae.decode(posterior.sample()).sample - x).pow(2).mean() + 1e-6 * posterior.kl().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    vae.eval()
+
+
+def train_generator(path, transformer, data, steps, batch_size, lr=2e-3):
+    """Rectified flow on `data` [N, L, C] (packed latents), prompt "a photo", guidance drawn in [1, 5]."""
+    from diffusers import Flux2Pipeline
+    from transformers import AutoTokenizer
+
+    pipe = Flux2Pipeline.from_pretrained(path, tokenizer=None, vae=None, transformer=None)
     pipe.tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
     with torch.no_grad():
         embeds, text_ids = pipe.encode_prompt("a photo", device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
                                               text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
     side = int(data.shape[1] ** 0.5)
     img_ids = Flux2Pipeline._prepare_latent_ids(torch.zeros(1, 1, side, side))
-    transformer = Flux2Transformer2DModel.from_pretrained(path, subfolder="transformer")
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=2e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
     for _ in range(steps):
         x0 = data[torch.randint(0, len(data), (batch_size,))]
         noise = torch.randn_like(x0)
@@ -119,8 +153,6 @@ def build_base_model(path, steps=1000, batch_size=16, num_images=256, seed=0):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    transformer.save_pretrained(Path(path, "transformer"))
-    return path
 
 
 def final_latents(model, lora_dir=None, seeds=range(4), steps=SAMPLING_STEPS):
@@ -154,7 +186,7 @@ def train(model, images, output_dir, *flags, steps=1000, quiet=True):
     cmd = [sys.executable, *launcher, str(ROOT / "train_dreambooth_lora_flux2.py"),
            "--pretrained_model_name_or_path", str(model), "--instance_data_dir", str(images),
            "--instance_prompt", PROMPT, "--output_dir", str(output_dir), "--resolution", str(RESOLUTION),
-           "--train_batch_size", "1", "--max_train_steps", str(steps), "--learning_rate", "3e-3",
+           "--repeats", "4", "--train_batch_size", "4", "--max_train_steps", str(steps), "--learning_rate", "3e-3",
            "--rank", "8", "--lora_alpha", "16", "--cache_latents",
            "--text_encoder_out_layers", *map(str, TEXT_ENCODER_OUT_LAYERS),
            "--max_sequence_length", str(MAX_SEQUENCE_LENGTH), "--seed", "0", "--report_to", "none",

@@ -320,9 +320,9 @@ def base_model(tmp_path_factory):
 def test_a_default_run_learns_the_subject(base_model, tmp_path):
     """Default LoRA targets, 1,000 CPU steps on one image: diffusers' Flux2Pipeline with the saved LoRA samples
     latents several times closer to the subject's than the base model does. Measured with `python
-    tests/learning.py OUT [flags]` (README, "Does it learn?"): default 1.188 -> 0.307 (3.9x); --lora_layers
-    attention 0.942 (1.3x); all-linear 0.224 (5.3x); --timestep_shift auto 0.370 (3.2x). Fails when the loss target,
-    the timestep convention, the saved LoRA scale or the default targets break (each planted once)."""
+    tests/learning.py OUT [flags]` (README, "Does it learn?"): default 1.211 -> 0.298 (4.1x); --lora_layers
+    attention 0.675 (1.8x); all-linear 0.168 (7.2x); --timestep_shift auto 0.258 (4.7x). Fails when the loss
+    target, the timestep convention, the saved LoRA scale or the default targets break (each planted once)."""
     images = tmp_path / "subject"
     learning.make_subject(images)
     base, lora = learning.learning_figure(base_model, images, tmp_path / "out")
