@@ -155,9 +155,11 @@ def quantize_nf4(transformer, compute_dtype):
 
 
 def forward_flops(config, batch, image_tokens, text_tokens):
-    """2 x block parameters x tokens (every token passes one stream's weights in each block) + attention."""
+    """2 x the block parameters a token passes x tokens, + attention. Each block holds 13 inner^2 weights per stream
+    (attention 4, SwiGLU MLP 9; the single-stream block's fused 9 + 4): a double-stream block has two streams, but
+    image tokens pass only the image stream's and text tokens only the text stream's."""
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    block_params = 13 * inner * inner * (2 * config["num_layers"] + config["num_single_layers"])
+    block_params = 13 * inner * inner * num_blocks(config)  # per token
     tokens = image_tokens + text_tokens
     attention = 4 * tokens * tokens * inner * num_blocks(config)
     return batch * (2 * block_params * tokens + attention)
