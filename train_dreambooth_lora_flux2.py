@@ -84,8 +84,9 @@ LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
-# The double-stream blocks' image attention: the diffusers [dev] example's default until diffusers #13011, and only 8
-# of [dev]'s 56 blocks. The `default` preset adds every single-stream block (about 73% of [dev]'s weights).
+# The double-stream blocks' image attention: all that the copy of diffusers' [dev] example we checked adapts by
+# default, and only 8 of [dev]'s 56 blocks. The `default` preset adds every single-stream block (about 73% of [dev]'s
+# weights), as diffusers #13011 and its [klein] example do.
 ATTENTION_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 LORA_PRESETS = ("attention", "default", "all-linear")
 TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
