@@ -50,7 +50,7 @@ def adapt(model, spec, rank=16):
 
 @pytest.mark.parametrize("name, spec, expected", [
     ("dev", None, "LoRA rank 16 on 128 modules (8 double-stream, 48 single-stream blocks), 77.1 M trainable parameters"),
-    ("dev", "attention", "LoRA rank 16 on 32 modules (8 double-stream, 0 single-stream blocks), 6.29 M trainable parameters"),
+    ("klein-4b", "attention", "LoRA rank 16 on 20 modules (5 double-stream, 0 single-stream blocks), 1.97 M trainable parameters"),
     ("klein-4b", "default", "LoRA rank 16 on 60 modules (5 double-stream, 20 single-stream blocks), 16.7 M trainable parameters"),
 ])
 def test_default_targets_cover_every_block_and_are_counted_from_the_model(name, spec, expected):
