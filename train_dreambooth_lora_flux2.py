@@ -1316,6 +1316,22 @@ def lora_target_modules(spec, num_single_layers, block_linears):
     return list(dict.fromkeys(targets))
 
 
+def unusable_lora_targets(targets, kinds):
+    """PEFT target names it cannot adapt -> {name: why}. kinds: {module name: class name}. A name must match (as PEFT
+    matches: the whole name or a dotted suffix) linear layers and nothing else: PEFT refuses anything else it
+    matches, e.g. `to_out`, which is a ModuleList in the double-stream blocks, and only once the model is loaded."""
+    problems = {}
+    for target in targets:
+        matched = [n for n in kinds if n == target or n.endswith("." + target)]
+        others = [n for n in matched if kinds[n] != "Linear"]
+        if len(others) == len(matched):
+            problems[target] = "no linear layer of the transformer has that name"
+        elif others:
+            problems[target] = (f"also names {others[0]} ({kinds[others[0]]}), which LoRA cannot adapt; name the linear "
+                                "layers more exactly (e.g. attn.to_out.0, single_transformer_blocks.0.attn.to_out)")
+    return problems
+
+
 def block_linear_names(model):
     """Full names of the linear layers inside the transformer's double- and single-stream blocks (not the
     embedders, the shared modulation, norm_out or proj_out)."""
@@ -1592,13 +1608,13 @@ def check_lora_targets(args):
                          f"transformer config ({e})") from None
     with init_empty_weights():
         model = Flux2Transformer2DModel.from_config(config)
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
     targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
-    unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if unknown:
-        valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n) for n in names})
-        raise UsageError(f"--lora_layers {','.join(unknown)}: no linear layer of the transformer has that name; "
-                         f"presets: {', '.join(LORA_PRESETS)}; valid names include {', '.join(valid[:16])}")
+    problems = unusable_lora_targets(targets, kinds)
+    if problems:
+        valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n) for n, k in kinds.items() if k == "Linear"})
+        raise UsageError(f"--lora_layers {'; '.join(f'{t}: {why}' for t, why in problems.items())}; presets: "
+                         f"{', '.join(LORA_PRESETS)}; valid names include {', '.join(valid[:16])}")
 
 
 def resolve_buckets(args):

@@ -186,6 +186,7 @@ def test_missing_or_empty_folder_is_refused(folder_state, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--lora_layers", "to_q,attn.nonexistent_proj"], "--lora_layers attn.nonexistent_proj: no linear layer"),
+    (["--lora_layers", "to_out"], "--lora_layers to_out: also names transformer_blocks.0.attn.to_out (ModuleList)"),
     (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a CUDA GPU"),
     ("finished_output", "already holds a finished LoRA"),
 ])

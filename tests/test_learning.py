@@ -83,6 +83,16 @@ def test_lora_layers_mixes_presets_and_names():
         "single_transformer_blocks.0.attn.to_out", "single_transformer_blocks.1.attn.to_out"]
 
 
+def test_lora_layers_must_name_linear_layers_and_nothing_else():
+    kinds = {"blocks.0.attn.to_out": "ModuleList", "blocks.0.attn.to_out.0": "Linear", "single.0.attn.to_out": "Linear",
+             "blocks.0.attn.to_q": "Linear", "norm": "LayerNorm"}
+    assert T.unusable_lora_targets(["to_q", "to_out.0", "single.0.attn.to_out", "attn.to_q"], kinds) == {}
+    problems = T.unusable_lora_targets(["to_out", "norm", "nothing"], kinds)
+    assert problems.keys() == {"to_out", "norm", "nothing"}
+    assert problems["to_out"].startswith("also names blocks.0.attn.to_out (ModuleList)")
+    assert problems["norm"] == problems["nothing"] == "no linear layer of the transformer has that name"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Timestep shift
 
