@@ -57,7 +57,7 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp(tiny_model, images, tmp_pa
         ours = load_file(str(out / "pytorch_lora_weights.safetensors"))
         assert ours.keys() == reference.keys()
         assert all(torch.allclose(ours[k], reference[k], rtol=1e-5, atol=1e-6) for k in ours)
-        assert (out / "validation" / "final-0.png").is_file()
+        assert all((out / "validation" / name).is_file() for name in ("final-0.png", "base-0.png", "progress-0.png"))
     ckpt = load_file(str(fsdp / "checkpoint-2" / "pytorch_lora_weights.safetensors"))
     assert all(v.shape == load_file(str(ddp / "checkpoint-2" / "pytorch_lora_weights.safetensors"))[k].shape
                for k, v in ckpt.items())  # full tensors, not shards
