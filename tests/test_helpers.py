@@ -226,6 +226,26 @@ def test_sampler_ranks_get_disjoint_batches_covering_the_epoch():
     assert len(flat) == len(set(flat)) and set(flat) == {tuple(b) for b in _epoch(single, 1)}
 
 
+def test_sampler_drops_a_different_remainder_every_epoch():
+    """drop_last drops each bucket's remainder; shuffling inside buckets makes it a different one every epoch, so
+    over a few epochs every sample is trained (without it, the same samples would never be seen)."""
+    sampler = BucketBatchSampler(BUCKET_OF, 2, seed=0, drop_last=True)
+    seen = [{i for b in _epoch(sampler, e) for i in b} for e in range(8)]
+    assert all(len(s) == 12 for s in seen)  # 3 of 15 dropped per epoch: one per bucket of odd size
+    assert set().union(*seen) == set(range(15))
+    assert len({frozenset(set(range(15)) - s) for s in seen}) > 1
+
+
+def test_sampler_gives_every_rank_the_same_number_of_batches():
+    """9 batches over 2 ranks: the 9th is dropped, so both ranks step 4 times (unequal counts hang DDP)."""
+    ranks = [BucketBatchSampler(BUCKET_OF, 2, seed=5, drop_last=False, num_replicas=2, rank=r) for r in range(2)]
+    for e in range(4):
+        per_rank = [s.epoch_batches(e) for s in ranks]  # what each rank's stream holds for epoch e
+        assert [len(p) for p in per_rank] == [len(s) for s in ranks] == [4, 4]
+        flat = [tuple(b) for p in per_rank for b in p]
+        assert len(flat) == len(set(flat)) == 8
+
+
 # ---------------------------------------------------------------------------------------------------- cache
 
 
