@@ -101,6 +101,24 @@ def test_masked_loss_gives_no_gradient_outside_the_mask():
     assert torch.allclose(T.flow_matching_loss(pred, target, torch.ones(2), 1, 1.0, torch.ones(2, 6, 1)), unmasked)
 
 
+def test_masked_loss_is_the_mean_over_the_mask_whatever_its_area():
+    """A sample's masked loss is its error averaged over the mask (weights included), so a small mask does not
+    shrink the loss: the same per-token error gives the same loss under a mask of 1 token or of 5."""
+    target = torch.zeros(3, 6, 4)
+    pred = torch.full((3, 6, 4), 2.0)  # squared error 4 everywhere
+    pred[0, 5] = 10.0  # a token outside the first mask: must not count
+    mask = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0], [0.5, 0.5, 0, 0, 0, 0]], dtype=torch.float32)[..., None]
+    loss = T.flow_matching_loss(pred, target, torch.ones(3), 3, 1.0, mask)
+    torch.testing.assert_close(loss, torch.tensor(4.0))
+    # hand-computed for unequal errors: sum(mask * err) / (sum(mask) * channels), then the mean over samples
+    pred = torch.arange(3 * 6 * 4, dtype=torch.float32).view(3, 6, 4) / 50
+    err = pred ** 2
+    expected = torch.stack([(err[i] * mask[i]).sum() / (mask[i].sum() * 4) for i in range(3)])
+    weighting = torch.tensor([1.0, 2.0, 0.5])
+    expected = (weighting * expected)[:2].mean() + 0.3 * (weighting * expected)[2:].mean()
+    torch.testing.assert_close(T.flow_matching_loss(pred, target, weighting, 2, 0.3, mask), expected)
+
+
 def test_reduce_mask_is_the_share_of_pixels_per_token():
     mask = torch.zeros(1, 1, 8, 8)
     mask[..., :, :4] = 1
@@ -151,3 +169,28 @@ def test_masked_loss_trains_with_mask_files_and_alpha(cached, tiny_model, tmp_pa
     launch(base_args(tiny_model, folder, out, "--max_train_steps", "6", "--masked_loss",
                      "--caption_dropout", "0.5", *(["--cache_latents"] if cached else [])))
     assert (out / LORA).is_file()
+
+
+@pytest.mark.parametrize("every_steps", [None, 3])
+def test_validation_epochs_count_from_one_and_never_repeat_a_step_validation(every_steps, monkeypatch):
+    """--validation_epochs 3 validates after epochs 3, 6, 9 (1-based; the example's 0-based test would also
+    validate after the first), not after the last (the final images follow), and not when --validation_steps has
+    just validated the same weights."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(T, "run_validation", lambda args, acc, run, prompt, tag, step: calls.append((tag, step)))
+    args = SimpleNamespace(validation_prompt="a dog", num_validation_images=1, validation_epochs=3, max_train_steps=9,
+                           validation_steps=every_steps, skip_final_inference=False, checkpointing_steps=100,
+                           output_dir="unused")
+    accelerator = SimpleNamespace(is_main_process=True)
+    for epoch in range(9):  # one optimizer step per epoch
+        step = epoch + 1
+        if every_steps:
+            T.after_optimizer_step(args, accelerator, None, step, 0)
+        T.after_epoch(args, accelerator, None, step, epoch)
+    expected = [("epoch-0003", 3), ("epoch-0006", 6)]
+    if every_steps:
+        expected = [("step-000003", 3), ("step-000006", 6)]
+    assert calls == expected
+
