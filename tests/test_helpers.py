@@ -271,28 +271,42 @@ def test_dataset_keys_share_repeats_and_captions():
     assert len({ds.prompt_key(s) for s in range(ds.num_slots)}) == 2  # 12 samples, two distinct texts
 
 
-def test_disk_store_round_trip_atomic_and_damage_is_recomputed(tmp_path, caplog):
+def test_disk_store_round_trip_atomic_and_damage_is_recomputed_or_stops_the_run(tmp_path, caplog, monkeypatch):
     from accelerate import PartialState
 
     PartialState()  # the store warns through accelerate's logger
-    store = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    digest = lambda key: T.json_digest(key)  # noqa: E731
+    store = T.DiskStore(tmp_path, digest)
     value = torch.randn(1, 3, 4)
     assert "k" not in store
     store["k"] = value
     assert "k" in store and torch.equal(store["k"], value)
     assert not list(tmp_path.rglob("*.tmp"))  # written via a temporary file, renamed into place
-    fresh = T.DiskStore(tmp_path, lambda key: T.json_digest(key))  # another run
-    assert "k" in fresh and torch.equal(fresh["k"], value)
+
+    hashed = []
+    real_digest = T.tensor_digest
+    monkeypatch.setattr(T, "tensor_digest", lambda t: hashed.append(1) or real_digest(t))
+    fresh = T.DiskStore(tmp_path, digest)  # another run: a warm start
+    assert "k" in fresh and not hashed  # the presence test reads the header, not the tensor bytes
+    assert torch.equal(fresh["k"], value) and torch.equal(fresh["k"], value) and len(hashed) == 1  # checked once
+
     path = store.path("k")
     data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF  # flip a bit of the tensor
+    data[-1] ^= 0xFF  # flip a bit of the tensor: the header is intact, the checksum is not
     path.write_bytes(bytes(data))
-    assert "k" not in T.DiskStore(tmp_path, lambda key: T.json_digest(key)) and not path.exists()
-    store2 = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    rotten = T.DiskStore(tmp_path, digest)
+    assert "k" in rotten
+    with pytest.raises(T.TrainingStopped, match="checksum mismatch"):
+        rotten["k"]
+    assert not path.exists()  # deleted: the rerun recomputes it
+    store2 = T.DiskStore(tmp_path, digest)
     store2["k"] = value
-    path.write_bytes(path.read_bytes()[:40])  # truncated
-    assert "k" not in T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    path.write_bytes(path.read_bytes()[:-1])  # truncated by one byte
+    assert "k" not in T.DiskStore(tmp_path, digest) and not path.exists()
     assert "damaged" in caplog.text
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(b"not a safetensors file")
+    assert "k" not in T.DiskStore(tmp_path, digest)
 
 
 def test_draw_latents_mode_and_posterior_sample():
