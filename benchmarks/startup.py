@@ -12,13 +12,22 @@ Rows per folder size:
   cold    this script's scan with an empty cache folder: JPEGs decoded at 1/8 scale and hashed on every core
   warm    the same again: the index written by the cold row says the files are unchanged (size, mtime)
 "scan s" is the stage alone; "process s" is the child's whole life (Python, torch and the script imported: the same
-in every row); "peak RSS" is the child's high-water mark, "imports" its RSS before the stage. The OS page cache is
+in every row); "peak RSS" is the child's high-water mark, "imports" its RSS before the stage.
+
+A second table times the whole script, from `python train_dreambooth_lora_flux2.py ...` to its first optimizer step
+(the "step 1/1" log line), on the same folders with the tiny random FLUX.2 model of the tests (`tests/tiny_flux2.py`)
+and `--cache_latents --resolution 512` (64 with --tiny): scan, model loads, text and VAE precompute, cache bookkeeping, the first
+batch. Rows: `cold` (empty cache folder: every image decoded at its bucket and encoded, every caption encoded) and
+`warm` (the same command again: nothing decoded or encoded; what is left is what scales with the dataset at a warm
+start: the scan index, one header read per cache entry, the lease, the manifest). With a real model the model loads
+and encodes add their own, dataset-independent or per-image, cost; the tiny model shows the trainer's own overhead. The OS page cache is
 warm in every row (the files were just generated or read): "cold" means no index, not an empty page cache; reading
 from a cold disk adds the same read time to "before" and "cold".
 
     python benchmarks/startup.py                  # 10,000 images in /tmp/startup-bench-images (~15 GB, kept for reuse)
     python benchmarks/startup.py --sizes 100 1000 # smaller folders only
     python benchmarks/startup.py --tiny           # 4 small images, seconds: the CI smoke test
+    python benchmarks/startup.py --no-first-step  # the scan table only
     rm -rf /tmp/startup-bench-images              # when done
 
 The parent process never imports torch, numpy or Pillow: a child's ru_maxrss starts at its parent's RSS (Linux keeps
@@ -38,8 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-FULL = {"sizes": (100, 1000, 10000), "width": 2400, "height": 1600}
-TINY = {"sizes": (4,), "width": 320, "height": 240}
+FULL = {"sizes": (100, 1000, 10000), "width": 2400, "height": 1600, "resolution": 512}
+TINY = {"sizes": (4,), "width": 320, "height": 240, "resolution": 64}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -138,6 +147,40 @@ def before_scan(T, folder):
     return len(paths)
 
 
+def first_step(folder, cache, model, out, resolution):
+    """One row of the second table: the script itself, to its first step -> (seconds, peak RSS MiB, its log)."""
+    command = [sys.executable, str(ROOT / "train_dreambooth_lora_flux2.py"), "--pretrained_model_name_or_path", model,
+               "--instance_data_dir", folder, "--instance_prompt", "a photo of sks dog", "--output_dir", out,
+               "--precompute_cache_dir", cache, "--cache_latents", "--resolution", str(resolution), "--train_batch_size", "1",
+               "--max_train_steps", "1", "--max_sequence_length", "64", "--seed", "0",
+               "--text_encoder_out_layers", "1", "2"]  # the tiny text encoder has 2 layers
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seconds, log = None, []
+    for line in proc.stderr:
+        log.append(line)
+        if seconds is None and re.search(r"step 1/1 loss", line):
+            seconds = time.perf_counter() - start
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own high-water mark (RUSAGE_CHILDREN only grows)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0 or seconds is None:
+        sys.exit(f"the script failed ({proc.returncode}):\n{''.join(log)[-4000:]}")
+    return seconds, usage.ru_maxrss / 1024, "".join(log)
+
+
+def first_step_table(sizes, tmp, resolution):
+    model = tmp / "tiny-flux2"
+    child("model", model)
+    head = f"{'images':>6} {'scenario':<8} {'images encoded':>14} {'prompts encoded':>15} {'to step 1 s':>11} {'peak RSS MiB':>12}"
+    print(f"\nTo the first step (the whole script, tiny model, --cache_latents --resolution {resolution}):\n" + head + "\n" + "-" * len(head))
+    for n in sizes:
+        folder, cache = tmp / f"n{n}", tmp / f"run-cache-{n}"
+        for mode in ("cold", "warm"):
+            seconds, peak, log = first_step(folder, cache, model, tmp / f"out-{n}-{mode}", resolution)
+            found = lambda what: sum(int(k) for k in re.findall(rf"encoded (\d+) of \d+ missing {what}", log))  # noqa: E731
+            print(f"{n:>6} {mode:<8} {found('images'):>14} {found('prompts'):>15} {seconds:>11.1f} {peak:>12.0f}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Parent
 
@@ -175,6 +218,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="4 small images: a smoke test that takes seconds")
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="folder sizes (default 100 1000 10000)")
+    parser.add_argument("--no-first-step", dest="first_step", action="store_false",
+                        help="skip the second table (the whole script to its first step)")
     parser.add_argument("--images", type=Path, default=Path(tempfile.gettempdir(), "startup-bench-images"),
                         help="where the generated images are kept and reused")
     opts = parser.parse_args()
@@ -199,6 +244,8 @@ def main():
                 r = child("scan", mode, folder, cache)
                 print(f"{n:>6} {mode:<8} {r['decoded']:>7} {r['unchanged']:>9} {r['seconds']:>8.2f} {r['process']:>9.1f} "
                       f"{r['peak_mib']:>12.0f} {r['imports_mib']:>11.0f}")
+        if opts.first_step:
+            first_step_table(sizes, tmp, config["resolution"])
     if not opts.tiny:
         print(f"\nThe generated images stay in {opts.images} for the next run; delete them with rm -rf {opts.images}")
 
@@ -208,6 +255,11 @@ if __name__ == "__main__":
         what, rest = sys.argv[2], sys.argv[3:]
         if what == "generate":
             generate(Path(rest[0]), int(rest[1]), int(rest[2]), int(rest[3]))
+        elif what == "model":
+            sys.path.insert(0, str(ROOT / "tests"))
+            from tiny_flux2 import build_tiny_flux2
+
+            build_tiny_flux2(rest[0])
         else:
             scan(*rest)
     else:

@@ -229,13 +229,20 @@ def test_truncated_jpeg_is_refused_by_the_reduced_scale_decode(tmp_path):
     assert "fine.jpg" not in str(error.value)
 
 
-def test_startup_benchmark_tiny_mode_prints_cold_and_warm_rows():
+def test_startup_benchmark_tiny_mode_prints_cold_and_warm_rows_of_the_scan_and_of_the_whole_script():
     proc = subprocess.run([sys.executable, "benchmarks/startup.py", "--tiny"], cwd=ROOT, capture_output=True, text=True,
                           check=False, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    scan_table, _, script_table = proc.stdout.partition("To the first step")
     rows = {(int(m[0]), m[1]): (int(m[2]), int(m[3])) for m in
-            re.findall(r"^\s*(\d+)\s+(before|cold|warm)\s+(\d+)\s+(\d+)\s", proc.stdout, re.MULTILINE)}
+            re.findall(r"^\s*(\d+)\s+(before|cold|warm)\s+(\d+)\s+(\d+)\s", scan_table, re.MULTILINE)}
     assert rows == {(4, "before"): (4, 0), (4, "cold"): (4, 0), (4, "warm"): (0, 4)}, proc.stdout
+    first_steps = {m[0]: (int(m[1]), int(m[2]), float(m[3])) for m in
+                   re.findall(r"^\s*4\s+(cold|warm)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+\d+$", script_table, re.MULTILINE)}
+    # the whole script ran to its first step twice: cold encoded 4 images and 3 prompts (2 captions, the instance
+    # prompt), warm found them all in the cache
+    assert {k: v[:2] for k, v in first_steps.items()} == {"cold": (4, 3), "warm": (0, 0)}, proc.stdout
+    assert all(v[2] > 0 for v in first_steps.values())
 
 
 # ---------------------------------------------------------------------------------------------------- flags
