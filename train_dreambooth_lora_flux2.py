@@ -305,13 +305,166 @@ def _validation_flags(p):
     g.add_argument("--skip_final_inference", action="store_true")
 
 
-def parse_args(argv=None):
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print its 90-flag usage first)
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser():
     """Flags by group; names and meanings follow the diffusers example where it has them."""
-    p = argparse.ArgumentParser(description="DreamBooth LoRA training for FLUX.2.")
+    p = _Parser(description="DreamBooth LoRA training for FLUX.2.")
     for add_flags in (_model_flags, _data_flags, _caching_flags, _training_quality_flags, _lora_flags,
                       _optimisation_flags, _speed_flags, _memory_flags, _checkpointing_and_outputs_flags, _validation_flags):
         add_flags(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """What one flag accepts. `ok(value)` is False (or raises UsageError with its own message) for a bad value; None
+    means argparse's type and choices already say everything (switches, choices, free text). A flag not given (None)
+    is never checked. `path` rules test the file system; they run after every value rule."""
+
+    what: str
+    ok: object = None
+    path: bool = False
+
+
+def integer(low, high=None, multiple=1):
+    what = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+    return Accepts(what + (f", a multiple of {multiple}" if multiple > 1 else ""),
+                   lambda v: v >= low and (high is None or v <= high) and v % multiple == 0)
+
+
+def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    what = ("a finite number" if (low, high) == (-math.inf, math.inf) else
+            f"a number > {low}" if high == math.inf and low_open else f"a number >= {low}" if high == math.inf
+            else f"a number in {left}{low}, {high}{right}")
+
+    def ok(v):
+        return math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    return Accepts(what, ok)
+
+
+def each(rule, distinct=False):
+    return Accepts(f"{rule.what}, each{' once' if distinct else ''}",
+                   lambda vs: all(rule.ok(v) for v in vs) and (not distinct or len(set(vs)) == len(vs)))
+
+
+def _folder_can_be(path):
+    """A folder that exists, or could be created: no file in the way, and the nearest existing parent writable."""
+    path = Path(path).absolute()
+    if path.exists():
+        return path.is_dir()
+    parent = next(p for p in path.parents if p.exists())
+    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+
+
+def _checkpoint_folder(value):
+    if value != "latest" and not Path(value).is_dir():
+        raise UsageError(f"--resume_from_checkpoint {value}: no such checkpoint folder (expected a checkpoint-N folder "
+                         "or 'latest')")
+    return True
+
+
+def _ema_device(value):
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        return False
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise UsageError(f"--ema_device {value}: no such CUDA device here; use cpu")
+    return device.type in ("cpu", "cuda")
+
+
+SWITCH, CHOICE, TEXT = Accepts("on or off"), Accepts("one of its choices"), Accepts("any text")
+EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK), True)
+READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK), True)
+FOLDER_TO_WRITE = Accepts("a folder, existing or to be created, that this user can write", _folder_can_be, True)
+PROBABILITY = number(0, 1)
+BELOW_ONE = number(0, 1, high_open=True)
+POSITIVE = number(0, low_open=True)
+NON_NEGATIVE = number(0)
+# Every flag of the parser and what it accepts, checked by validate_args before anything loads. tests/test_flags.py
+# fails for a flag missing here, and tries each numeric or path flag with values it must refuse.
+FLAG_RULES = {
+    "pretrained_model_name_or_path": Accepts("a local checkpoint folder or a Hub id (name or owner/name)", lambda v: (
+        Path(v).is_dir() or (not Path(v).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v) is not None)), True),
+    "revision": TEXT, "variant": TEXT, "cache_dir": FOLDER_TO_WRITE,
+    "instance_data_dir": EXISTING_FOLDER, "dataset_name": TEXT, "dataset_config_name": TEXT, "image_column": TEXT,
+    "caption_column": TEXT, "instance_prompt": TEXT, "repeats": integer(1), "with_prior_preservation": SWITCH,
+    "class_data_dir": FOLDER_TO_WRITE, "class_prompt": TEXT, "num_class_images": integer(1),
+    "prior_loss_weight": NON_NEGATIVE, "sample_batch_size": integer(1), "prior_generation_precision": CHOICE,
+    # FLUX.2 samples up to 4 MP (2048^2); 4096 leaves room for buckets, beyond it one image is over 65k tokens
+    "resolution": integer(16, 4096, multiple=16), "use_aspect_ratio_buckets": SWITCH,
+    "aspect_ratio_buckets": Accepts("'h,w;h,w;...' with sides multiples of 16", lambda v: bool(parse_buckets(v))),
+    "center_crop": SWITCH, "random_flip": SWITCH, "max_sequence_length": integer(1),
+    # hidden_states[k] of the text encoder: 0 is the embeddings; the upper end is checked against the model's config
+    "text_encoder_out_layers": each(integer(0), distinct=True), "dataloader_num_workers": integer(0),
+    "cache_latents": SWITCH,
+    "precompute_cache_dir": Accepts("none, or a folder (existing or to be created)",
+                                    lambda v: v.lower() == "none" or _folder_can_be(v) or Path(v).is_dir(), True),
+    "precompute_cache_max_gb": NON_NEGATIVE, "from_manifest": READABLE_FILE, "latent_sampling": CHOICE,
+    "caption_dropout": PROBABILITY, "use_ema": SWITCH, "ema_decay": BELOW_ONE,
+    "ema_device": Accepts("cpu, or a CUDA device of this machine (cuda, cuda:N)", _ema_device), "masked_loss": SWITCH,
+    "rank": integer(1), "lora_alpha": integer(1), "lora_dropout": BELOW_ONE,
+    "lora_layers": Accepts("presets or module names, comma-separated", lambda v: any(t.strip() for t in v.split(","))),
+    "learning_rate": POSITIVE, "scale_lr": SWITCH, "lr_scheduler": CHOICE, "lr_warmup_steps": integer(0),
+    "lr_num_cycles": integer(1), "lr_power": POSITIVE, "optimizer": CHOICE, "use_8bit_adam": SWITCH,
+    "adam_beta1": BELOW_ONE, "adam_beta2": BELOW_ONE, "adam_weight_decay": NON_NEGATIVE, "adam_epsilon": POSITIVE,
+    "prodigy_beta3": BELOW_ONE, "prodigy_decouple": SWITCH, "prodigy_use_bias_correction": SWITCH,
+    "prodigy_safeguard_warmup": SWITCH, "max_grad_norm": POSITIVE, "train_batch_size": integer(1),
+    "num_train_epochs": integer(1), "max_train_steps": integer(1), "gradient_accumulation_steps": integer(1),
+    "gradient_checkpointing": SWITCH, "weighting_scheme": CHOICE, "timestep_shift": CHOICE,
+    "logit_mean": number(), "logit_std": POSITIVE,
+    # the mode density maps u in [0, 1] onto [0, 1] monotonically only for -1 <= scale <= 1 / (pi / 2 - 1) = 1.75
+    "mode_scale": number(-1, 1.75), "guidance_scale": NON_NEGATIVE,
+    "seed": integer(0, 2**32 - 1),  # numpy's legacy seeding (accelerate's set_seed) takes 32 bits
+    "mixed_precision": CHOICE, "allow_tf32": SWITCH, "compile": SWITCH,
+    "attention_backend": Accepts("a usable attention backend", lambda v: check_attention_backend(v) is None),
+    "offload": SWITCH, "bnb_quantization_config_path": READABLE_FILE, "do_fp8_training": SWITCH,
+    "remote_text_encoder": SWITCH, "fsdp_text_encoder": SWITCH,
+    "remote_text_encoder_url": Accepts("an http(s) URL", lambda v: re.fullmatch(r"https?://[^/\s]+(/\S*)?", v) is not None),
+    "output_dir": FOLDER_TO_WRITE, "overwrite_output_dir": SWITCH, "checkpointing_steps": integer(1),
+    "checkpoints_total_limit": integer(1),
+    "resume_from_checkpoint": Accepts("a checkpoint folder or 'latest'", _checkpoint_folder, True),
+    "upcast_before_saving": SWITCH,
+    "report_to": Accepts("none, all, or trackers among tensorboard, wandb, aim, trackio, comet_ml, mlflow, clearml, "
+                         "dvclive, swanlab (comma-separated)", lambda v: v in ("none", "all") or all(
+                             t in TRACKERS for t in v.split(","))),
+    "logging_dir": TEXT,  # checked with --output_dir, which it is relative to
+    "push_to_hub": SWITCH, "hub_model_id": TEXT, "hub_token": TEXT,
+    "validation_prompt": TEXT, "validation_epochs": integer(1), "validation_steps": integer(1),
+    "num_validation_images": integer(0), "validation_inference_steps": integer(1),
+    "validation_guidance_scale": NON_NEGATIVE, "final_validation_prompt": TEXT, "skip_final_inference": SWITCH,
+}
+TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
+
+
+def check_flag_values(args):
+    """Every flag against FLAG_RULES: values first, then paths. Raises UsageError naming flag, value and rule."""
+    rules = sorted(FLAG_RULES.items(), key=lambda item: item[1].path)
+    for flag, rule in rules:
+        value = getattr(args, flag)
+        if rule.ok is None or value is None:
+            continue
+        try:
+            ok = rule.ok(value)
+        except UsageError:
+            raise
+        except (TypeError, ValueError, OSError):
+            ok = False
+        if not ok:
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            raise UsageError(f"--{flag} {shown}: expected {rule.what}")
+    logs = Path(args.output_dir, args.logging_dir)
+    if not _folder_can_be(logs):
+        raise UsageError(f"--logging_dir {args.logging_dir}: {logs} cannot be a folder (a file is in the way)")
 
 
 def validate_manifest_args(args):
@@ -341,41 +494,20 @@ def read_bnb_config(path):
 
 
 def validate_args(args):
-    """Fail fast, before anything heavy is loaded. Raises UsageError naming the flag."""
+    """Fail fast, before anything heavy is loaded: each flag on its own (FLAG_RULES), then the flags together.
+    Raises UsageError naming the flag."""
+    check_flag_values(args)
     if args.from_manifest:
         validate_manifest_args(args)
     elif (args.instance_data_dir is None) == (args.dataset_name is None):
         raise UsageError("give exactly one of --instance_data_dir or --dataset_name")
     elif not args.instance_prompt:
         raise UsageError("--instance_prompt is required (unless --from_manifest)")
-    if not args.precompute_cache_max_gb >= 0:
-        raise UsageError(f"--precompute_cache_max_gb must be at least 0, got {args.precompute_cache_max_gb}")
     if args.with_prior_preservation and not args.from_manifest:
         if not args.class_prompt:
             raise UsageError("--with_prior_preservation needs --class_prompt")
         if not args.class_data_dir:
             raise UsageError("--with_prior_preservation needs --class_data_dir (missing class images are generated there)")
-    if args.resolution % 16:
-        raise UsageError(f"--resolution must be a multiple of 16, got {args.resolution}")
-    for flag in ("repeats", "train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "checkpointing_steps",
-                 "rank", "sample_batch_size", "validation_epochs"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    for flag in ("num_validation_images", "checkpoints_total_limit"):
-        if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "num_validation_images" else 1):
-            raise UsageError(f"--{flag} cannot be {getattr(args, flag)}")
-    if args.max_train_steps is not None and args.max_train_steps < 1:
-        raise UsageError(f"--max_train_steps must be at least 1, got {args.max_train_steps}")
-    if args.aspect_ratio_buckets is not None:
-        parse_buckets(args.aspect_ratio_buckets)
-    if args.resume_from_checkpoint not in (None, "latest") and not Path(args.resume_from_checkpoint).is_dir():
-        raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such checkpoint folder")
-    if not 0.0 <= args.caption_dropout <= 1.0:
-        raise UsageError(f"--caption_dropout is a probability, got {args.caption_dropout}")
-    if not 0.0 <= args.ema_decay < 1.0:
-        raise UsageError(f"--ema_decay must be in [0, 1), got {args.ema_decay}")
-    if args.validation_steps is not None and args.validation_steps < 1:
-        raise UsageError(f"--validation_steps must be at least 1, got {args.validation_steps}")
     if args.do_fp8_training and args.bnb_quantization_config_path:
         raise UsageError("--do_fp8_training and --bnb_quantization_config_path exclude each other")
     if args.do_fp8_training and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
@@ -394,9 +526,42 @@ def validate_args(args):
             and args.resume_from_checkpoint is None):
         raise UsageError(f"--output_dir {args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose "
                          "another folder, pass --overwrite_output_dir, or --resume_from_checkpoint to continue it")
-    check_attention_backend(args.attention_backend)
     if args.push_to_hub and args.report_to in ("wandb", "all") and args.hub_token:
         raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
+
+
+def surprising_values(args):
+    """Legal values that are probably not what the user meant -> one warning line each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    warmup = args.lr_scheduler not in ("constant",)
+    notes = [
+        (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
+                                     "empty prompt, so the subject is barely tied to its prompt"),
+        (args.with_prior_preservation and args.prior_loss_weight == 0,
+         "--prior_loss_weight 0: the class images are encoded and trained on, but their loss counts for nothing"),
+        (not args.with_prior_preservation and (args.class_data_dir or args.class_prompt) is not None,
+         "--class_data_dir/--class_prompt without --with_prior_preservation: no class images are used"),
+        (args.max_sequence_length < 64, f"--max_sequence_length {args.max_sequence_length}: the chat template's system "
+                                        "message fills about 25 tokens first, so captions are cut short or away"),
+        (args.resolution > 2048, f"--resolution {args.resolution}: beyond FLUX.2's 4-megapixel range (2048^2)"),
+        (args.optimizer == "adamw" and args.learning_rate > 1e-2,
+         f"--learning_rate {args.learning_rate} with AdamW: LoRA runs use 1e-4 to 1e-3 and usually diverge above 1e-2"),
+        (args.optimizer == "prodigy" and args.learning_rate < 0.1,
+         f"--learning_rate {args.learning_rate} with Prodigy: its learning rate is a multiplier of the step it finds, "
+         "usually 1.0"),
+        (args.dataloader_num_workers is not None and args.dataloader_num_workers > cores,
+         f"--dataloader_num_workers {args.dataloader_num_workers}: more workers than this machine's {cores} cores"),
+        (args.max_train_steps is not None and args.checkpointing_steps > args.max_train_steps,
+         f"--checkpointing_steps {args.checkpointing_steps} > --max_train_steps {args.max_train_steps}: no checkpoint "
+         "is written before the end"),
+        (warmup and args.max_train_steps is not None and args.lr_warmup_steps >= args.max_train_steps,
+         f"--lr_warmup_steps {args.lr_warmup_steps} >= --max_train_steps {args.max_train_steps}: the learning rate "
+         "never reaches its peak"),
+        (args.validation_prompt is not None and args.num_validation_images == 0,
+         "--validation_prompt with --num_validation_images 0: no validation images are made"),
+        (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
+    ]
+    return [note for surprising, note in notes if surprising]
 
 
 def attention_backend_problem(name):
@@ -441,13 +606,13 @@ def parse_buckets(text):
     for pair in filter(None, (s.strip() for s in text.split(";"))):
         m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
         if not m:
-            raise UsageError(f"--aspect_ratio_buckets: {pair!r} is not 'height,width'")
+            raise UsageError(f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
         h, w = int(m.group(1)), int(m.group(2))
         if h <= 0 or w <= 0 or h % 16 or w % 16:
-            raise UsageError(f"--aspect_ratio_buckets: sides must be positive multiples of 16, got {h},{w}")
+            raise UsageError(f"--aspect_ratio_buckets {text}: sides must be positive multiples of 16, got {h},{w}")
         buckets.append((h, w))
     if not buckets:
-        raise UsageError("--aspect_ratio_buckets is empty")
+        raise UsageError(f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
     return list(dict.fromkeys(buckets))
 
 
@@ -1156,19 +1321,29 @@ def resolve_cache_dir(value, environ):
     return None if value.lower() == "none" else Path(value).expanduser()
 
 
-def check_entry_header(path):
-    """A cache entry's structure, from its header alone (no tensor bytes read): one tensor "value", a SHA-256 in the
-    metadata, and a file exactly as long as the header says. Raises ValueError (or OSError) otherwise."""
+def safetensors_header(path):
+    """The header of a safetensors file, checked against the file's length (no tensor bytes read) -> dict of tensor
+    name -> {dtype, shape, data_offsets} (and __metadata__). Raises ValueError (or OSError) for a file that is not
+    one, or is cut short."""
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
-        if not 2 <= length <= 1 << 20:
-            raise ValueError(f"header length {length}")
+        if not 2 <= length <= 100 << 20:
+            raise ValueError(f"not a safetensors file (header length {length})")
         header = json.loads(f.read(length))
-    if len(header.get("__metadata__", {}).get("sha256", "")) != 64:
-        raise ValueError("no checksum")
-    end = header["value"]["data_offsets"][1]
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors file")
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if os.path.getsize(path) != 8 + length + end:
-        raise ValueError(f"{os.path.getsize(path)} bytes, the header says {8 + length + end}")
+        raise ValueError(f"{os.path.getsize(path)} bytes where its header says {8 + length + end}: cut short?")
+    return header
+
+
+def check_entry_header(path):
+    """A cache entry's structure, from its header alone: one tensor "value", a SHA-256 in the metadata, and a file
+    exactly as long as the header says. Raises ValueError (or OSError) otherwise."""
+    header = safetensors_header(path)
+    if "value" not in header or len(header.get("__metadata__", {}).get("sha256", "")) != 64:
+        raise ValueError("not a cache entry of this trainer (no value or checksum)")
 
 
 def tensor_digest(tensor):
@@ -1618,18 +1793,43 @@ def load_instance_images(args, disk=None):
     return records
 
 
-def check_lora_targets(args):
-    """Every --lora_layers entry must be a preset or name linear layers of this transformer (matched as PEFT does:
-    the whole name or a dotted suffix). Checked on an empty model built from the config: no weights are loaded."""
+def component_config(args, subfolder):
+    """<subfolder>/config.json of the checkpoint (for a Hub id, that small file alone is fetched) -> dict."""
+    root = Path(args.pretrained_model_name_or_path)
+    try:
+        if root.is_dir():
+            path = root / subfolder / "config.json"
+        else:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(args.pretrained_model_name_or_path, f"{subfolder}/config.json",
+                                   revision=args.revision, cache_dir=args.cache_dir)
+        return json.loads(Path(path).read_text())
+    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
+                         f"{subfolder} config ({e})") from None
+
+
+def check_model_fit(args):
+    """The flags that must fit this checkpoint, from its config files (no weights are read): the text-encoder layers
+    exist and stack to the width the transformer takes; every --lora_layers entry is a preset or names linear layers
+    of the transformer (matched as PEFT does: the whole name or a dotted suffix)."""
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
 
-    try:
-        config = Flux2Transformer2DModel.load_config(args.pretrained_model_name_or_path, subfolder="transformer",
-                                                     revision=args.revision, cache_dir=args.cache_dir)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
-                         f"transformer config ({e})") from None
+    config = component_config(args, "transformer")
+    if not args.remote_text_encoder:  # the remote encoder serves [dev]'s default layers
+        text = component_config(args, "text_encoder")
+        text = text.get("text_config", text)  # [dev]'s Mistral 3 nests its language model's config
+        depth, width = text["num_hidden_layers"], text["hidden_size"]
+        layers = args.text_encoder_out_layers
+        if max(layers) > depth:
+            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder has layers 0 "
+                             f"to {depth} (0: its embeddings)")
+        if len(layers) * width != config["joint_attention_dim"]:
+            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: {len(layers)} layers of width "
+                             f"{width} make {len(layers) * width} features; this transformer takes "
+                             f"{config['joint_attention_dim']} ({config['joint_attention_dim'] // width} layers)")
     with init_empty_weights():
         model = Flux2Transformer2DModel.from_config(config)
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
@@ -1662,7 +1862,47 @@ def list_checkpoints(output_dir):
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_problem(folder):
+    """Why checkpoint `folder` cannot be resumed from (None: it can): a file missing or unreadable, JSON that does not
+    parse, a tensor file cut short, or a tensor its JSON names that the tensor file lacks. Headers only: a checkpoint
+    is checked in milliseconds, before any model loads. Whether its tensors fit the model is load_checkpoint's test."""
+    folder = Path(folder)
+
+    def tensor_names(skeleton):
+        if isinstance(skeleton, dict):
+            return [skeleton["__tensor__"]] if "__tensor__" in skeleton else [
+                n for _, v in skeleton["__items__"] for n in tensor_names(v)]
+        return [n for v in skeleton for n in tensor_names(v)] if isinstance(skeleton, list) else []
+
+    name = TRAINER_STATE_NAME
+    try:
+        state = json.loads((folder / name).read_text())
+        if not (isinstance(state, dict) and isinstance(state.get("global_step"), int) and state["global_step"] >= 0
+                and isinstance(state.get("seed"), int)):
+            return f"{name} has no global_step and seed"
+        for stem in ("training", *sorted(p.stem for p in folder.glob("rng-*.json"))):
+            name = f"{stem}.json"
+            skeleton = json.loads((folder / name).read_text())
+            name = f"{stem}.safetensors"
+            header = safetensors_header(folder / name)
+            missing = [n for n in tensor_names(skeleton) if n not in header]
+            if missing:
+                return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
+            if stem == "training" and isinstance(skeleton, dict) and "lora" not in dict(skeleton.get("__items__", [])):
+                name = LORA_WEIGHTS_NAME  # written before the raw adapter moved into training.json: the LoRA file
+                safetensors_header(folder / name)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror or e})"
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{name} is damaged ({type(e).__name__}: {e})"
+    return None
+
+
 def find_resume_checkpoint(args):
+    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
+    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
     if args.resume_from_checkpoint is None:
         return None
     if args.resume_from_checkpoint == "latest":
@@ -1670,10 +1910,20 @@ def find_resume_checkpoint(args):
         if not found:
             logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
             return None
-        return found[-1]
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
+        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
+                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
+                         "away to start from scratch")
     path = Path(args.resume_from_checkpoint)
     if not (path / TRAINER_STATE_NAME).is_file():
         raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
     return path
 
 
@@ -1872,7 +2122,7 @@ def prepare_data(args, accelerator, disk=None):
     if manifest is not None:
         check_manifest_model(args, manifest, family)
     resolve_family_defaults(args, family)
-    check_lora_targets(args)
+    check_model_fit(args)
     if args.fsdp_text_encoder and (accelerator.num_processes < 2 or args.remote_text_encoder):
         raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
                          "without --remote_text_encoder")
@@ -2656,8 +2906,21 @@ def save_checkpoint(args, accelerator, run, global_step):
     accelerator.wait_for_everyone()
 
 
+def state_fit_problem(saved, expected):
+    """Saved tensors (name -> tensor) against what the model has (name -> shape) -> what differs, or None."""
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    resized = [f"{n} {tuple(saved[n].shape)} vs {tuple(expected[n])}" for n in sorted(set(saved) & set(expected))
+               if tuple(saved[n].shape) != tuple(expected[n])]
+    parts = [f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
+             f"{len(unexpected)} it has and this model has not (e.g. {unexpected[0]})" if unexpected else "",
+             f"{len(resized)} of another shape (e.g. {resized[0]})" if resized else ""]
+    return "; ".join(filter(None, parts)) or None
+
+
 def load_checkpoint(checkpoint, accelerator, run):
-    """Restore what save_checkpoint wrote; returns the global step to continue from."""
+    """Restore what save_checkpoint wrote; returns the global step to continue from. A checkpoint whose tensors do
+    not fit this model and these flags (another --rank, --lora_layers or model) is refused before anything is
+    changed."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -2665,28 +2928,42 @@ def load_checkpoint(checkpoint, accelerator, run):
     lora = training.get("lora")  # checkpoints written before the LoRA file was portable: the file is the raw adapter
     if lora is None:
         lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
-    if is_fsdp(accelerator):  # every process passes the full tensors; torch keeps each process's shard
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        names = {n.replace(".default.", "."): n for n in (re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n)
-                 for n, p in run.transformer.named_parameters() if p.requires_grad)}
-        unexpected = [k for k in lora if k not in names]
-        if unexpected:
-            raise UsageError(f"{checkpoint}: its LoRA does not fit this model/--lora_layers (e.g. {unexpected[:3]})")
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(run.transformer, {names[k]: v for k, v in lora.items()}, options=options)
-        set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
+    fsdp = is_fsdp(accelerator)
+    if fsdp:  # saved names -> this run's parameter names (global shapes: DTensor.shape is the full one)
+        params = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n): p
+                  for n, p in run.transformer.named_parameters() if p.requires_grad}
+        names = {n.replace(".default.", "."): n for n in params}
+        expected = {k: params[n].shape for k, n in names.items()}
     else:
-        result = set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), lora, adapter_name="default")
-        if getattr(result, "unexpected_keys", None):
-            raise UsageError(f"{checkpoint}: its LoRA does not fit this model/--lora_layers (e.g. {result.unexpected_keys[:3]})")
-        run.optimizer.load_state_dict(training["optimizer"])
-    run.lr_scheduler.load_state_dict(training["lr_scheduler"])
-    if run.ema is not None and training.get("ema") is not None:
-        run.ema.load_state_dict(training["ema"])
-    if accelerator.scaler is not None and training["scaler"] is not None:
-        accelerator.scaler.load_state_dict(training["scaler"])
+        from peft.utils import get_peft_model_state_dict
+
+        expected = {k: v.shape for k, v in get_peft_model_state_dict(accelerator.unwrap_model(run.transformer)).items()}
+    problem = state_fit_problem(lora, expected)
+    if problem is None and run.ema is not None and training.get("ema") is not None:
+        ema_problem = state_fit_problem(training["ema"]["shadow"], {n: v.shape for n, v in run.ema.shadow.items()})
+        problem = ema_problem and f"its EMA: {ema_problem}"
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
+                         f"({problem}); was it trained with another --rank, --lora_layers or model?")
+    try:
+        if fsdp:  # every process passes the full tensors; torch keeps each process's shard
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            options = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(run.transformer, {names[k]: v for k, v in lora.items()}, options=options)
+            set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
+        else:
+            set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), lora, adapter_name="default")
+            run.optimizer.load_state_dict(training["optimizer"])
+        run.lr_scheduler.load_state_dict(training["lr_scheduler"])
+        if run.ema is not None and training.get("ema") is not None:
+            run.ema.load_state_dict(training["ema"])
+        if accelerator.scaler is not None and training["scaler"] is not None:
+            accelerator.scaler.load_state_dict(training["scaler"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:  # e.g. an optimizer of other parameter groups
+        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its training state does not fit this run "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     rng_file = checkpoint / f"rng-{accelerator.process_index}.json"
     if rng_file.is_file():
         rng = read_state(checkpoint, f"rng-{accelerator.process_index}")
@@ -3131,6 +3408,8 @@ def main(argv=None):
     args = parse_args(argv)
     validate_args(args)
     accelerator = setup_accelerator(args)
+    for note in surprising_values(args):
+        logger.warning(note)
     weight_dtype = weight_dtype_of(accelerator)
     disk = open_cache(args)
     data = prepare_data(args, accelerator, disk)

@@ -15,7 +15,8 @@ Rows per folder size:
 in every row); "peak RSS" is the child's high-water mark, "imports" its RSS before the stage.
 
 A second table times the whole script, from `python train_dreambooth_lora_flux2.py ...` to its first optimizer step
-(the "step 1/1" log line), on the same folders with the tiny random FLUX.2 model of the tests (`tests/tiny_flux2.py`)
+(the "step 1/1" log line), on the same folders with the tiny random FLUX.2 model of the tests (`tests/tiny_flux2.py`,
+with a VAE that downsamples 8x as the real one does)
 and `--cache_latents --resolution 512` (64 with --tiny): scan, model loads, text and VAE precompute, cache bookkeeping, the first
 batch. Rows: `cold` (empty cache folder: every image decoded at its bucket and encoded, every caption encoded) and
 `warm` (the same command again: nothing decoded or encoded; what is left is what scales with the dataset at a warm
@@ -147,6 +148,23 @@ def before_scan(T, folder):
     return len(paths)
 
 
+def build_model(path):
+    """The tests' tiny FLUX.2 [dev], with a VAE that downsamples 8x like the real one: the tests' VAE downsamples 2x,
+    so at 512 px its attention would span 65,536 positions and time that, not the trainer."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_flux2 import build_tiny_flux2
+
+    build_tiny_flux2(path)
+    torch.manual_seed(0)
+    AutoencoderKLFlux2(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                       up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(4, 8, 8, 8), layers_per_block=1,
+                       latent_channels=1, norm_num_groups=1, use_quant_conv=False,
+                       use_post_quant_conv=False).save_pretrained(Path(path, "vae"))
+
+
 def first_step(folder, cache, model, out, resolution):
     """One row of the second table: the script itself, to its first step -> (seconds, peak RSS MiB, its log)."""
     command = [sys.executable, str(ROOT / "train_dreambooth_lora_flux2.py"), "--pretrained_model_name_or_path", model,
@@ -256,10 +274,7 @@ if __name__ == "__main__":
         if what == "generate":
             generate(Path(rest[0]), int(rest[1]), int(rest[2]), int(rest[3]))
         elif what == "model":
-            sys.path.insert(0, str(ROOT / "tests"))
-            from tiny_flux2 import build_tiny_flux2
-
-            build_tiny_flux2(rest[0])
+            build_model(rest[0])
         else:
             scan(*rest)
     else:

@@ -87,3 +87,23 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+@pytest.fixture
+def checkpoint_run(tiny_model):
+    """What save_checkpoint needs: an accelerator and a run with a LoRA transformer, optimizer and schedule."""
+    import torch
+    from accelerate import Accelerator
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    import train_dreambooth_lora_flux2 as T
+
+    transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
+    T.add_lora(transformer, LoraConfig(r=2, target_modules=["to_q"]))
+    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(named.values())
+    return Accelerator(cpu=True), T.Run(
+        data=T.Data(None, None, 0, None, None, None), caches=None, weight_dtype=torch.float32, vae=None, latent_stats=None,
+        transformer=transformer, optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        noise_scheduler=None, sigmas=None, named_params=named, ema=None, step_config=None)

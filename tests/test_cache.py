@@ -265,13 +265,12 @@ def _manifest_file(tmp_path, kind="M"):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--instance_data_dir", "d"], "--instance_prompt is required"),
-    (["--instance_data_dir", "d", "--instance_prompt", "p", "--precompute_cache_max_gb", "-1"], "--precompute_cache_max_gb must be at least 0"),
-    (["--from_manifest", "M", "--cache_latents", "--instance_data_dir", "d"], "--from_manifest replaces --instance_data_dir"),
+    (["--instance_data_dir", "."], "--instance_prompt is required"),
+    (["--from_manifest", "M", "--cache_latents", "--instance_data_dir", "."], "--from_manifest replaces --instance_data_dir"),
     (["--from_manifest", "M"], "--from_manifest needs --cache_latents"),
     (["--from_manifest", "M", "--cache_latents", "--precompute_cache_dir", "none"], "--from_manifest needs the disk cache"),
     (["--from_manifest", "M", "--cache_latents", "--masked_loss"], "--from_manifest cannot train with --masked_loss"),
-    (["--from_manifest", "/nonexistent/m.json", "--cache_latents"], "--from_manifest /nonexistent/m.json: .*No such file"),
+    (["--from_manifest", "/nonexistent/m.json", "--cache_latents"], "--from_manifest /nonexistent/m.json: expected a readable file"),
     (["--from_manifest", "NOT", "--cache_latents"], "not a dataset_manifest.json of this trainer"),
     (["--from_manifest", "NOSEED", "--cache_latents"], "incomplete, data.seed missing"),
     (["--from_manifest", "NOLATENTS", "--cache_latents"], "written by a run without --cache_latents"),

@@ -207,15 +207,15 @@ def test_no_network_access_without_push_to_hub(tiny_model, images, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--instance_data_dir", "/nonexistent/images"], "/nonexistent/images: no such folder"),
-    (["--resolution", "40"], "--resolution must be a multiple of 16"),
+    (["--instance_data_dir", "/nonexistent/images"], "--instance_data_dir /nonexistent/images: expected an existing"),
+    (["--resolution", "40"], "--resolution 40: expected an integer from 16 to 4096, a multiple of 16"),
     (["--train_batch_size", "7"], "--train_batch_size 7 leaves no full batch"),
     (["--with_prior_preservation", "--class_data_dir", "c"], "--with_prior_preservation needs --class_prompt"),
     (["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], "no such checkpoint"),
 ])
 def test_bad_input_exits_2_with_one_message_before_loading_models(extra, message, images, tmp_path):
-    # the model path does not exist: reaching any model load would fail differently
-    args = base_args("/nonexistent/model", images, tmp_path / "out", *extra)
+    # no such model (offline, a Hub id never downloaded): reaching any model load would fail differently
+    args = base_args("nobody/no-such-model", images, tmp_path / "out", *extra)
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr

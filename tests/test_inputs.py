@@ -231,23 +231,6 @@ def test_out_of_memory_names_the_flags_that_help(tiny_model, images, tmp_path, m
     assert not (tmp_path / "out" / LORA).exists()
 
 
-@pytest.fixture
-def checkpoint_run(tiny_model):
-    """What save_checkpoint needs: an accelerator and a run with a LoRA transformer, optimizer and schedule."""
-    from accelerate import Accelerator
-    from diffusers import Flux2Transformer2DModel
-    from peft import LoraConfig
-
-    transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
-    T.add_lora(transformer, LoraConfig(r=2, target_modules=["to_q"]))
-    named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.AdamW(named.values())
-    return Accelerator(cpu=True), T.Run(
-        data=T.Data(None, None, 0, None, None, None), caches=None, weight_dtype=torch.float32, vae=None, latent_stats=None,
-        transformer=transformer, optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-        noise_scheduler=None, sigmas=None, named_params=named, ema=None, step_config=None)
-
-
 def test_disk_full_while_checkpointing_keeps_earlier_checkpoints(checkpoint_run, tmp_path, monkeypatch):
     accelerator, run = checkpoint_run
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",

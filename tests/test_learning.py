@@ -147,8 +147,8 @@ def test_fixed_shift_equals_the_schedulers_static_shift_and_none_is_none():
     assert T.timestep_shift_for("none", 4096, 50) is None
     assert T.parse_args(["--pretrained_model_name_or_path", "m", "--timestep_shift", "2.5"]).timestep_shift == 2.5
     for bad in ("0", "-1", "inf", "nan", "sometimes"):
-        with pytest.raises(SystemExit):
-            T.parse_args(["--pretrained_model_name_or_path", "m", "--timestep_shift", bad])
+        with pytest.raises(T.UsageError, match="--timestep_shift"):
+            T.parse_args(["--pretrained_model_name_or_path", "m", f"--timestep_shift={bad}"])
 
 
 class RecordingTransformer(torch.nn.Module):

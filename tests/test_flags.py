@@ -1,0 +1,324 @@
+"""Every flag is validated before anything loads: a table of values each flag must refuse, kept complete by a test
+that enumerates the parser, and damaged checkpoints refused (by path) or skipped (`latest`)."""
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import ROOT, SCRIPT
+
+# Values each numeric or path flag must refuse. Written here, not derived from the script's FLAG_RULES, so a rule
+# that is too lax fails. Path tokens: MISSING (nothing there), FILE (a file), FOLDER (a folder), UNDER_FILE (a path
+# whose parent is a file: nothing can be created there).
+REFUSED = {
+    "pretrained_model_name_or_path": ["FILE", "MISSING", "no spaces allowed/in ids"],
+    "cache_dir": ["FILE", "UNDER_FILE"],
+    "instance_data_dir": ["MISSING", "FILE"],
+    "repeats": ["0", "-3", "1.5", "x"],
+    "class_data_dir": ["FILE", "UNDER_FILE"],
+    "num_class_images": ["0", "-1"],
+    "prior_loss_weight": ["-0.5", "nan", "inf"],
+    "sample_batch_size": ["0"],
+    "prior_generation_precision": ["fp8"],
+    "resolution": ["0", "-16", "40", "8192"],
+    "aspect_ratio_buckets": ["32,33", "abc", ";", "0,32"],
+    "max_sequence_length": ["0", "-1"],
+    "text_encoder_out_layers": ["-1", "3 3", "x"],
+    "dataloader_num_workers": ["-1"],
+    "precompute_cache_dir": ["FILE", "UNDER_FILE"],
+    "precompute_cache_max_gb": ["-1", "nan"],
+    "from_manifest": ["MISSING", "FOLDER"],
+    "latent_sampling": ["median"],
+    "caption_dropout": ["-0.1", "1.5", "nan"],
+    "ema_decay": ["1", "-0.1", "1.5"],
+    "ema_device": ["gpu", "cuda:99"],
+    "rank": ["0", "-4"],
+    "lora_alpha": ["0", "-1"],
+    "lora_dropout": ["1", "-0.5"],
+    "lora_layers": [",", ""],  # names are checked against the model: test_..._checked_against_the_models_configs
+    "learning_rate": ["0", "-1e-4", "inf", "nan"],
+    "lr_scheduler": ["exponential"],
+    "lr_warmup_steps": ["-1"],
+    "lr_num_cycles": ["0"],
+    "lr_power": ["0", "-1"],
+    "optimizer": ["sgd"],
+    "adam_beta1": ["1", "-0.1"],
+    "adam_beta2": ["1.5", "1"],
+    "adam_weight_decay": ["-1", "inf"],
+    "adam_epsilon": ["0", "-1e-8"],
+    "prodigy_beta3": ["1", "-0.5"],
+    "prodigy_decouple": ["maybe"],
+    "prodigy_use_bias_correction": ["2"],
+    "prodigy_safeguard_warmup": ["on?"],
+    "max_grad_norm": ["0", "-1"],
+    "train_batch_size": ["0", "-1"],
+    "num_train_epochs": ["0"],
+    "max_train_steps": ["0", "-10"],
+    "gradient_accumulation_steps": ["0"],
+    "weighting_scheme": ["uniform"],
+    "timestep_shift": ["0", "-1", "inf", "sometimes"],
+    "logit_mean": ["nan", "inf"],
+    "logit_std": ["0", "-1"],
+    "mode_scale": ["2", "-1.5", "nan"],
+    "guidance_scale": ["-1", "nan"],
+    "seed": ["-1", str(2**32), "1.5"],
+    "mixed_precision": ["fp8"],
+    "attention_backend": ["no_such_kernel", "sage"],
+    "bnb_quantization_config_path": ["MISSING", "FOLDER"],
+    "remote_text_encoder_url": ["ftp://example.com/x", "not a url"],
+    "output_dir": ["FILE", "UNDER_FILE"],
+    "checkpointing_steps": ["0", "-500"],
+    "checkpoints_total_limit": ["0"],
+    "resume_from_checkpoint": ["MISSING", "FILE"],
+    "report_to": ["tensorbored", "tensorboard,nope"],
+    "logging_dir": ["FILE_IN_OUTPUT"],
+    "validation_epochs": ["0"],
+    "validation_steps": ["0", "-1"],
+    "num_validation_images": ["-1"],
+    "validation_inference_steps": ["0"],
+    "validation_guidance_scale": ["-1", "nan"],
+}
+# Flags that accept any text (prompts, names, Hub ids: the Hub itself is the judge, and only with --push_to_hub)
+FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column",
+             "instance_prompt", "class_prompt", "hub_model_id", "hub_token", "validation_prompt", "final_validation_prompt"}
+# Edge values that must still be accepted: the ranges are not stricter than they say
+ACCEPTED = {
+    "resolution": ["16", "4096"], "caption_dropout": ["0", "1"], "ema_decay": ["0", "0.9999"], "seed": ["0", str(2**32 - 1)],
+    "mode_scale": ["-1", "1.75"], "lora_dropout": ["0"], "lr_warmup_steps": ["0"], "num_validation_images": ["0"],
+    "precompute_cache_max_gb": ["0"], "prior_loss_weight": ["0"], "logit_mean": ["-3"], "text_encoder_out_layers": ["0 2"],
+    "dataloader_num_workers": ["0"], "timestep_shift": ["auto", "none", "3"], "report_to": ["none", "all", "tensorboard,wandb"],
+    "precompute_cache_dir": ["none", "NEW"], "output_dir": ["NEW"], "resume_from_checkpoint": ["latest"],
+    "remote_text_encoder_url": ["http://127.0.0.1:8000/predict"], "ema_device": ["cpu"], "aspect_ratio_buckets": ["32,48;48,32"],
+    "pretrained_model_name_or_path": ["black-forest-labs/FLUX.2-dev", "FOLDER"], "lora_layers": ["attention,proj_out"],
+}
+
+
+def _actions():
+    return [a for a in T.build_parser()._actions if a.dest != "help"]
+
+
+@pytest.fixture
+def places(tmp_path):
+    (tmp_path / "file.txt").write_text("a file, not a folder\n")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "images").mkdir()
+    return {"MISSING": str(tmp_path / "missing"), "FILE": str(tmp_path / "file.txt"),
+            "FOLDER": str(tmp_path / "folder"), "UNDER_FILE": str(tmp_path / "file.txt" / "sub"),
+            "NEW": str(tmp_path / "new" / "folder"), "images": str(tmp_path / "images"), "out": str(tmp_path / "out")}
+
+
+def _validate(places, flag, value):
+    """validate_args on a valid command with `--flag value` (a UsageError is the script's exit 2) -> the value as
+    given on the command line."""
+    if value == "FILE_IN_OUTPUT":  # --logging_dir is relative to --output_dir
+        Path(places["out"]).mkdir(exist_ok=True)
+        (Path(places["out"]) / "logs-file").write_text("")
+        value = "logs-file"
+    value = places.get(value, value)
+    argv = ["--pretrained_model_name_or_path", "nobody/tiny-model", "--instance_data_dir", places["images"],
+            "--instance_prompt", "a photo of sks dog", "--output_dir", places["out"]]
+    # --flag=value: argparse takes "-1e-4" after a space for an option (its message then names no value)
+    argv += [f"--{flag}", *value.split(" ")] if flag == "text_encoder_out_layers" else [f"--{flag}={value}"]
+    T.validate_args(T.parse_args(argv))
+    return value
+
+
+def test_every_flag_has_a_rule_in_the_script_and_a_row_here():
+    """A new flag fails here until the script says what it accepts (FLAG_RULES) and this file says what it must
+    refuse (REFUSED), or that it is a switch or free text."""
+    dests = {a.dest for a in _actions()}
+    assert dests == set(T.FLAG_RULES), (dests ^ set(T.FLAG_RULES))
+    for action in _actions():
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        assert (action.dest in REFUSED) + (action.dest in FREE_TEXT) + switch == 1, action.dest
+        if action.type in (int, float) or action.choices:  # every numeric flag and choice is tried
+            assert action.dest in REFUSED, action.dest
+
+
+def test_a_valid_command_passes(places):
+    _validate(places, "repeats", "2")
+
+
+@pytest.mark.parametrize("flag, value", [(f, v) for f, values in REFUSED.items() for v in values])
+def test_bad_value_is_refused_naming_the_flag_and_the_value(flag, value, places):
+    shown = {"FILE_IN_OUTPUT": "logs-file"}.get(value, places.get(value, value))
+    with pytest.raises(T.UsageError) as refused:
+        _validate(places, flag, value)
+    message = str(refused.value)
+    assert f"--{flag}" in message and "\n" not in message, message
+    assert shown in message or (_number(shown) is not None and str(_number(shown)) in message), message
+
+
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+@pytest.mark.parametrize("flag, value", [(f, v) for f, values in ACCEPTED.items() for v in values])
+def test_edge_values_are_accepted(flag, value, places):
+    _validate(places, flag, value)
+
+
+def test_lora_layers_and_text_encoder_layers_are_checked_against_the_models_configs(tiny_model, places, caplog):
+    from accelerate import PartialState
+
+    PartialState()
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--instance_data_dir", places["images"],
+                         "--instance_prompt", "p", "--text_encoder_out_layers", "1", "2"])
+    T.check_model_fit(args)  # the tiny model's own layers fit
+    for layers, message in ((["1", "9"], "this text encoder has layers 0 to 2"),
+                            (["0", "1", "2"], "3 layers of width 16 make 48 features; this transformer takes 32")):
+        args.text_encoder_out_layers = [int(v) for v in layers]
+        with pytest.raises(T.UsageError, match=message):
+            T.check_model_fit(args)
+    args.text_encoder_out_layers, args.lora_layers = [1, 2], "no_such_module"
+    with pytest.raises(T.UsageError, match="--lora_layers no_such_module"):
+        T.check_model_fit(args)
+
+
+@pytest.mark.parametrize("extra, warning", [
+    (["--caption_dropout", "0.8"], "most instance samples train on the empty prompt"),
+    (["--with_prior_preservation", "--class_prompt", "c", "--class_data_dir", "c", "--prior_loss_weight", "0"],
+     "their loss counts for nothing"),
+    (["--class_prompt", "a dog"], "without --with_prior_preservation"),
+    (["--max_sequence_length", "8"], "captions are cut short or away"),
+    (["--resolution", "3072"], "beyond FLUX.2's 4-megapixel range"),
+    (["--learning_rate", "0.05"], "usually diverge above 1e-2"),
+    (["--optimizer", "prodigy", "--learning_rate", "1e-4"], "usually 1.0"),
+    (["--dataloader_num_workers", "4096"], "more workers than"),
+    (["--max_train_steps", "100", "--checkpointing_steps", "500"], "no checkpoint is written before the end"),
+    (["--max_train_steps", "100", "--checkpointing_steps", "50", "--lr_scheduler", "cosine", "--lr_warmup_steps", "500"],
+     "never reaches its peak"),
+    (["--validation_prompt", "v", "--num_validation_images", "0"], "no validation images are made"),
+    (["--rank", "512"], "trains like a full fine-tune"),
+])
+def test_legal_but_surprising_values_get_one_warning(extra, warning):
+    base = ["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d"]
+    notes = T.surprising_values(T.parse_args([*base, *extra]))
+    assert len(notes) == 1 and warning in notes[0], notes
+    assert T.surprising_values(T.parse_args(base)) == []  # the defaults surprise nobody
+
+
+def test_a_bad_flag_exits_2_with_one_line_before_anything_loads(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--pretrained_model_name_or_path", "nobody/model",
+                           "--instance_data_dir", str(tmp_path), "--instance_prompt", "p", "--repeats", "0"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --repeats 0: expected an integer >= 1", proc.stderr
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--pretrained_model_name_or_path", "nobody/model",
+                           "--instance_data_dir", str(tmp_path), "--instance_prompt", "p", "--repeats", "x"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: argument --repeats: invalid int value: 'x' (see --help)"), proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture
+def checkpoints(checkpoint_run, tmp_path):
+    """An output folder with whole checkpoints at steps 2 and 4, written by save_checkpoint; -> (args, run parts)."""
+    accelerator, run = checkpoint_run
+    out = tmp_path / "out"
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+                         "--output_dir", str(out)])
+    T.save_checkpoint(args, accelerator, run, 2)
+    T.save_checkpoint(args, accelerator, run, 4)
+    return args, accelerator, run
+
+
+def _damage(folder, how):
+    if how == "missing training.safetensors":
+        (folder / "training.safetensors").unlink()
+    elif how == "training.json not JSON":
+        (folder / "training.json").write_text("{'optimizer': ")
+    elif how == "trainer_state.json without a step":
+        (folder / T.TRAINER_STATE_NAME).write_text(json.dumps({"seed": 0}))
+    elif how == "training.safetensors cut short":
+        data = (folder / "training.safetensors").read_bytes()
+        (folder / "training.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "rng-0.json unreadable":  # root reads any file: a folder where the file should be cannot be read
+        (folder / "rng-0.json").unlink()
+        (folder / "rng-0.json").mkdir()
+    elif how == "a tensor missing from training.safetensors":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(folder / "training.safetensors"))
+        tensors.pop(sorted(tensors)[0])
+        save_file(tensors, str(folder / "training.safetensors"))
+    else:
+        raise ValueError(how)
+
+
+DAMAGE = {"missing training.safetensors": "training.safetensors is missing",
+          "training.json not JSON": "training.json is damaged",
+          "trainer_state.json without a step": "trainer_state.json has no global_step and seed",
+          "training.safetensors cut short": "training.safetensors is damaged",
+          "rng-0.json unreadable": "rng-0.json cannot be read",
+          "a tensor missing from training.safetensors": "training.safetensors lacks 1 tensors"}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_by_path_and_skipped_by_latest(how, checkpoints, caplog):
+    args, _, _ = checkpoints
+    out = Path(args.output_dir)
+    assert T.checkpoint_problem(out / "checkpoint-4") is None
+    _damage(out / "checkpoint-4", how)
+    args.resume_from_checkpoint = str(out / "checkpoint-4")
+    with pytest.raises(T.UsageError) as refused:
+        T.find_resume_checkpoint(args)
+    assert str(refused.value).startswith(f"--resume_from_checkpoint {out / 'checkpoint-4'}: a damaged checkpoint: ")
+    assert DAMAGE[how] in str(refused.value) and "\n" not in str(refused.value)
+    args.resume_from_checkpoint = "latest"
+    with caplog.at_level(logging.WARNING):
+        assert T.find_resume_checkpoint(args) == out / "checkpoint-2"
+    assert f"skipping {out / 'checkpoint-4'}: {DAMAGE[how]}" in caplog.text
+    _damage(out / "checkpoint-2", how)
+    with pytest.raises(T.UsageError, match="none of the 2 checkpoints .* can be resumed from"):
+        T.find_resume_checkpoint(args)
+
+
+def test_a_checkpoint_of_another_rank_or_targets_is_refused_before_anything_changes(checkpoints, tiny_model):
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    args, accelerator, run = checkpoints
+    checkpoint = Path(args.output_dir, "checkpoint-4")
+    assert T.load_checkpoint(checkpoint, accelerator, run) == 4  # the same run resumes
+    for config, problem in ((LoraConfig(r=4, target_modules=["to_q"]), "of another shape"),
+                            (LoraConfig(r=2, target_modules=["to_q", "to_k"]), "tensors missing")):
+        transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
+        T.add_lora(transformer, config)
+        before = {n: p.detach().clone() for n, p in transformer.named_parameters() if p.requires_grad}
+        other = T.dataclasses.replace(run, transformer=transformer, optimizer=torch.optim.AdamW(before.values()))
+        with pytest.raises(T.UsageError, match=f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit .*{problem}"):
+            T.load_checkpoint(checkpoint, accelerator, other)
+        after = dict(transformer.named_parameters())
+        assert all(torch.equal(after[n], v) for n, v in before.items())
+
+
+def test_state_fit_problem_names_missing_unexpected_and_resized_tensors():
+    saved = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "extra": torch.zeros(1)}
+    problem = T.state_fit_problem(saved, {"a": (2, 3), "b": (5,), "c": (1,)})
+    assert problem == ("1 tensors missing (e.g. c); 1 it has and this model has not (e.g. extra); "
+                       "1 of another shape (e.g. b (4,) vs (5,))")
+    assert T.state_fit_problem(saved, {k: v.shape for k, v in saved.items()}) is None
+
+
+def test_latest_without_checkpoints_starts_from_scratch(tmp_path, caplog):
+    from accelerate import PartialState
+
+    PartialState()
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+                         "--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
+    with caplog.at_level(logging.WARNING):
+        assert T.find_resume_checkpoint(args) is None
+    assert "no checkpoint in" in caplog.text
