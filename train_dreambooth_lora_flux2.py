@@ -351,11 +351,6 @@ def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
     return Accepts(what, ok)
 
 
-def each(rule, distinct=False):
-    return Accepts(f"{rule.what}, each{' once' if distinct else ''}",
-                   lambda vs: all(rule.ok(v) for v in vs) and (not distinct or len(set(vs)) == len(vs)))
-
-
 def _folder_can_be(path):
     """A folder that exists, or could be created: no file in the way, and the nearest existing parent writable."""
     path = Path(path).absolute()
@@ -405,7 +400,9 @@ FLAG_RULES = {
     "aspect_ratio_buckets": Accepts("'h,w;h,w;...' with sides multiples of 16", lambda v: bool(parse_buckets(v))),
     "center_crop": SWITCH, "random_flip": SWITCH, "max_sequence_length": integer(1),
     # hidden_states[k] of the text encoder: 0 is the embeddings; the upper end is checked against the model's config
-    "text_encoder_out_layers": each(integer(0), distinct=True), "dataloader_num_workers": integer(0),
+    "text_encoder_out_layers": Accepts("distinct integers >= 0 (at most the text encoder's depth: checked on its config)",
+                                       lambda layers: min(layers) >= 0 and len(set(layers)) == len(layers)),
+    "dataloader_num_workers": integer(0),
     "cache_latents": SWITCH,
     "precompute_cache_dir": Accepts("none, or a folder (existing or to be created)",
                                     lambda v: v.lower() == "none" or _folder_can_be(v) or Path(v).is_dir(), True),

@@ -307,31 +307,47 @@ def _sourceless(args, manifest):
 
 
 def test_from_manifest_trains_the_same_lora_with_the_images_deleted(tiny_model, images, tmp_path, own_cache_folder):
-    """The sourceless run is given the training flags only: the data flags (flips, repeats) come from the manifest."""
-    common = ["--max_train_steps", "4", "--cache_latents", "--caption_dropout", "0.3"]
+    """The sourceless run is given the training flags only: the data flags (flips, repeats, prior preservation) come
+    from the manifest. Both runs make validation images: the sourceless one loads the VAE for them, never the text
+    encoder (the validation prompt's embedding is in the cache)."""
+    from PIL import Image
+
+    classes = tmp_path / "class"
+    classes.mkdir()
+    for i, colour in enumerate([(200, 30, 30), (30, 200, 30)]):
+        Image.new("RGB", (40, 40), colour).save(classes / f"class-{i:05d}.png")
+    common = ["--max_train_steps", "4", "--cache_latents", "--caption_dropout", "0.3",
+              "--validation_prompt", "a sks dog in a bucket", "--num_validation_images", "1"]
     first = tmp_path / "with-images"
-    launch(base_args(tiny_model, images, first, *common, "--random_flip", "--repeats", "2",
-                     "--validation_prompt", "a sks dog in a bucket", "--num_validation_images", "0"))
+    launch(base_args(tiny_model, images, first, *common, "--random_flip", "--repeats", "2", "--with_prior_preservation",
+                     "--class_data_dir", classes, "--class_prompt", "a photo of a dog", "--num_class_images", "2"))
     manifest = json.loads((first / T.MANIFEST_NAME).read_text())
     texts = [e["text"] for e in manifest["entries"]["prompts"]]
-    assert "" in texts and "a sks dog in a bucket" in texts and len(texts) == 8  # 5 captions, instance prompt
+    assert {"", "a sks dog in a bucket", "a photo of a dog"} <= set(texts) and len(texts) == 9  # 5 captions, instance prompt
     latents = manifest["entries"]["latents"]
-    assert {e["flip"] for e in latents} == {False, True} and {e["image"] for e in latents} == {p.name for p in images.glob("*.*g")}
-    assert manifest["data"]["repeats"] == 2 and manifest["model"]["family"] == "Flux2Pipeline"
+    assert {e["flip"] for e in latents} == {False, True} and {e["kind"] for e in latents} == {"instance", "class"}
+    assert {e["image"] for e in latents if e["kind"] == "instance"} == {p.name for p in images.glob("*.*g")}
+    assert {e["image"] for e in latents if e["kind"] == "class"} == {"class-00000.png", "class-00001.png"}
+    assert [c["name"] for c in manifest["classes"]] == ["class-00000.png", "class-00001.png"]
+    assert manifest["data"]["repeats"] == 2 and manifest["data"]["with_prior_preservation"]
+    assert manifest["model"]["family"] == "Flux2Pipeline"
     assert set(entries(own_cache_folder)) == {e["entry"] for e in manifest["entries"]["prompts"] + latents}
 
     shutil.rmtree(images)
+    shutil.rmtree(classes)
     second = tmp_path / "sourceless"
     proc = launch(_sourceless(base_args(tiny_model, images, second, *common), first / T.MANIFEST_NAME))
-    assert "loading the text encoder" not in proc.stderr and "loading the VAE" not in proc.stderr
+    assert "loading the text encoder" not in proc.stderr and "loading the VAE" in proc.stderr
     a, b = load_file(str(first / LORA)), load_file(str(second / LORA))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in (second / "validation").rglob("*.png")) == sorted(
+        p.name for p in (first / "validation").rglob("*.png")) != []
 
     (own_cache_folder / latents[3]["entry"]).unlink()  # an entry gone: refused before any model loads
     refused = launch(_sourceless(base_args(tiny_model, images, tmp_path / "refused", *common), first / T.MANIFEST_NAME),
                      check=False)
     assert refused.returncode == 2 and "loading" not in refused.stderr and "Traceback" not in refused.stderr
-    needed = len(manifest["entries"]["prompts"]) - 1 + len(latents)  # the sourceless run has no validation prompt
+    needed = len(manifest["entries"]["prompts"]) + len(latents)
     assert f"1 of {needed} cache entries are missing from {own_cache_folder} (from {latents[3]['image']})" in refused.stderr
 
 
@@ -360,16 +376,17 @@ def _wait_for_entries(proc, root, count):
         time.sleep(0.05)
 
 
-def test_sigterm_during_precompute_keeps_the_cached_entries_and_a_rerun_encodes_only_the_rest(
+def test_ctrl_c_during_precompute_keeps_the_cached_entries_exits_130_and_a_rerun_encodes_only_the_rest(
         tiny_model, images, tmp_path, own_cache_folder):
+    """SIGINT (Ctrl-C) here; SIGTERM (exit 143) in the two-process test below."""
     args = base_args(tiny_model, images, tmp_path / "out", "--max_train_steps", "1", "--cache_latents", "--center_crop")
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_slowed(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_entries(proc, own_cache_folder, 2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
     cached = len(entries(own_cache_folder))
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert proc.returncode == 130 == 128 + signal.SIGINT, stderr[-3000:]
     assert f"cached {cached} of 12 entries; rerun the same command to continue" in stderr and "Traceback" not in stderr
     assert 2 <= cached < 12 and not list(own_cache_folder.rglob("*.tmp")) and not (tmp_path / "out" / LORA).exists()
     rerun = launch(args).stderr

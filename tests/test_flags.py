@@ -322,3 +322,17 @@ def test_latest_without_checkpoints_starts_from_scratch(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert T.find_resume_checkpoint(args) is None
     assert "no checkpoint in" in caplog.text
+
+
+def test_the_readme_states_every_flags_rule():
+    """The README's table of accepted values says what FLAG_RULES checks, flag by flag."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2:
+            for flag in cells[1].split(", "):
+                rows[flag.strip("`")] = cells[0]
+    for flag, rule in T.FLAG_RULES.items():
+        if rule.ok is not None:
+            assert rows.get(f"--{flag}") == rule.what, flag
