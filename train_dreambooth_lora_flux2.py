@@ -404,8 +404,8 @@ FLAG_RULES = {
                                        lambda layers: min(layers) >= 0 and len(set(layers)) == len(layers)),
     "dataloader_num_workers": integer(0),
     "cache_latents": SWITCH,
-    "precompute_cache_dir": Accepts("none, or a folder (existing or to be created)",
-                                    lambda v: v.lower() == "none" or _folder_can_be(v) or Path(v).is_dir(), True),
+    # never refused: a cache folder that cannot be written warns and keeps its entries in memory (open_cache)
+    "precompute_cache_dir": Accepts("none, or a folder; one that cannot be written or made warns, never stops a run"),
     "precompute_cache_max_gb": NON_NEGATIVE, "from_manifest": READABLE_FILE, "latent_sampling": CHOICE,
     "caption_dropout": PROBABILITY, "use_ema": SWITCH, "ema_decay": BELOW_ONE,
     "ema_device": Accepts("cpu, or a CUDA device of this machine (cuda, cuda:N)", _ema_device), "masked_loss": SWITCH,

@@ -164,7 +164,7 @@ def test_every_bad_file_is_listed_in_one_message_exit_2(tmp_path):
     folder.mkdir()
     for make, _ in REFUSED.values():
         make(folder)
-    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args("/nonexistent/model", folder, tmp_path / "out")],
+    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args("nobody/no-such-model", folder, tmp_path / "out")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "cannot use 4 file(s)" in proc.stderr
