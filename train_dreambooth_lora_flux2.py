@@ -49,6 +49,7 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import inspect
 import io
 import json
@@ -523,6 +524,8 @@ def validate_args(args):
             and args.resume_from_checkpoint is None):
         raise UsageError(f"--output_dir {args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose "
                          "another folder, pass --overwrite_output_dir, or --resume_from_checkpoint to continue it")
+    if args.optimizer == "prodigy" and importlib.util.find_spec("prodigyopt") is None:
+        raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
     if args.push_to_hub and args.report_to in ("wandb", "all") and args.hub_token:
         raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
@@ -2715,10 +2718,8 @@ def setup_optimizer(args, params, accelerator):
     if args.optimizer == "prodigy":
         if args.use_8bit_adam:
             logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
-        try:
-            import prodigyopt
-        except ImportError:
-            raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt") from None
+        import prodigyopt  # present: validate_args checked
+
         return prodigyopt.Prodigy(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), beta3=args.prodigy_beta3,
                                   weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
                                   decouple=args.prodigy_decouple, use_bias_correction=args.prodigy_use_bias_correction,
@@ -3344,7 +3345,8 @@ def push_to_hub(args):
 
     repo_id = create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
     upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
-                  commit_message="DreamBooth LoRA", ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**"])
+                  commit_message="DreamBooth LoRA",  # the manifest names local paths: it stays here, with the checkpoints
+                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", MANIFEST_NAME])
     logger.info(f"pushed to https://huggingface.co/{repo_id}")
 
 

@@ -1,0 +1,215 @@
+"""Paths no run of the tiny model takes on its own: Prodigy and its flags, --scale_lr, --push_to_hub (the Hub faked),
+--report_to with a missing tracker, class-image steps per family, the stop and NaN agreement across processes, and
+--offload's moves (on a CPU there is nowhere to move to, so a spy records them)."""
+
+import logging
+import signal
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train_dreambooth_lora_flux2 as T
+
+
+def _args(*extra):
+    return T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
+                         *extra])
+
+
+def _cpu(processes=1):
+    from accelerate.utils import DistributedType
+
+    return SimpleNamespace(num_processes=processes, device=torch.device("cpu"), distributed_type=DistributedType.NO)
+
+
+@pytest.fixture
+def fake_prodigy(monkeypatch):
+    made = []
+
+    class Prodigy(torch.optim.SGD):
+        def __init__(self, params, lr, **options):
+            made.append(dict(lr=lr, **options))
+            super().__init__(params, lr=lr)
+
+    monkeypatch.setitem(sys.modules, "prodigyopt", types.SimpleNamespace(Prodigy=Prodigy))
+    real = T.importlib.util.find_spec
+    monkeypatch.setattr(T.importlib.util, "find_spec", lambda name, *a: object() if name == "prodigyopt" else real(name, *a))
+    return made
+
+
+def test_prodigy_gets_its_flags_parsed_as_booleans(fake_prodigy):
+    args = _args("--optimizer", "Prodigy", "--learning_rate", "1.0", "--adam_beta1", "0.8", "--prodigy_beta3", "0.5",
+                 "--prodigy_decouple", "false", "--prodigy_use_bias_correction", "no", "--prodigy_safeguard_warmup", "0")
+    T.validate_args(args)
+    T.setup_optimizer(args, [torch.nn.Parameter(torch.zeros(2))], _cpu())
+    assert fake_prodigy == [dict(lr=1.0, betas=(0.8, 0.999), beta3=0.5, weight_decay=1e-4, eps=1e-8, decouple=False,
+                                 use_bias_correction=False, safeguard_warmup=False)]
+
+
+def test_prodigy_without_its_package_is_refused_before_anything_loads(monkeypatch):
+    real = T.importlib.util.find_spec
+    monkeypatch.setattr(T.importlib.util, "find_spec", lambda name, *a: None if name == "prodigyopt" else real(name, *a))
+    with pytest.raises(T.UsageError, match="--optimizer prodigy needs the prodigyopt package"):
+        T.validate_args(_args("--optimizer", "prodigy", "--learning_rate", "1"))
+
+
+@pytest.mark.parametrize("extra, processes, lr", [
+    ([], 2, 1e-4),
+    (["--scale_lr"], 1, 1e-4 * 3 * 2),
+    (["--scale_lr"], 4, 1e-4 * 3 * 2 * 4),
+])
+def test_scale_lr_multiplies_by_batch_accumulation_and_processes(extra, processes, lr):
+    args = _args("--train_batch_size", "3", "--gradient_accumulation_steps", "2", *extra)
+    optimizer = T.setup_optimizer(args, [torch.nn.Parameter(torch.zeros(2))], _cpu(processes))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+
+
+def test_push_to_hub_uploads_the_lora_card_and_images_never_checkpoints_logs_or_the_manifest(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    out = tmp_path / "my-dog-lora"
+    files = ["pytorch_lora_weights.safetensors", "README.md", "validation/final-0.png", "validation/progress-0.png",
+             "checkpoint-500/training.safetensors", "checkpoint-500/trainer_state.json", "logs/run/events.out.tfevents.1",
+             T.MANIFEST_NAME]
+    for name in files:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    calls = {}
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, exist_ok, token: calls.update(
+        create=(repo_id, exist_ok, token)) or SimpleNamespace(repo_id=f"someone/{repo_id}"))
+    monkeypatch.setattr(huggingface_hub, "upload_folder", lambda **kw: calls.update(upload=kw))
+    monkeypatch.setattr(T, "logger", logging.getLogger("test"))
+    T.push_to_hub(_args("--output_dir", str(out), "--push_to_hub", "--hub_token", "hf_x"))
+    assert calls["create"] == ("my-dog-lora", True, "hf_x")
+    upload = calls["upload"]
+    assert upload["repo_id"] == "someone/my-dog-lora" and upload["folder_path"] == str(out) and upload["token"] == "hf_x"
+    sent = set(filter_repo_objects(files, ignore_patterns=upload["ignore_patterns"]))
+    assert sent == {"pytorch_lora_weights.safetensors", "README.md", "validation/final-0.png", "validation/progress-0.png"}
+
+
+@pytest.mark.parametrize("report_to, kept", [("wandb", []), ("all", ["tensorboard"]), ("tensorboard", ["tensorboard"])])
+def test_a_tracker_that_is_not_installed_is_skipped_with_a_warning(report_to, kept, tmp_path, monkeypatch, caplog):
+    import accelerate.utils
+    from accelerate import PartialState
+
+    PartialState()  # the script's logger needs it; the Accelerator itself is faked
+    monkeypatch.setattr(accelerate.utils, "is_wandb_available", lambda: False)
+    made = {}
+    monkeypatch.setattr(T, "Accelerator", lambda **kw: made.update(kw) or SimpleNamespace(**kw))
+    with caplog.at_level(logging.WARNING):
+        T.setup_accelerator(_args("--report_to", report_to, "--output_dir", str(tmp_path)))
+    assert (made["log_with"] or []) == kept
+    assert ("--report_to wandb: not installed, not reporting to it" in caplog.text) == (report_to != "tensorboard")
+
+
+@pytest.mark.parametrize("family, steps", [
+    (T.Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration"), 50),
+    (T.Family("FLUX.2 [klein]", "Flux2KleinPipeline", "Qwen3ForCausalLM"), 50),
+    (T.Family("FLUX.2 [klein]", "Flux2KleinPipeline", "Qwen3ForCausalLM", distilled=True), 4),
+])
+def test_class_images_use_the_pipelines_steps_and_distilled_klein_its_four(family, steps, tmp_path, monkeypatch):
+    """The README's promise: the pipeline's default steps, except distilled [klein] (its validation steps, 4)."""
+    import inspect
+
+    import diffusers
+    from PIL import Image
+
+    seen = []
+
+    class FakePipeline:
+        def __call__(self, prompt, num_inference_steps=None, **kw):
+            default = inspect.signature(getattr(diffusers, family.pipeline).__call__).parameters["num_inference_steps"]
+            seen.append(num_inference_steps or default.default)
+            return SimpleNamespace(images=[Image.new("RGB", (16, 16))] * len(prompt))
+
+        to = set_progress_bar_config = lambda self, *a, **k: None  # noqa: E731
+
+    monkeypatch.setattr(getattr(diffusers, family.pipeline), "from_pretrained", lambda *a, **k: FakePipeline())
+    monkeypatch.setattr(T, "load_pipeline_tokenizer", lambda args: None)
+    monkeypatch.setattr(T, "logger", logging.getLogger("test"))
+    args = _args("--with_prior_preservation", "--class_prompt", "a dog", "--class_data_dir", str(tmp_path),
+                 "--num_class_images", "2", "--text_encoder_out_layers", "1", "2")
+    T.resolve_family_defaults(args, family)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1,
+                                  is_local_main_process=False, wait_for_everyone=lambda: None)
+    T.generate_class_images(args, accelerator, 0, 0, family)
+    assert seen == [steps] and len(list(tmp_path.glob("class-*.png"))) == 2
+
+
+# --------------------------------------------------------------------------------------------- several processes
+
+
+class TwoRanks:
+    """accelerator.reduce between this process and another whose flags are `other` ([signal, loss not finite])."""
+
+    num_processes = 2
+
+    def __init__(self, other):
+        self.other = torch.tensor(other)
+
+    def reduce(self, flags, reduction):
+        both = torch.stack([flags, self.other])
+        return {"max": both.amax(0), "min": both.amin(0), "sum": both.sum(0), "mean": both.float().mean(0)}[reduction]
+
+
+@pytest.mark.parametrize("mine, other, expected", [
+    ((0, True), (0, 0), (0, True)),  # nobody signalled, every loss finite: go on
+    ((0, True), (int(signal.SIGTERM), 0), (signal.SIGTERM, True)),  # the other process was signalled: stop here too
+    ((int(signal.SIGINT), True), (0, 0), (signal.SIGINT, True)),
+    ((0, True), (0, 1), (0, False)),  # NaN on the other process only: every process stops before the update
+    ((0, False), (0, 0), (0, False)),
+])
+def test_a_signal_or_a_nan_on_one_process_stops_every_process(mine, other, expected):
+    stop = T.StopRequest()
+    try:
+        stop.signum = mine[0]
+        assert stop.agreed(TwoRanks(other), torch.tensor(mine[1])) == expected
+    finally:
+        stop.restore()
+
+
+# --------------------------------------------------------------------------------------------------------- offload
+
+
+class Spy(torch.nn.Module):
+    def __init__(self, moves):
+        super().__init__()
+        self.moves = moves
+
+    def to(self, device, *a, **k):
+        self.moves.append(str(device))
+        return self
+
+
+def test_offload_brings_a_module_to_the_device_only_while_it_runs():
+    moves = []
+    vae = Spy(moves)
+    with T.on_device(vae, torch.device("cuda", 0), offload=True) as used:  # a torch.device needs no GPU
+        assert used is vae and moves == ["cuda:0"]
+    assert moves == ["cuda:0", "cpu"]
+    with pytest.raises(RuntimeError), T.on_device(vae, torch.device("cuda", 0), offload=True):
+        raise RuntimeError("an error while encoding")
+    assert moves == ["cuda:0", "cpu"] * 2  # back on the CPU even so
+    with T.on_device(vae, torch.device("cuda", 0), offload=False):
+        pass
+    assert moves == ["cuda:0", "cpu"] * 2  # without --offload nothing moves
+
+
+def test_uncached_training_encodes_under_offload(monkeypatch):
+    """model_inputs passes --offload on: the VAE visits the device for the encode and goes back."""
+    moves = []
+    vae = Spy(moves)
+    monkeypatch.setattr(T, "encode_images", lambda module, pixels, *a: (moves.append("encode"), torch.zeros(len(pixels), 4, 2, 2))[1])
+    inputs = T.StepInputs(torch.zeros(1, 3, 2), torch.tensor([0, 0]), torch.zeros(2, 3, 16, 16), torch.arange(2), None,
+                          encoded=False)
+    run = SimpleNamespace(weight_dtype=torch.float32, vae=vae, latent_stats=(torch.zeros(4), torch.ones(4)))
+    T.model_inputs(inputs, run, torch.Generator().manual_seed(0), offload=True, latent_sampling="mode")
+    assert moves == ["cpu", "encode", "cpu"]  # to the batch's device (the CPU here), encode, back
+    moves.clear()
+    T.model_inputs(inputs, run, torch.Generator().manual_seed(0), offload=False, latent_sampling="mode")
+    assert moves == ["encode"]
