@@ -3388,7 +3388,9 @@ def start_logging(args, accelerator, run, global_step):
     logger.info(f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
                 f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
                 f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts"
-                + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else ""))
+                + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
+                   f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
+                   ", images decoded in the main process"))
 
 
 def tracker_config(args):
