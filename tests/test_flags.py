@@ -337,3 +337,18 @@ def test_the_readme_states_every_flags_rule():
     for flag, rule in T.FLAG_RULES.items():
         if rule.ok is not None:
             assert rows.get(f"--{flag}") == rule.what, flag
+
+
+def test_an_incomplete_checkpoint_is_refused_by_path_and_passed_over_by_latest(checkpoints, caplog):
+    """Killed while writing: no trainer_state.json (written last), or still named checkpoint-N.partial."""
+    args, _, _ = checkpoints
+    out = Path(args.output_dir)
+    (out / "checkpoint-4" / T.TRAINER_STATE_NAME).unlink()
+    (out / "checkpoint-6.partial").mkdir()
+    args.resume_from_checkpoint = str(out / "checkpoint-4")
+    with pytest.raises(T.UsageError, match="checkpoint-4: not a complete checkpoint .no trainer_state.json."):
+        T.find_resume_checkpoint(args)
+    args.resume_from_checkpoint = "latest"
+    with caplog.at_level(logging.WARNING):
+        assert T.find_resume_checkpoint(args) == out / "checkpoint-2"
+    assert f"{out / 'checkpoint-4'} is incomplete" in caplog.text and f"{out / 'checkpoint-6.partial'} is incomplete" in caplog.text
