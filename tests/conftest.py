@@ -15,6 +15,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the tests may reach the Hub
 # so no test reuses another's entries. This session-wide folder covers fixtures wider than one test.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="flux2-tests-xdg-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+# pytest-xdist workers share the cores: each (and every script it launches) gets its share of math threads, where
+# each would otherwise start one per core (4 busy threads on 2 cores: slower than 2, the suite took 2 min longer)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_dreambooth_lora_flux2.py"
 sys.path.insert(0, str(ROOT))

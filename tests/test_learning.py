@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import train_dreambooth_lora_flux2 as T
 from tests import learning
-from tests.conftest import base_args, launch
+from tests.conftest import ROOT, base_args, launch
 from tests.tiny_flux2 import KLEIN_TEXT_ENCODER_OUT_LAYERS, MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS
 
 SHAPES = {  # real FLUX.2 transformers (../shared/GPU.md), built on the meta device: no memory, no download
@@ -294,16 +294,38 @@ def test_progress_sheet_drops_columns_of_a_timeline_a_resume_left(tmp_path):
 LIBRARY_NOISE = re.compile(r"torchao|bitsandbytes|_pytree|triton|Unable to import|mxfp8|cutlass", re.IGNORECASE)
 
 
+COUNT_SAMPLING_STEPS = """
+import atexit, os
+import torch  # not diffusers: importing it here, before the script quiets its libraries, would print their noise
+_calls = [0]
+_call = torch.nn.Module.__call__
+def _counting(self, *args, **kwargs):  # the transformer in eval mode: a denoising step of validation
+    _calls[0] += type(self).__name__ == "Flux2Transformer2DModel" and not self.training
+    return _call(self, *args, **kwargs)
+torch.nn.Module.__call__ = _counting
+atexit.register(lambda: _calls[0] and open(os.environ["SAMPLING_STEPS_FILE"], "a").write(f"{_calls[0]}\\n"))
+"""
+
+
 def test_a_default_run_adapts_every_block_prints_only_its_own_lines_and_writes_ordinary_files(
         tiny_model, images, tmp_path, own_cache_folder):
+    """Also the family's default sampling steps, end to end: no --validation_inference_steps, so [dev] validates with
+    its pipeline's 50 (a spy counts the transformer's eval-mode calls)."""
     out = tmp_path / "out"
+    spy = tmp_path / "spy"
+    spy.mkdir()
+    (spy / "sitecustomize.py").write_text(COUNT_SAMPLING_STEPS)
+    args = base_args(tiny_model, images, out, "--max_train_steps", "2", "--checkpointing_steps", "1", "--cache_latents",
+                     "--validation_prompt", "a dog", "--num_validation_images", "1")
+    i = args.index("--validation_inference_steps")
     old = os.umask(0o027)  # unusual on purpose: 0640 files, where safetensors alone writes 0600
     try:
-        proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "2", "--checkpointing_steps", "1",
-                                "--cache_latents", "--validation_prompt", "a dog", "--num_validation_images", "1"),
-                      via_accelerate=True)
+        proc = launch(args[:i] + args[i + 2:], via_accelerate=True,
+                      env={"PYTHONPATH": f"{spy}:{ROOT}", "SAMPLING_STEPS_FILE": str(tmp_path / "steps")})
     finally:
         os.umask(old)
+    assert "validation with 50 steps" in proc.stderr
+    assert (tmp_path / "steps").read_text().split() == [str(2 * 50)]  # the base model's image and the final one
     output = proc.stdout + proc.stderr
     assert "LoRA rank 4 on 6 modules (1 double-stream, 1 single-stream blocks)" in output
     noise = [line for line in output.splitlines() if LIBRARY_NOISE.search(line)]
