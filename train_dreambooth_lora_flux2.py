@@ -101,6 +101,8 @@ MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservati
                        "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
 RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
+RECOMPUTE_ADVICE = ("rerunning the same command recomputes it (add --resume_from_checkpoint latest to keep the steps "
+                    "done; a --from_manifest run cannot recompute: rerun the command that wrote its manifest first)")
 
 
 @dataclass(frozen=True)
@@ -352,11 +354,12 @@ def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
     return Accepts(what, ok)
 
 
-def _folder_can_be(path):
-    """A folder that exists, or could be created: no file in the way, and the nearest existing parent writable."""
+def _folder_can_be(path, writable=False):
+    """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
+    existing parent writable."""
     path = Path(path).absolute()
     if path.exists():
-        return path.is_dir()
+        return path.is_dir() and (not writable or os.access(path, os.W_OK | os.X_OK))
     parent = next(p for p in path.parents if p.exists())
     return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
 
@@ -381,7 +384,10 @@ def _ema_device(value):
 SWITCH, CHOICE, TEXT = Accepts("on or off"), Accepts("one of its choices"), Accepts("any text")
 EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK), True)
 READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK), True)
-FOLDER_TO_WRITE = Accepts("a folder, existing or to be created, that this user can write", _folder_can_be, True)
+# existing download and class folders may be read-only (a shared model cache, class images all there)
+FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be, True)
+OUTPUT_FOLDER = Accepts("a folder, existing or to be created, that this user can write",
+                        lambda v: _folder_can_be(v, writable=True), True)
 PROBABILITY = number(0, 1)
 BELOW_ONE = number(0, 1, high_open=True)
 POSITIVE = number(0, low_open=True)
@@ -428,7 +434,7 @@ FLAG_RULES = {
     "offload": SWITCH, "bnb_quantization_config_path": READABLE_FILE, "do_fp8_training": SWITCH,
     "remote_text_encoder": SWITCH, "fsdp_text_encoder": SWITCH,
     "remote_text_encoder_url": Accepts("an http(s) URL", lambda v: re.fullmatch(r"https?://[^/\s]+(/\S*)?", v) is not None),
-    "output_dir": FOLDER_TO_WRITE, "overwrite_output_dir": SWITCH, "checkpointing_steps": integer(1),
+    "output_dir": OUTPUT_FOLDER, "overwrite_output_dir": SWITCH, "checkpointing_steps": integer(1),
     "checkpoints_total_limit": integer(1),
     "resume_from_checkpoint": Accepts("a checkpoint folder or 'latest'", _checkpoint_folder, True),
     "upcast_before_saving": SWITCH,
@@ -526,7 +532,7 @@ def validate_args(args):
                          "another folder, pass --overwrite_output_dir, or --resume_from_checkpoint to continue it")
     if args.optimizer == "prodigy" and importlib.util.find_spec("prodigyopt") is None:
         raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
-    if args.push_to_hub and args.report_to in ("wandb", "all") and args.hub_token:
+    if args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")):
         raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
 
@@ -1073,7 +1079,7 @@ class DiskStore:
             return False
         try:
             check_entry_header(path)
-        except (OSError, ValueError, KeyError, TypeError) as e:  # truncated, corrupt or foreign: all mean "recompute"
+        except Exception as e:  # noqa: BLE001 - truncated, corrupt or foreign: all mean "recompute"
             logger.warning(f"cache entry {path} is damaged ({e}); recomputing it", main_process_only=False)
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
@@ -1088,15 +1094,18 @@ class DiskStore:
         if key in self.memory:
             return self.memory[key]
         path = self.path(key)
-        with safe_open(str(path), "pt") as f:
-            value, expected = f.get_tensor("value"), f.metadata()["sha256"]
+        try:
+            with safe_open(str(path), "pt") as f:
+                value, expected = f.get_tensor("value"), f.metadata()["sha256"]
+        except FileNotFoundError:  # only a damaged entry is deleted under a live run (leases keep eviction away)
+            raise TrainingStopped(f"cache entry {path} is gone: another process of this run found it damaged and "
+                                  f"deleted it, or it was removed by hand; {RECOMPUTE_ADVICE}") from None
         if path not in self.verified:
             if tensor_digest(value) != expected:
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
                 raise TrainingStopped(f"cache entry {path} changed on disk since it was written (checksum mismatch: "
-                                      "bit rot, or an edited file); it is deleted, and rerunning the same command "
-                                      "recomputes it (add --resume_from_checkpoint latest to keep the steps done)")
+                                      f"bit rot, or an edited file); it is deleted: {RECOMPUTE_ADVICE}")
             self.verified.add(path)
         self.mark_used(path)
         return value
@@ -1330,9 +1339,12 @@ def safetensors_header(path):
         if not 2 <= length <= 100 << 20:
             raise ValueError(f"not a safetensors file (header length {length})")
         header = json.loads(f.read(length))
-    if not isinstance(header, dict):
+    tensors = [t for k, t in header.items() if k != "__metadata__"] if isinstance(header, dict) else None
+    if tensors is None or not isinstance(header.get("__metadata__", {}), dict) or not all(
+            isinstance(t, dict) and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+            and all(isinstance(o, int) for o in t["data_offsets"]) for t in tensors):
         raise ValueError("not a safetensors file")
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    end = max((t["data_offsets"][1] for t in tensors), default=0)
     if os.path.getsize(path) != 8 + length + end:
         raise ValueError(f"{os.path.getsize(path)} bytes where its header says {8 + length + end}: cut short?")
     return header
@@ -1818,18 +1830,24 @@ def check_model_fit(args):
     from diffusers import Flux2Transformer2DModel
 
     config = component_config(args, "transformer")
-    if not args.remote_text_encoder:  # the remote encoder serves [dev]'s default layers
+    # the remote encoder serves [dev]'s default layers; a --from_manifest run uses no text encoder (its manifest's
+    # prompt identity pins the layers), so it may not even have one
+    if not (args.remote_text_encoder or args.from_manifest):
         text = component_config(args, "text_encoder")
         text = text.get("text_config", text)  # [dev]'s Mistral 3 nests its language model's config
-        depth, width = text["num_hidden_layers"], text["hidden_size"]
+        try:
+            depth, width, joint = text["num_hidden_layers"], text["hidden_size"], config["joint_attention_dim"]
+        except (KeyError, TypeError) as e:
+            raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: its text_encoder "
+                             f"or transformer config lacks {e}") from None
         layers = args.text_encoder_out_layers
         if max(layers) > depth:
             raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder has layers 0 "
                              f"to {depth} (0: its embeddings)")
-        if len(layers) * width != config["joint_attention_dim"]:
+        if len(layers) * width != joint:
             raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: {len(layers)} layers of width "
-                             f"{width} make {len(layers) * width} features; this transformer takes "
-                             f"{config['joint_attention_dim']} ({config['joint_attention_dim'] // width} layers)")
+                             f"{width} make {len(layers) * width} features; this transformer takes {joint} "
+                             f"({joint // width} layers)")
     with init_empty_weights():
         model = Flux2Transformer2DModel.from_config(config)
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
@@ -1895,7 +1913,7 @@ def checkpoint_problem(folder):
         return f"{name} is missing"
     except OSError as e:
         return f"{name} cannot be read ({e.strerror or e})"
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         return f"{name} is damaged ({type(e).__name__}: {e})"
     return None
 
@@ -2905,10 +2923,11 @@ def save_checkpoint(args, accelerator, run, global_step):
 
 
 def state_fit_problem(saved, expected):
-    """Saved tensors (name -> tensor) against what the model has (name -> shape) -> what differs, or None."""
+    """Saved tensors (name -> tensor) against what the model has (name -> shape, or None where the model cannot tell)
+    -> what differs, or None."""
     missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
     resized = [f"{n} {tuple(saved[n].shape)} vs {tuple(expected[n])}" for n in sorted(set(saved) & set(expected))
-               if tuple(saved[n].shape) != tuple(expected[n])]
+               if expected[n] is not None and tuple(saved[n].shape) != tuple(expected[n])]
     parts = [f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
              f"{len(unexpected)} it has and this model has not (e.g. {unexpected[0]})" if unexpected else "",
              f"{len(resized)} of another shape (e.g. {resized[0]})" if resized else ""]
@@ -2927,11 +2946,13 @@ def load_checkpoint(checkpoint, accelerator, run):
     if lora is None:
         lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
     fsdp = is_fsdp(accelerator)
-    if fsdp:  # saved names -> this run's parameter names (global shapes: DTensor.shape is the full one)
+    if fsdp:  # saved names -> this run's parameter names; FSDP2's DTensor.shape is the full shape, FSDP1's flat
+        from torch.distributed.tensor import DTensor  # shards have none: names only there
+
         params = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n): p
                   for n, p in run.transformer.named_parameters() if p.requires_grad}
         names = {n.replace(".default.", "."): n for n in params}
-        expected = {k: params[n].shape for k, n in names.items()}
+        expected = {k: params[n].shape if isinstance(params[n], DTensor) else None for k, n in names.items()}
     else:
         from peft.utils import get_peft_model_state_dict
 
@@ -2940,6 +2961,9 @@ def load_checkpoint(checkpoint, accelerator, run):
     if problem is None and run.ema is not None and training.get("ema") is not None:
         ema_problem = state_fit_problem(training["ema"]["shadow"], {n: v.shape for n, v in run.ema.shadow.items()})
         problem = ema_problem and f"its EMA: {ema_problem}"
+    saved_groups = [len(g["params"]) for g in training["optimizer"].get("param_groups", [])]
+    if problem is None and not fsdp and saved_groups != [len(g["params"]) for g in run.optimizer.param_groups]:
+        problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
     if problem:
         raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
                          f"({problem}); was it trained with another --rank, --lora_layers or model?")
@@ -2959,7 +2983,9 @@ def load_checkpoint(checkpoint, accelerator, run):
             run.ema.load_state_dict(training["ema"])
         if accelerator.scaler is not None and training["scaler"] is not None:
             accelerator.scaler.load_state_dict(training["scaler"])
-    except (KeyError, ValueError, RuntimeError, TypeError) as e:  # e.g. an optimizer of other parameter groups
+    except torch.OutOfMemoryError:
+        raise
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:  # e.g. another optimizer's state (AdamW vs Prodigy)
         raise UsageError(f"--resume_from_checkpoint {checkpoint}: its training state does not fit this run "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     rng_file = checkpoint / f"rng-{accelerator.process_index}.json"

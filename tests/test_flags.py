@@ -186,6 +186,20 @@ def test_lora_layers_and_text_encoder_layers_are_checked_against_the_models_conf
         T.check_model_fit(args)
 
 
+def test_a_sourceless_run_needs_no_text_encoder_not_even_its_config(tiny_model, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    shutil.rmtree(model / "text_encoder")
+    args = T.parse_args(["--pretrained_model_name_or_path", str(model), "--instance_data_dir", str(tmp_path),
+                         "--instance_prompt", "p", "--text_encoder_out_layers", "1", "2"])
+    with pytest.raises(T.UsageError, match="cannot read its text_encoder config"):
+        T.check_model_fit(args)
+    args.from_manifest = str(tmp_path / "dataset_manifest.json")
+    T.check_model_fit(args)  # the manifest's prompt identity pins the layers
+
+
 @pytest.mark.parametrize("extra, warning", [
     (["--caption_dropout", "0.8"], "most instance samples train on the empty prompt"),
     (["--with_prior_preservation", "--class_prompt", "c", "--class_data_dir", "c", "--prior_loss_weight", "0"],
@@ -304,6 +318,10 @@ def test_a_checkpoint_of_another_rank_or_targets_is_refused_before_anything_chan
             T.load_checkpoint(checkpoint, accelerator, other)
         after = dict(transformer.named_parameters())
         assert all(torch.equal(after[n], v) for n, v in before.items())
+    params = list(run.named_params.values())  # the same LoRA, its optimizer in two parameter groups
+    split = T.dataclasses.replace(run, optimizer=torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}]))
+    with pytest.raises(T.UsageError, match=r"its optimizer holds \[\d+\] parameters per group"):
+        T.load_checkpoint(checkpoint, accelerator, split)
 
 
 def test_state_fit_problem_names_missing_unexpected_and_resized_tensors():
@@ -312,6 +330,9 @@ def test_state_fit_problem_names_missing_unexpected_and_resized_tensors():
     assert problem == ("1 tensors missing (e.g. c); 1 it has and this model has not (e.g. extra); "
                        "1 of another shape (e.g. b (4,) vs (5,))")
     assert T.state_fit_problem(saved, {k: v.shape for k, v in saved.items()}) is None
+    # FSDP1's flat shards have no full shape: names are compared, shapes are not
+    assert T.state_fit_problem(saved, {"a": None, "b": None, "extra": None}) is None
+    assert T.state_fit_problem(saved, {"a": None, "b": None}) == "1 it has and this model has not (e.g. extra)"
 
 
 def test_latest_without_checkpoints_starts_from_scratch(tmp_path, caplog):

@@ -1,6 +1,7 @@
 """CPU unit tests of the pure helpers: buckets, transforms, dataset, sampler, collate, caches, loss, state."""
 
 import itertools
+import json
 import random
 
 import pytest
@@ -307,6 +308,19 @@ def test_disk_store_round_trip_atomic_and_damage_is_recomputed_or_stops_the_run(
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(b"not a safetensors file")
     assert "k" not in T.DiskStore(tmp_path, digest)
+    for header in ({"__metadata__": "x", "value": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+                   {"value": {"dtype": "F32", "shape": [1], "data_offsets": [4]}}, ["value"]):
+        text = json.dumps(header).encode()
+        path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(4))
+        assert "k" not in T.DiskStore(tmp_path, digest) and not path.exists()  # foreign: warned, deleted, recomputed
+
+    shared = T.DiskStore(tmp_path, digest)
+    shared["k"] = value
+    other = T.DiskStore(tmp_path, digest)  # another process of the run
+    assert "k" in other
+    path.unlink()  # the first process found it damaged and deleted it
+    with pytest.raises(T.TrainingStopped, match="is gone: another process of this run found it damaged"):
+        other["k"]
 
 
 def test_draw_latents_mode_and_posterior_sample():
@@ -386,6 +400,7 @@ def _args(*extra):
     (["--with_prior_preservation", "--class_data_dir", "c"], "--class_prompt"),
     (["--with_prior_preservation", "--class_prompt", "c"], "--class_data_dir"),
     (["--do_fp8_training", "--bnb_quantization_config_path", "{config}"], "exclude each other"),
+    (["--push_to_hub", "--hub_token", "hf_x", "--report_to", "tensorboard,wandb"], "could leak the token"),
 ])
 def test_flags_that_do_not_go_together_are_named(extra, message, tmp_path):
     """Each flag on its own is tested in test_flags.py; these are combinations."""
