@@ -28,7 +28,7 @@ from a cold disk adds the same read time to "before" and "cold".
     python benchmarks/startup.py                  # 10,000 images in /tmp/startup-bench-images (~15 GB, kept for reuse)
     python benchmarks/startup.py --sizes 100 1000 # smaller folders only
     python benchmarks/startup.py --tiny           # 4 small images, seconds: the CI smoke test
-    python benchmarks/startup.py --no-first-step  # the scan table only
+    python benchmarks/startup.py --no-first-step  # the scan table only (--no-scan: the other one)
     rm -rf /tmp/startup-bench-images              # when done
 
 The parent process never imports torch, numpy or Pillow: a child's ru_maxrss starts at its parent's RSS (Linux keeps
@@ -238,6 +238,7 @@ def main():
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="folder sizes (default 100 1000 10000)")
     parser.add_argument("--no-first-step", dest="first_step", action="store_false",
                         help="skip the second table (the whole script to its first step)")
+    parser.add_argument("--no-scan", dest="scan", action="store_false", help="skip the first table (the scan alone)")
     parser.add_argument("--images", type=Path, default=Path(tempfile.gettempdir(), "startup-bench-images"),
                         help="where the generated images are kept and reused")
     opts = parser.parse_args()
@@ -254,11 +255,12 @@ def main():
               f"({time.perf_counter() - started:.0f} s to generate or find); {os.cpu_count()} cores, {cpu_name()}\n")
         head = (f"{'images':>6} {'scenario':<8} {'decoded':>7} {'unchanged':>9} {'scan s':>8} {'process s':>9} "
                 f"{'peak RSS MiB':>12} {'imports MiB':>11}")
-        print(head + "\n" + "-" * len(head))
+        if opts.scan:
+            print(head + "\n" + "-" * len(head))
         for n in sizes:
             folder, cache = tmp / f"n{n}", tmp / f"cache-{n}"
             subset(pool, folder, n)
-            for mode in ("before", "cold", "warm"):
+            for mode in ("before", "cold", "warm") if opts.scan else ():
                 r = child("scan", mode, folder, cache)
                 print(f"{n:>6} {mode:<8} {r['decoded']:>7} {r['unchanged']:>9} {r['seconds']:>8.2f} {r['process']:>9.1f} "
                       f"{r['peak_mib']:>12.0f} {r['imports_mib']:>11.0f}")
