@@ -275,6 +275,7 @@ def _memory_flags(p):
     g = p.add_argument_group("memory")
     g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it encodes or decodes.")
     g.add_argument("--bnb_quantization_config_path", default=None, help="JSON of a bitsandbytes config (e.g. {\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}): quantised frozen transformer (QLoRA). CUDA only.")
+    g.add_argument("--blocks_to_swap", type=int, default=0, help="Keep the frozen weights of the transformer's last N blocks in pinned host memory and copy each to the GPU just before it runs, forward and backward, overlapped with the previous block's compute (at most 2 on the GPU at once). Needs CUDA and --gradient_checkpointing; not under FSDP. [dev] has 56 blocks, [klein] 4B 25, 9B 32.")
     g.add_argument("--do_fp8_training", action="store_true", help="torchao float8 training of the transformer's linear layers. CUDA, compute capability >= 8.9.")
     g.add_argument("--remote_text_encoder", action="store_true", help="[dev]: compute prompt embeddings with the Hugging Face remote text encoder instead of loading the 24B model (uses your Hub login).")
     g.add_argument("--fsdp_text_encoder", action="store_true", help="Shard the text encoder over the processes with FSDP while prompts are encoded (each holds 1/N of it).")
@@ -431,7 +432,7 @@ FLAG_RULES = {
     "seed": integer(0, 2**32 - 1),  # numpy's legacy seeding (accelerate's set_seed) takes 32 bits
     "mixed_precision": CHOICE, "allow_tf32": SWITCH, "compile": SWITCH,
     "attention_backend": Accepts("a usable attention backend", lambda v: check_attention_backend(v) is None),
-    "offload": SWITCH, "bnb_quantization_config_path": READABLE_FILE, "do_fp8_training": SWITCH,
+    "offload": SWITCH, "bnb_quantization_config_path": READABLE_FILE, "do_fp8_training": SWITCH, "blocks_to_swap": integer(0),
     "remote_text_encoder": SWITCH, "fsdp_text_encoder": SWITCH,
     "remote_text_encoder_url": Accepts("an http(s) URL", lambda v: re.fullmatch(r"https?://[^/\s]+(/\S*)?", v) is not None),
     "output_dir": OUTPUT_FOLDER, "overwrite_output_dir": SWITCH, "checkpointing_steps": integer(1),
@@ -530,10 +531,24 @@ def validate_args(args):
             and args.resume_from_checkpoint is None):
         raise UsageError(f"--output_dir {args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose "
                          "another folder, pass --overwrite_output_dir, or --resume_from_checkpoint to continue it")
+    if args.blocks_to_swap:
+        check_block_swap(args, torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true")
     if args.optimizer == "prodigy" and importlib.util.find_spec("prodigyopt") is None:
         raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
     if args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")):
         raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
+
+
+def check_block_swap(args, cuda, fsdp):
+    """--blocks_to_swap refusals that need no model (the block count is checked against the config later)."""
+    if not cuda:
+        raise UsageError("--blocks_to_swap needs a CUDA GPU: it moves blocks between pinned host memory and the GPU")
+    if fsdp:
+        raise UsageError("--blocks_to_swap does not work under FSDP, which already splits every block over the "
+                         "GPUs; use one or the other")
+    if not args.gradient_checkpointing:
+        raise UsageError("--blocks_to_swap needs --gradient_checkpointing: without it autograd keeps every block's "
+                         "weights for the backward pass, so swapped blocks could not leave the GPU")
 
 
 def surprising_values(args):
@@ -1573,6 +1588,68 @@ def describe_lora(modules, num_params, rank):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Pure helpers: block swapping
+
+
+class SwapSchedule:
+    """--blocks_to_swap N: which of the transformer's blocks have their frozen weights on the device, driven by the
+    events of a pass. Blocks are numbered in execution order (double-stream, then single-stream); the last N swap.
+    Each event returns actions for the mover: ("load", i) starts copying block i in (asynchronously, on a side
+    stream), ("wait", i) holds compute until block i is in, ("evict", i) drops block i's device copy (the frozen
+    weights never change, so nothing is copied back).
+
+    Forward: block i+1 is copied while block i computes. Backward runs the blocks in reverse: the block the forward
+    ended with stays for it, and block i-1 is copied while block i's backward (with gradient checkpointing, its
+    recomputation included) runs. The first swapped block stays between passes, the next forward starts with it.
+    So at most two swapped blocks are on the device at once: a peak N - 2 blocks below keeping all of them."""
+
+    def __init__(self, num_blocks, blocks_to_swap):
+        self.swapped = range(num_blocks - blocks_to_swap, num_blocks)
+        self.resident = set()  # swapped blocks on the device or on their way there
+        self.backward_block = None  # whose backward runs now: a forward of this block is its recomputation
+        self.peak = 0
+
+    def _bring(self, i, wait):
+        actions = []
+        if i in self.swapped and i not in self.resident:
+            self.resident.add(i)
+            self.peak = max(self.peak, len(self.resident))
+            actions.append(("load", i))
+        if wait and i in self.swapped:
+            actions.append(("wait", i))
+        return actions
+
+    def _drop(self, blocks):
+        gone = sorted(blocks & self.resident)
+        self.resident -= set(gone)
+        return [("evict", i) for i in gone]
+
+    def begin_pass(self):
+        """The transformer's forward starts (a training step or a sampling step)."""
+        self.backward_block = None
+        first = self.swapped.start
+        return self._drop(self.resident - {first}) + self._bring(first, wait=False)
+
+    def before_block(self, i):
+        if i == self.backward_block:  # gradient checkpointing recomputes block i inside its backward
+            return self._bring(i, wait=True)
+        return self._bring(i, wait=True) + self._bring(i + 1, wait=False)
+
+    def after_block(self, i, training):
+        if i == self.backward_block or i not in self.swapped:
+            return []
+        if training and i == self.swapped[-1]:  # the backward pass starts with this block
+            return []
+        return self._drop({i})
+
+    def before_backward(self, i):
+        """Block i's backward is about to run, so every later block's backward has finished."""
+        self.backward_block = i
+        done = {j for j in self.resident if j > i and j != self.swapped.start}
+        return self._drop(done) + self._bring(i, wait=True) + self._bring(i - 1, wait=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # FLUX.2 model pieces
 
 
@@ -1850,6 +1927,10 @@ def check_model_fit(args):
                              f"({joint // width} layers)")
     with init_empty_weights():
         model = Flux2Transformer2DModel.from_config(config)
+    blocks = len(transformer_blocks(model))
+    if args.blocks_to_swap > blocks:
+        raise UsageError(f"--blocks_to_swap {args.blocks_to_swap}: this transformer has {blocks} blocks "
+                         f"({model.config.num_layers} double-stream, {model.config.num_single_layers} single-stream)")
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
     targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
     problems = unusable_lora_targets(targets, kinds)
@@ -2681,12 +2762,16 @@ def prepare_transformer(args, accelerator, transformer):
     from peft import LoraConfig
 
     transformer.requires_grad_(False)
-    if not args.bnb_quantization_config_path:
-        transformer.to(accelerator.device)
-    else:
+    # The whole model goes to the device now, unless part of it must never be there at once: swapped blocks (placed
+    # below, once their LoRA exists) and FSDP (which moves and shards one wrapped block at a time, so no GPU holds
+    # more than its shards plus one block). Quantised weights are on the GPU already.
+    place_later = args.blocks_to_swap > 0 or is_fsdp(accelerator)
+    if args.bnb_quantization_config_path:
         from peft import prepare_model_for_kbit_training
 
         transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
+    elif not place_later:
+        transformer.to(accelerator.device)
     if args.do_fp8_training:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -2701,6 +2786,13 @@ def prepare_transformer(args, accelerator, transformer):
                                      init_lora_weights="gaussian", target_modules=targets))
     logger.info(describe_lora(adapted_modules(transformer), sum(p.numel() for p in transformer.parameters()
                                                                 if p.requires_grad), args.rank))
+    if args.blocks_to_swap:
+        transformer.block_swapper = BlockSwapper(transformer, args.blocks_to_swap, accelerator.device)
+        logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "
+                    f"{len(transformer_blocks(transformer))} blocks stay in pinned host memory; at most 2 of them "
+                    "are on the GPU at once")
+    if args.blocks_to_swap and not args.bnb_quantization_config_path:
+        transformer.to(accelerator.device)
     if args.attention_backend != "native":
         transformer.set_attention_backend(args.attention_backend)
     if args.compile:
@@ -2715,8 +2807,83 @@ def compile_blocks(transformer):
     bucket compiles static shapes; a second shape recompiles once with dynamic shapes, which then serve every
     bucket (at most two compiles per block class and grad mode, whatever the ladder). The LoRA layers inside a
     block are compiled with it; gradient checkpointing and module hooks wrap the block from outside."""
-    for block in (*transformer.transformer_blocks, *transformer.single_transformer_blocks):
+    for block in transformer_blocks(transformer):
         block.forward = torch.compile(block.forward, fullgraph=True)
+
+
+def transformer_blocks(transformer):
+    """The repeated blocks in execution order: double-stream, then single-stream."""
+    return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+
+class BlockSwapper:
+    """--blocks_to_swap: carries out a SwapSchedule with module hooks, so the training loop and the validation
+    pipeline run unchanged. The frozen weights of the swapped blocks live in pinned host memory; their parameters
+    hold an empty tensor except while the schedule has them on the device. LoRA parameters (trainable) stay put, so
+    the optimizer never sees a swap. On a CPU (the tests) "loading" aliases the host copy, and an evicted block
+    that ran would fail on its empty weights: the schedule is exercised exactly as on a GPU."""
+
+    def __init__(self, transformer, blocks_to_swap, device):
+        blocks = transformer_blocks(transformer)
+        self.schedule = SwapSchedule(len(blocks), blocks_to_swap)
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.ready = {}  # block -> CUDA event recorded after its copy
+        self.weights = {}  # block -> [(parameter, host copy)]
+        for i in self.schedule.swapped:
+            pairs = []
+            for param in blocks[i].parameters():
+                if not param.requires_grad:
+                    host = param.data.to("cpu")
+                    pairs.append((param, host.pin_memory() if self.stream is not None else host))
+                    param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            self.weights[i] = pairs
+        transformer.register_forward_pre_hook(lambda module, args: self.carry_out(self.schedule.begin_pass()) and None)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda module, args, i=i: self.carry_out(self.schedule.before_block(i)) and None)
+            block.register_forward_hook(lambda module, args, output, i=i: self.after_block(i, output))
+
+    def after_block(self, i, output):
+        tensors = output if isinstance(output, tuple) else (output,)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        self.carry_out(self.schedule.after_block(i, training))
+        if not training:
+            return None
+        marked = _BeforeBackward.apply(self, i, *tensors)  # its backward runs just before block i's
+        return marked if isinstance(output, tuple) else marked[0]
+
+    def carry_out(self, actions):
+        for action, i in actions:
+            if action == "load":
+                with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                    for param, host in self.weights[i]:
+                        param.data = host.to(self.device, non_blocking=True)
+                    if self.stream is not None:
+                        self.ready[i] = torch.cuda.Event()
+                        self.ready[i].record(self.stream)
+            elif action == "wait" and i in self.ready:
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(self.ready.pop(i))
+                for param, _ in self.weights[i]:  # allocated on the copy stream, used on this one
+                    param.data.record_stream(compute)
+            elif action == "evict":
+                self.ready.pop(i, None)
+                for param, _ in self.weights[i]:
+                    param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on a block's outputs whose backward tells the swapper that block's backward comes next."""
+
+    @staticmethod
+    def forward(ctx, swapper, i, *tensors):
+        ctx.swapper, ctx.block = swapper, i
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.swapper.carry_out(ctx.swapper.schedule.before_backward(ctx.block))
+        return (None, None, *grads)
 
 
 def add_lora(transformer, lora_config):
