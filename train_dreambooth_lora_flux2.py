@@ -143,7 +143,8 @@ BROKEN_ATTENTION_BACKENDS = {
 NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
 OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
               "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
-              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank")
+              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
+              "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2119,10 +2120,18 @@ def generate_class_images(args, accelerator, seed, existing, family):
         args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
         torch_dtype=dtype, cache_dir=args.cache_dir)
     pipeline.tokenizer = load_pipeline_tokenizer(args)
-    if args.offload and torch.cuda.is_available():
-        pipeline.enable_model_cpu_offload(device=accelerator.device)
-    else:
+    sizes = {name: sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers()))
+             for name, c in pipeline.components.items() if isinstance(c, torch.nn.Module)}
+    free = free_gpu_bytes(accelerator.device)
+    placement = pipeline_placement(list(sizes.values()), free, args.offload)
+    if placement == "device":
         pipeline.to(accelerator.device)
+    else:
+        getattr(pipeline, f"enable_{placement}_cpu_offload")(device=accelerator.device)
+        logger.info(f"class images: the pipeline ({human_bytes(sum(sizes.values()))}, the largest model "
+                    f"{human_bytes(max(sizes.values()))}) {'with --offload' if args.offload else 'does not fit'} "
+                    f"{human_bytes(free)} free on the GPU: {placement} CPU offload ("
+                    f"{'one model' if placement == 'model' else 'one layer'} on the GPU at a time)")
     pipeline.set_progress_bar_config(disable=True)
     mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
     batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
@@ -2138,6 +2147,28 @@ def generate_class_images(args, accelerator, seed, existing, family):
             image.save(Path(args.class_data_dir, name))  # names not yet taken: existing images are never replaced
     del pipeline
     accelerator.wait_for_everyone()
+
+
+def free_gpu_bytes(device):
+    """Free memory on a CUDA device (None on any other)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def pipeline_placement(component_bytes, free_bytes, offload):
+    """Where class-image generation puts the pipeline: "device" (all of it on the GPU), "model" (diffusers' model CPU
+    offload: one model on the GPU at a time) or "sequential" (one layer at a time: slow, but fits anything). Without a
+    GPU (free_bytes None) it stays where it is. A fifth more plus 2 GiB is left for activations: e.g. [dev]'s 112 GB
+    pipeline on an 80 GB card gets model offload (its largest model, the 64 GB transformer, fits); on 24 GB,
+    sequential."""
+    if free_bytes is None:
+        return "device"
+
+    def fits(n):
+        return n * 1.2 + 2 * 2**30 <= free_bytes
+
+    if not offload and fits(sum(component_bytes)):
+        return "device"
+    return "model" if fits(max(component_bytes, default=0)) else "sequential"
 
 
 def guidance_scale(args, family):
@@ -3605,14 +3636,14 @@ def main(argv=None):
     for note in surprising_values(args):
         logger.warning(note)
     weight_dtype = weight_dtype_of(accelerator)
-    disk = open_cache(args)
-    data = prepare_data(args, accelerator, disk)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, disk)
-    run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
-    global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
-    start_logging(args, accelerator, run, global_step)
-    try:
+    try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
+        disk = open_cache(args)
+        data = prepare_data(args, accelerator, disk)
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, disk)
+        run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
+        global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
+        start_logging(args, accelerator, run, global_step)
         train(args, accelerator, run, global_step)
         finish(args, accelerator, run)
     except torch.OutOfMemoryError:

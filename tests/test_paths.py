@@ -127,6 +127,7 @@ def test_class_images_use_the_pipelines_steps_and_distilled_klein_its_four(famil
             seen.append(num_inference_steps or default.default)
             return SimpleNamespace(images=[Image.new("RGB", (16, 16))] * len(prompt))
 
+        components = {}
         to = set_progress_bar_config = lambda self, *a, **k: None  # noqa: E731
 
     monkeypatch.setattr(getattr(diffusers, family.pipeline), "from_pretrained", lambda *a, **k: FakePipeline())
@@ -139,6 +140,76 @@ def test_class_images_use_the_pipelines_steps_and_distilled_klein_its_four(famil
                                   is_local_main_process=False, wait_for_everyone=lambda: None)
     T.generate_class_images(args, accelerator, 0, 0, family)
     assert seen == [steps] and len(list(tmp_path.glob("class-*.png"))) == 2
+
+
+GB = 10**9
+
+
+@pytest.mark.parametrize("sizes, free, offload, expected", [
+    ([64 * GB, 48 * GB, 0.2 * GB], None, False, "device"),  # no GPU: stays put
+    ([8 * GB, 8 * GB, 0.2 * GB], 80 * GB, False, "device"),  # [klein] 4B on 80 GB
+    ([8 * GB, 8 * GB, 0.2 * GB], 80 * GB, True, "model"),  # asked for
+    ([64 * GB, 48 * GB, 0.2 * GB], 80 * GB, False, "model"),  # [dev] on 80 GB: 112 GB in all, 64 GB the largest
+    ([64 * GB, 48 * GB, 0.2 * GB], 24 * GB, False, "sequential"),  # [dev] on 24 GB: not even one model fits
+    ([8 * GB, 8 * GB, 0.2 * GB], 18.5 * GB, False, "model"),  # 16.2 GB would fit, not with room for activations
+])
+def test_class_image_pipeline_placement(sizes, free, offload, expected):
+    assert T.pipeline_placement(sizes, free, offload) == expected
+
+
+def test_class_images_choose_offload_when_the_pipeline_does_not_fit(tmp_path, monkeypatch, caplog):
+    import diffusers
+    from PIL import Image
+
+    calls = []
+
+    class FakePipeline:
+        components = {"transformer": torch.nn.Linear(1000, 1000), "text_encoder": torch.nn.Linear(1000, 1000),
+                      "vae": torch.nn.Linear(10, 10), "scheduler": object()}
+
+        def __call__(self, prompt, **kw):
+            return SimpleNamespace(images=[Image.new("RGB", (16, 16))] * len(prompt))
+
+        def to(self, device):
+            calls.append(("to", str(device)))
+
+        def enable_model_cpu_offload(self, device):
+            calls.append(("model", str(device)))
+
+        set_progress_bar_config = lambda self, *a, **k: None  # noqa: E731
+
+    monkeypatch.setattr(diffusers.Flux2Pipeline, "from_pretrained", lambda *a, **k: FakePipeline())
+    monkeypatch.setattr(T, "load_pipeline_tokenizer", lambda args: None)
+    monkeypatch.setattr(T, "logger", logging.getLogger("test"))
+    # two 4 MB models with the margin (2 GiB + a fifth) do not fit 2 GiB + 6 MB free; each alone does
+    monkeypatch.setattr(T, "free_gpu_bytes", lambda device: 2 * 2**30 + 6 * 10**6)
+    args = _args("--with_prior_preservation", "--class_prompt", "a dog", "--class_data_dir", str(tmp_path),
+                 "--num_class_images", "1", "--text_encoder_out_layers", "1", "2")
+    family = T.Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration")
+    accelerator = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1,
+                                  is_local_main_process=False, wait_for_everyone=lambda: None)
+    with caplog.at_level(logging.INFO, logger="test"):
+        T.generate_class_images(args, accelerator, 0, 0, family)
+    assert calls == [("model", "cpu")]
+    assert "does not fit 2.2 GB free on the GPU: model CPU offload" in caplog.text
+    monkeypatch.setattr(T, "free_gpu_bytes", lambda device: 80 * GB)
+    calls.clear()
+    args.num_class_images = 2
+    T.generate_class_images(args, accelerator, 0, 1, family)
+    assert calls == [("to", "cpu")]
+
+
+@pytest.mark.parametrize("stage", ["prepare_data", "precompute", "setup_training"])
+def test_out_of_memory_in_any_stage_gives_the_advice(stage, tiny_model, images, tmp_path, monkeypatch):
+    from tests.conftest import base_args
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB")
+
+    monkeypatch.setattr(T, stage, oom)
+    with pytest.raises(T.TrainingStopped) as stopped:
+        T.main(base_args(tiny_model, images, tmp_path / "out", "--max_train_steps", "1"))
+    assert stopped.value.code == 1 and str(stopped.value) == T.OOM_ADVICE
 
 
 # --------------------------------------------------------------------------------------------- several processes
