@@ -2765,13 +2765,34 @@ def precompute(args, accelerator, data, weight_dtype, disk=None):
 
 def load_transformer_with_lora(args, accelerator, weight_dtype):
     """Frozen transformer in the training dtype with float32 LoRA adapters on --lora_layers."""
-    return prepare_transformer(args, accelerator, load_transformer(args, weight_dtype))
+    return prepare_transformer(args, accelerator, load_transformer(args, weight_dtype, empty=loads_from_rank_0(
+        accelerator, args.bnb_quantization_config_path)))
 
 
-def load_transformer(args, weight_dtype):
-    """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU)."""
+def loads_from_rank_0(accelerator, quantized):
+    """Under FSDP with accelerate's cpu_ram_efficient_loading, only the first process reads the weights: accelerate
+    broadcasts them while it shards (its LoRA initialisation too), so the others build an empty model and a node
+    holds one copy of [dev]'s 64 GB in host memory, not one per process. Quantised weights: accelerate loads them on
+    every process."""
+    plugin = accelerator.state.fsdp_plugin if is_fsdp(accelerator) else None
+    return bool(plugin and plugin.cpu_ram_efficient_loading and not quantized and not accelerator.is_main_process)
+
+
+def load_transformer(args, weight_dtype, empty=False):
+    """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU); empty: its shapes
+    only, on the meta device."""
     from diffusers import Flux2Transformer2DModel
 
+    if empty:
+        from accelerate import init_empty_weights
+
+        logger.info(f"process {PartialState().process_index}: an empty transformer; its weights come from process 0 "
+                    "as FSDP shards (cpu_ram_efficient_loading)", main_process_only=False)
+
+        with init_empty_weights():
+            config = Flux2Transformer2DModel.load_config(args.pretrained_model_name_or_path, subfolder="transformer",
+                                                         revision=args.revision, cache_dir=args.cache_dir)
+            return Flux2Transformer2DModel.from_config(config).to(weight_dtype)
     quantization = None
     if args.bnb_quantization_config_path:  # QLoRA: the frozen base in 4 or 8 bits, LoRA on top in float32
         from diffusers import BitsAndBytesConfig
@@ -2817,6 +2838,8 @@ def prepare_transformer(args, accelerator, transformer):
                                      init_lora_weights="gaussian", target_modules=targets))
     logger.info(describe_lora(adapted_modules(transformer), sum(p.numel() for p in transformer.parameters()
                                                                 if p.requires_grad), args.rank))
+    if is_fsdp(accelerator) and transformer.device.type == "meta":  # lean loading: accelerate hands the optimizer
+        transformer.to_empty(device="cpu")  # the sharded parameters by data pointer, 0 for all meta tensors
     if args.blocks_to_swap:
         transformer.block_swapper = BlockSwapper(transformer, args.blocks_to_swap, accelerator.device)
         logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "

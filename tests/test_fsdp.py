@@ -37,6 +37,7 @@ FORCE_FSDP = textwrap.dedent("""
 
 
 def test_fsdp_trains_checkpoints_and_resumes_like_ddp(tiny_model, images, tmp_path):
+    """The same LoRA as DDP, loading lean (cpu_ram_efficient_loading) or not (the resumed run), and resuming."""
     (tmp_path / "force").mkdir()
     (tmp_path / "force" / "sitecustomize.py").write_text(FORCE_FSDP)
     fsdp_env = {**FSDP_ENV, "PYTHONPATH": f"{tmp_path / 'force'}:{ROOT}"}
@@ -44,8 +45,11 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp(tiny_model, images, tmp_pa
               "--num_validation_images", "1"]
     ddp, fsdp, resumed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
     assert "MULTI_CPU on 2 process(es)" in launch(base_args(tiny_model, images, ddp, *common), num_processes=2).stderr
-    proc = launch(base_args(tiny_model, images, fsdp, *common), num_processes=2, env=fsdp_env)
+    # lean loading: process 1 builds an empty model and receives process 0's weights (and LoRA) while sharding
+    proc = launch(base_args(tiny_model, images, fsdp, *common), num_processes=2,
+                  env={**fsdp_env, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})
     assert "FSDP on 2 process(es)" in proc.stderr
+    assert "process 1: an empty transformer" in proc.stderr and "process 0: an empty" not in proc.stderr
     resumed.mkdir()
     import shutil
 
@@ -78,3 +82,43 @@ def test_fsdp_text_encoder_shards_and_gives_the_same_embeddings(tiny_model, imag
     b = {p.name: load_file(str(p))["value"] for p in (tmp_path / "cache-sharded").rglob("*.safetensors")}
     assert a.keys() == b.keys() and len(a) == 7
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_load_nothing(tiny_model):
+    """Under FSDP no process moves the whole transformer to its device (accelerate shards it one block at a time);
+    without FSDP it is moved. With cpu_ram_efficient_loading, only process 0 reads weights: the others get an empty
+    model whose parameters (LoRA included) have distinct storage, as accelerate's optimizer hand-over needs."""
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    import train_dreambooth_lora_flux2 as T
+
+    PartialState(cpu=True)  # for the logger
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--instance_prompt", "x", "--rank", "2"])
+
+    def accelerator(kind, main=True, lean=False):  # "meta" stands in for the GPU: a move there is visible
+        plugin = SimpleNamespace(cpu_ram_efficient_loading=lean)
+        return SimpleNamespace(device=torch.device("meta"), distributed_type=kind, is_main_process=main,
+                               state=SimpleNamespace(fsdp_plugin=plugin))
+
+    def moves(kind):
+        transformer, calls = T.load_transformer(args, torch.float32), []
+        transformer.to = lambda *a, **k: calls.append((a, k)) or torch.nn.Module.to(transformer, *a, **k)
+        T.prepare_transformer(args, accelerator(kind), transformer)
+        return calls
+
+    assert moves(DistributedType.MULTI_CPU) == [((torch.device("meta"),), {})]
+    assert moves(DistributedType.FSDP) == []
+
+    assert T.loads_from_rank_0(accelerator(DistributedType.FSDP, main=False, lean=True), quantized=None)
+    assert not T.loads_from_rank_0(accelerator(DistributedType.FSDP, main=True, lean=True), quantized=None)
+    assert not T.loads_from_rank_0(accelerator(DistributedType.FSDP, main=False, lean=False), quantized=None)
+    assert not T.loads_from_rank_0(accelerator(DistributedType.FSDP, main=False, lean=True), quantized="nf4.json")
+    assert not T.loads_from_rank_0(accelerator(DistributedType.MULTI_CPU, main=False, lean=True), quantized=None)
+    empty = T.prepare_transformer(args, accelerator(DistributedType.FSDP, main=False, lean=True),
+                                  T.load_transformer(args, torch.float32, empty=True))
+    params = list(empty.parameters())
+    assert {p.device.type for p in params} == {"cpu"} and any(p.requires_grad for p in params)
+    assert len({p.data_ptr() for p in params}) == len(params)
