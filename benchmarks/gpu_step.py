@@ -14,7 +14,10 @@ the card's measured bf16 matmul rate (forward = 2 x block parameters x tokens + 
     python benchmarks/gpu_step.py --memory                # the memory table: 1024 px, batch 1, rank 16
     python benchmarks/gpu_step.py --tiny                  # the same code on a tiny model on the CPU (CI smoke test)
 
-Without a GPU (and without --tiny) it says so and exits 0. Rows that run out of memory are reported as OOM; rows are
+The memory table puts each row's measured peak next to an estimate made without a GPU (`estimate`: exact weight and
+LoRA bytes of the model the script prepares, activations from one forward pass on the meta device) and says which
+of 24, 48 and 80 GB cards the row fits, from the measurement where there is one. Without a GPU (and without --tiny)
+it says so and exits 0; with --memory it then prints the estimated table. Rows that run out of memory are reported as OOM; rows are
 skipped once --budget_s is spent. Results also go to --out (JSON lines) as they come.
 """
 
@@ -26,6 +29,7 @@ import random
 import statistics
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -61,6 +65,7 @@ def parse(argv=None):
     p.add_argument("--precision", default="bf16,fp8", help="bf16, fp8 (--do_fp8_training), nf4 (bitsandbytes 4-bit)")
     p.add_argument("--swap", default="0", help="--blocks_to_swap: numbers, 'half' or 'max'")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--lora_layers", default="default", help="the script's --lora_layers")
     p.add_argument("--baseline", action="store_true", help="add the diffusers example's step as the first row of each "
                    "model: eager, native attention, foreach AdamW, inputs copied synchronously (no prefetch)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per row (the median is reported)")
@@ -72,15 +77,15 @@ def parse(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU: a smoke test of this script")
     args = p.parse_args(argv)
     if args.memory:
-        args.modes, args.attention, args.resolutions, args.batch, args.rank = "eager", "native", "1024", "1", 16
+        args.modes, args.attention, args.batch, args.rank = "eager", "native", "1", 16
+        args.resolutions = "64" if args.tiny else "1024"
         args.precision, args.swap = "bf16,fp8,nf4", "0,half,max"
     if args.tiny:  # tiny defaults where the grid was not given
         for flag, value in (("models", "tiny"), ("resolutions", "32,64"), ("batch", "1,2"), ("modes", "eager")):
             if getattr(args, flag) == p.get_default(flag):
                 setattr(args, flag, value)
         args.attention = ",".join(a for a in args.attention.split(",") if a in ("native", "_native_math")) or "native"
-        args.precision = "bf16"
-        args.swap = ",".join(s for s in args.swap.split(",") if s == "0") or "0"
+        args.precision = "bf16"  # fp8 and NF4 need CUDA; swapping runs on the CPU (copies without a side stream)
         args.steps, args.warmup = min(args.steps, 3), 1
     return args
 
@@ -95,6 +100,8 @@ def rows(args):
         for mode, attention, gc_, res, batch, precision, swap in itertools.product(
                 split(args.modes), split(args.attention), split(args.gc), split(args.resolutions), split(args.batch),
                 split(args.precision), split(args.swap)):
+            if swap != "0" and gc_ == "off":
+                continue  # the script refuses swapping without gradient checkpointing
             yield dict(model=model, mode=mode, attention=attention, gc=gc_, resolution=int(res), batch=int(batch),
                        precision=precision, swap=swap, baseline=False)
 
@@ -103,19 +110,126 @@ def num_blocks(config):
     return config["num_layers"] + config["num_single_layers"]
 
 
-def script_args(row, config, rank):
+def swap_count(swap, config):
+    """--blocks_to_swap for a row's swap: a number, 'half' or 'max' (all blocks but one)."""
+    return {"half": num_blocks(config) // 2, "max": num_blocks(config) - 1}.get(swap) or int(swap)
+
+
+def script_args(row, config, rank, lora_layers="default"):
     """The flags a user would pass for this row, parsed by the script itself."""
-    swap = {"0": 0, "half": num_blocks(config) // 2, "max": num_blocks(config) - 1}.get(row["swap"], None)
+    swap = swap_count(row["swap"], config)
     flags = ["--pretrained_model_name_or_path", "random", "--instance_prompt", "x", "--rank", str(rank),
+             "--lora_layers", lora_layers,
              "--lora_alpha", str(rank), "--attention_backend", row["attention"], "--resolution", str(row["resolution"])]
     flags += ["--compile"] * (row["mode"] == "compile") + ["--gradient_checkpointing"] * (row["gc"] == "on")
     flags += ["--do_fp8_training"] * (row["precision"] == "fp8")
-    swap = int(row["swap"]) if swap is None else swap
     if swap:
         flags += ["--blocks_to_swap", str(swap)]
     args = T.parse_args(flags)
     args.bnb_quantization_config_path = "nf4" if row["precision"] == "nf4" else None  # quantised here, not loaded
     return args
+
+
+GIB = 2**30
+CARDS = (24, 48, 80)  # GB of the cards the README plans for
+NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes NF4: 4 bits a weight + one float32 absmax per block of 64
+
+
+def estimate(row, config, rank, text_tokens, lora_layers="default"):
+    """Peak GPU memory of a row, estimated without a GPU: the row's model is prepared by the script on the meta
+    device (shapes only), so weight and LoRA bytes are counted exactly, and one forward pass records what autograd
+    saves, per block, at the row's shapes. Weights: the resident blocks, plus two swapped ones (SwapSchedule keeps
+    at most two), plus the rest. LoRA: float32 weight, gradient and two AdamW moments. Activations without
+    checkpointing: everything saved, plus one block's worth of gradients in flight; with it: what is saved outside
+    the blocks, each block's inputs (kept for recomputation) and twice the largest block's saved tensors (one block
+    recomputed, its gradients). fp8 (torchao float8 training) keeps bf16 weights and is counted as bf16."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    args = script_args(dict(row, swap="0", mode="eager", gc="off"), config, rank, lora_layers)
+    args.bnb_quantization_config_path, args.do_fp8_training = None, False  # counted here, not applied
+    meta = SimpleNamespace(device=torch.device("meta"), distributed_type=DistributedType.NO, is_main_process=True,
+                           state=SimpleNamespace(fsdp_plugin=None))
+    with torch.device("meta"):
+        transformer = T.prepare_transformer(args, meta, build_transformer(config, "meta", torch.bfloat16, nf4=False))
+    blocks = T.transformer_blocks(transformer)
+
+    def frozen_bytes(module, nf4=False):  # NF4: the blocks' linear weights (the 2-D ones)
+        return sum(p.numel() * (NF4_BYTES if nf4 and p.dim() == 2 else p.element_size())
+                   for p in module.parameters() if not p.requires_grad)
+
+    block_bytes = [frozen_bytes(b, row["precision"] == "nf4") for b in blocks]
+    kept = len(blocks) - swap_count(row["swap"], config)
+    weights = frozen_bytes(transformer) - sum(map(frozen_bytes, blocks))  # embedders, modulation, output layers
+    weights += sum(block_bytes[:kept]) + sum(sorted(block_bytes[kept:])[-2:])
+    host = sum(block_bytes[kept:])  # pinned host memory of the swapped blocks
+    lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+
+    saved, inputs, current = [0] * len(blocks), [0] * len(blocks), [None]
+    seen = set()
+
+    def pack(t):
+        key = (current[0], id(t))
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return t  # weights that a linear layer keeps for its input gradient: resident anyway
+        if key not in seen:
+            seen.add(key)
+            index = current[0] if current[0] is not None else -1
+            if index >= 0:
+                saved[index] += t.numel() * t.element_size()
+            else:
+                outside[0] += t.numel() * t.element_size()
+        return t
+
+    outside = [0]
+    hooks = []
+    for i, block in enumerate(blocks):
+        def pre(module, a, k, i=i):
+            current[0] = i
+            inputs[i] = sum(t.numel() * t.element_size() for t in (*a, *k.values()) if isinstance(t, torch.Tensor)
+                            and t.dim() == 3)  # the hidden states; rotary tables and temb are shared, counted outside
+        hooks.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(block.register_forward_hook(lambda *_: current.__setitem__(0, None)))
+    b, image_tokens = row["batch"], (row["resolution"] // PATCH) ** 2
+    side = row["resolution"] // PATCH
+    with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), unittest.mock.patch(
+            "torch.nn.functional.scaled_dot_product_attention", lambda query, key, value, **_: FusedAttention.apply(query, key, value)):
+        transformer(hidden_states=torch.empty(b, image_tokens, config["in_channels"], dtype=torch.bfloat16),
+                    encoder_hidden_states=torch.empty(b, text_tokens, config["joint_attention_dim"], dtype=torch.bfloat16),
+                    timestep=torch.empty(b), img_ids=torch.empty(b, image_tokens, 4, dtype=torch.long),
+                    txt_ids=torch.empty(b, text_tokens, 4, dtype=torch.long),
+                    guidance=torch.empty(b) if config["guidance_embeds"] else None, return_dict=False)
+    for h in hooks:
+        h.remove()
+    if row["gc"] == "on":
+        activations = outside[0] + sum(inputs) + 2 * max(saved)
+    else:
+        activations = outside[0] + sum(saved) + max(saved)
+    return dict(host_gib=host / GIB, weights_gib=weights / GIB, lora_gib=lora / GIB, activations_gib=activations / GIB,
+                estimate_gib=(weights + lora + activations) / GIB)
+
+
+class FusedAttention(torch.autograd.Function):
+    """Shapes only: what a fused attention kernel (flash, memory-efficient, cuDNN) saves for its backward pass, q, k,
+    v, the output and a float32 log-sum-exp per query. On the meta device PyTorch would take the math path, which
+    saves the [B, heads, N, N] attention matrix (4 GB a block at 1024 px) that no GPU kernel keeps."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("shapes only")
+
+
+def fits(peak_gib):
+    """The cards a peak fits: allocated memory + 10% fragmentation + 1.5 GiB for the CUDA context and workspaces."""
+    need = peak_gib * 1.1 + 1.5
+    return [gb for gb in CARDS if need <= gb * 1e9 / GIB]
 
 
 def build_transformer(config, device, dtype, nf4):
@@ -203,7 +317,7 @@ def cached_inputs(row, config, text_tokens, dtype, seed=0):
 def time_row(row, bench, accelerator, rate):
     config = MODELS[row["model"]]
     dtype = torch.bfloat16
-    args = script_args(row, config, bench.rank)
+    args = script_args(row, config, bench.rank, bench.lora_layers)
     device = accelerator.device
     text_tokens = TEXT_TOKENS.get(row["model"], 512)
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
@@ -276,6 +390,13 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     if not cuda and not bench.tiny:
         print("no CUDA GPU here: nothing measured (run with --tiny for the CPU smoke test)")
+        if bench.memory:
+            from accelerate import PartialState
+
+            PartialState(cpu=True)  # the script's logger needs it
+            print("\n" + table([dict(row, **estimate(row, MODELS[row["model"]], bench.rank,
+                                                     TEXT_TOKENS.get(row["model"], 512), bench.lora_layers)) for row in rows(bench)],
+                                "estimated, not measured (no GPU)", memory=True))
         return 0
     from accelerate import Accelerator
 
@@ -297,12 +418,15 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 - a row that cannot run is reported, the others go on
             result = dict(row, error=f"{type(e).__name__}: {str(e)[:300]}")
         cleanup(accelerator)
+        if bench.memory:
+            result.update(estimate(row, MODELS[row["model"]], bench.rank, TEXT_TOKENS.get(row["model"], 512),
+                                   bench.lora_layers))
         results.append(result)
         print(line(result), flush=True)
         if out:
             out.write(json.dumps(dict(result, device=device_name, date=time.strftime("%Y-%m-%d"))) + "\n")
             out.flush()
-    print("\n" + table(results, device_name))
+    print("\n" + table(results, device_name, bench.memory))
     return 1 if bench.tiny and any("error" in r for r in results) else 0  # the CI smoke test fails on any error
 
 
@@ -312,10 +436,13 @@ def line(r):
         return f"{describe(r)}  {r['error']}{peak}"
     peak = f"{r['peak_gib']:6.1f} GiB" if r["peak_gib"] is not None else "     - GiB"
     mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] else "    -"
-    return f"{describe(r)}  {r['s_per_step']:8.3f} s/it  {peak}  MFU {mfu}  (warm-up {r['warmup_s']:.0f} s)"
+    estimated = f"  estimate {r['estimate_gib']:.1f} GiB" if "estimate_gib" in r else ""
+    return f"{describe(r)}  {r['s_per_step']:8.3f} s/it  {peak}  MFU {mfu}  (warm-up {r['warmup_s']:.0f} s){estimated}"
 
 
-def table(results, device_name):
+def table(results, device_name, memory=False):
+    if memory:
+        return memory_table(results, device_name)
     head = "| model | step | attention | grad ckpt | px | batch | precision | swap | s/it | peak GiB | MFU |"
     lines = [f"{device_name}, {time.strftime('%Y-%m-%d')}", head, "|" + "---|" * 11]
     for r in results:
@@ -326,6 +453,30 @@ def table(results, device_name):
         else:
             cells += [f"{r['s_per_step']:.3f}", f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-",
                       f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(results, device_name):
+    """The memory grid: measured peak (where a GPU ran the row) next to the estimate, and the cards the row fits,
+    from the measured peak where there is one (marked m), else from the estimate (marked e)."""
+    head = ("| model | precision | grad ckpt | swap | s/it | peak GiB | estimate GiB (weights + LoRA + activations) "
+            "| pinned host GiB | fits |")
+    lines = [f"{device_name}, {time.strftime('%Y-%m-%d')}, 1024 px unless noted", head, "|" + "---|" * 9]
+    for r in results:
+        measured = r.get("peak_gib") if "error" not in r else None
+        speed = r["error"] if "error" in r else f"{r['s_per_step']:.3f}" if "s_per_step" in r else "-"
+        estimated = (f"{r['estimate_gib']:.1f} ({r['weights_gib']:.1f} + {r['lora_gib']:.1f} + "
+                     f"{r['activations_gib']:.1f})")
+        if r.get("error") == "OOM":
+            cards = "none (OOM)" if torch.cuda.is_available() else "-"
+        else:
+            cards = ", ".join(f"{gb} GB" for gb in fits(measured if measured is not None else r["estimate_gib"]))
+            cards = f"{cards or 'none'} ({'m' if measured is not None else 'e'})"
+        swap = r["swap"] if r["swap"] == "0" else f"{r['swap']} ({swap_count(r['swap'], MODELS[r['model']])})"
+        model = r["model"] + ("" if r["resolution"] == 1024 else f" {r['resolution']} px")
+        cells = [model, r["precision"], r["gc"], swap, speed, f"{measured:.1f}" if measured is not None else "-",
+                 estimated, f"{r['host_gib']:.1f}", cards]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
