@@ -76,10 +76,12 @@ def parse(argv=None):
                    "bf16/fp8/nf4 x gradient checkpointing x --blocks_to_swap 0/half/max")
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU: a smoke test of this script")
     args = p.parse_args(argv)
-    if args.memory:
-        args.modes, args.attention, args.batch, args.rank = "eager", "native", "1", 16
-        args.resolutions = "64" if args.tiny else "1024"
-        args.precision, args.swap = "bf16,fp8,nf4", "0,half,max"
+    if args.memory:  # the memory grid where the flags were not given
+        grid = dict(modes="eager", attention="native", batch="1", resolutions="64" if args.tiny else "1024",
+                    precision="bf16,fp8,nf4", swap="0,half,max")
+        for flag, value in grid.items():
+            if getattr(args, flag) == p.get_default(flag):
+                setattr(args, flag, value)
     if args.tiny:  # tiny defaults where the grid was not given
         for flag, value in (("models", "tiny"), ("resolutions", "32,64"), ("batch", "1,2"), ("modes", "eager")):
             if getattr(args, flag) == p.get_default(flag):
@@ -100,8 +102,8 @@ def rows(args):
         for mode, attention, gc_, res, batch, precision, swap in itertools.product(
                 split(args.modes), split(args.attention), split(args.gc), split(args.resolutions), split(args.batch),
                 split(args.precision), split(args.swap)):
-            if swap != "0" and gc_ == "off":
-                continue  # the script refuses swapping without gradient checkpointing
+            if swap != "0" and gc_ == "off" or swap_count(swap, MODELS[model]) > num_blocks(MODELS[model]):
+                continue  # the script refuses swapping without gradient checkpointing, or more blocks than exist
             yield dict(model=model, mode=mode, attention=attention, gc=gc_, resolution=int(res), batch=int(batch),
                        precision=precision, swap=swap, baseline=False)
 
@@ -227,9 +229,10 @@ class FusedAttention(torch.autograd.Function):
 
 
 def fits(peak_gib):
-    """The cards a peak fits: allocated memory + 10% fragmentation + 1.5 GiB for the CUDA context and workspaces."""
+    """The cards a peak fits: allocated memory + 10% fragmentation + 1.5 GiB for the CUDA context and workspaces.
+    An "N GB" card holds about N GiB (24,564 MiB on a 24 GB RTX 4090, 81,559 MiB on an 80 GB H100)."""
     need = peak_gib * 1.1 + 1.5
-    return [gb for gb in CARDS if need <= gb * 1e9 / GIB]
+    return [gb for gb in CARDS if need <= gb]
 
 
 def build_transformer(config, device, dtype, nf4):
