@@ -129,6 +129,24 @@ def test_training_with_swapped_blocks_equals_training_without(deep_model, images
     assert all(torch.equal(swapped_lora[k], plain_lora[k]) for k in plain_lora)
 
 
+def test_fp8_weights_swap_like_bf16_ones(deep_model, images, tmp_path):
+    """--do_fp8_training (torchao float8 matmuls, which run on the CPU too) with 3 blocks swapped: the swapped
+    blocks' layers are float8 ones, and training equals fp8 training without swapping bit for bit."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    shapes = [(4, 4), (4, 6)]
+    flags = ("--gradient_checkpointing", "--do_fp8_training")
+    plain = _train(_args(deep_model, images, tmp_path, *flags), deep_model, shapes)
+    args = _args(deep_model, images, tmp_path, *flags, "--blocks_to_swap", "3")
+    swapped = _train(args, deep_model, shapes)
+    assert swapped[0] == plain[0] and all(torch.equal(swapped[1][k], plain[1][k]) for k in plain[1])
+    transformer = T.prepare_transformer(args, __import__("accelerate").Accelerator(cpu=True),
+                                        T.load_transformer(args, torch.float32))
+    last = T.transformer_blocks(transformer)[-1]
+    assert any(isinstance(m, Float8Linear) for m in last.modules())
+    assert all(p.numel() == 0 for p in last.parameters() if not p.requires_grad)  # evicted, as bf16 ones are
+
+
 def test_swapped_blocks_leave_the_device_and_keep_their_weights(deep_model, images, tmp_path):
     from accelerate import Accelerator
 
