@@ -1731,7 +1731,7 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
 # Stages: what they share
 
 
-@dataclass
+@dataclass(frozen=True)  # a misspelt field is an error, not a new attribute
 class Data:
     """What prepare_data settles before any weights load."""
 
@@ -1743,7 +1743,7 @@ class Data:
     loader: torch.utils.data.DataLoader
 
 
-@dataclass
+@dataclass(frozen=True)
 class Caches:
     """Precomputed inputs, on the CPU or on disk (never the GPU): prompt embeddings always; latents and loss masks
     with --cache_latents."""
@@ -1753,7 +1753,7 @@ class Caches:
     masks: SampleCache | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     """What training carries from stage to stage, built once by setup_training. The loop changes the objects
     (weights, optimizer state), never the fields; its counters (step, micro-step, epoch) stay local to train()."""
@@ -2734,6 +2734,8 @@ def missing_entries_message(args, disk, dataset, prompts, latents, needed):
     return (f"--from_manifest {args.from_manifest}: {len(prompts) + len(latents)} of {needed} cache entries are "
             f"missing from {disk.root} (from {', '.join(sources[:10])}{', ...' if len(sources) > 10 else ''}); the "
             f"manifest was written with --precompute_cache_dir {cache}. Train once with the images to fill the cache")
+
+
 def precompute(args, accelerator, data, weight_dtype, disk=None):
     """Prompt embeddings (always) and latents (--cache_latents) -> Caches, the VAE if still needed, its stats.
     SIGTERM/SIGINT stop every process once the batch being written is complete. With the disk cache the run leases
@@ -2744,13 +2746,13 @@ def precompute(args, accelerator, data, weight_dtype, disk=None):
     plan = plan_precompute(args, accelerator, dataset, family, prompt_cache, latent_cache, disk)
     plan.stop = PrecomputeStop()
     try:
-        caches = Caches(prompts=precompute_prompts(args, accelerator, dataset, weight_dtype, family, prompt_cache, plan))
-        caches.latents, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype, latent_cache, plan)
+        prompts = precompute_prompts(args, accelerator, dataset, weight_dtype, family, prompt_cache, plan)
+        latents, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype, latent_cache, plan)
         plan.check(accelerator)  # a signal during the last batch still stops before training
     finally:
         plan.stop.restore()
-    if caches.latents is not None and args.masked_loss:
-        caches.masks = prepare_masks(dataset, caches.latents)
+    masks = prepare_masks(dataset, latents) if latents is not None and args.masked_loss else None
+    caches = Caches(prompts, latents, masks)
     if disk is not None:
         settle_cache(accelerator, disk, plan)
         write_manifest(args, accelerator, dataset, family, identity, plan, disk)

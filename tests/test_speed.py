@@ -157,11 +157,45 @@ def test_prefetched_inputs_equal_a_plain_lookup():
 
 
 def test_fused_adamw_only_on_cuda(tiny_model, images, tmp_path):
+    """Fused AdamW where the accelerator is a CUDA one (a stand-in: the fused kernel also exists on the CPU), not
+    under FSDP, on the CPU, or with the 8-bit optimizer."""
+    from types import SimpleNamespace
+
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    def optimizer(device, kind=DistributedType.NO, *flags):
+        accelerator = SimpleNamespace(device=torch.device(device), distributed_type=kind, num_processes=1)
+        return T.setup_optimizer(_args(tiny_model, images, tmp_path, *flags), [torch.nn.Parameter(torch.zeros(2))],
+                                 accelerator)
 
     param = torch.nn.Parameter(torch.zeros(2))
-    optimizer = T.setup_optimizer(_args(tiny_model, images, tmp_path), [param], Accelerator(cpu=True))
-    assert type(optimizer) is torch.optim.AdamW and not optimizer.defaults["fused"]
+    cpu = T.setup_optimizer(_args(tiny_model, images, tmp_path), [param], Accelerator(cpu=True))
+    assert type(cpu) is torch.optim.AdamW and not cpu.defaults["fused"]
+    assert optimizer("cuda").defaults["fused"] is True
+    assert not optimizer("cuda", DistributedType.FSDP).defaults["fused"]
+    assert type(optimizer("cuda", DistributedType.NO, "--use_8bit_adam")).__name__ == "AdamW8bit"
+
+
+def test_dataloader_workers_default_to_a_share_of_the_cores(monkeypatch):
+    """Decoding overlaps training by default: a share of the cores per process (one left for the loop, at most 8);
+    none with --cache_latents, whose batches are lists of indices; an explicit count always wins."""
+    monkeypatch.setattr(T.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert T.loader_workers(None, False, 1) == 8
+    assert T.loader_workers(None, False, 4) == 3
+    assert T.loader_workers(None, False, 16) == 1
+    assert T.loader_workers(None, True, 1) == 0
+    assert T.loader_workers(2, True, 1) == 2 and T.loader_workers(0, False, 1) == 0
+
+
+def test_run_state_is_typed_and_a_misspelt_field_is_an_error():
+    import dataclasses
+
+    caches = T.Caches(T.SampleCache())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        caches.latent = None  # noqa: B018 - the typo the dataclass must refuse
+    assert {f.name for f in dataclasses.fields(T.Run)} >= {"transformer", "optimizer", "ema", "named_params"}
+    assert all(dataclasses.fields(cls) and cls.__dataclass_params__.frozen for cls in (T.Data, T.Caches, T.Run))
 
 
 def test_gpu_benchmark_tiny_mode_runs_the_script_step():
