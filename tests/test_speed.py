@@ -249,3 +249,18 @@ def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     for gc, measured in (("on", 8.9), ("off", 19.7)):
         assert measured <= estimate(gc=gc, layers=old_default)["estimate_gib"] < 1.1 * measured
     assert G.fits(8.9) == [24, 48, 80] and G.fits(30) == [48, 80] and G.fits(80) == []
+
+
+def test_data_path_benchmark_tiny_mode_shows_one_copy_per_distinct_entry():
+    """benchmarks/step.py --tiny: every scenario runs the script's lookup; a batch of 4 rows sharing one prompt moves
+    one embedding after (16 x 32 bf16 = 1 kB, + 4 latents of 256 B), four before."""
+    proc = subprocess.run([sys.executable, "benchmarks/step.py", "--tiny"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in proc.stdout.splitlines()
+            if line.startswith(("memory ", "disk "))}
+    assert len(rows) == 8
+    for cache in ("memory", "disk"):
+        assert rows[(cache, "4", "shared")][2:4] == ["0.005", "0.002"]
+        assert rows[(cache, "4", "distinct")][2:4] == ["0.005", "0.005"]
+        assert rows[(cache, "1", "shared")][2:4] == ["0.001", "0.001"]
