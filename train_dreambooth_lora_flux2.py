@@ -2863,8 +2863,11 @@ def compile_blocks(transformer):
     bucket compiles static shapes; a second shape recompiles once with dynamic shapes, which then serve every
     bucket (at most two compiles per block class and grad mode, whatever the ladder). The LoRA layers inside a
     block are compiled with it; gradient checkpointing and module hooks wrap the block from outside."""
-    for block in transformer_blocks(transformer):
+    blocks = transformer_blocks(transformer)
+    for block in blocks:
         block.forward = torch.compile(block.forward, fullgraph=True)
+    logger.info(f"--compile: {len(blocks)} blocks compile at their first use (the first step and the first "
+                "validation are slower; a second bucket shape compiles once more)")
 
 
 def transformer_blocks(transformer):

@@ -4,6 +4,7 @@ AdamW on CUDA only, and the GPU benchmark's --tiny mode runs the script's own st
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 
@@ -264,3 +265,26 @@ def test_data_path_benchmark_tiny_mode_shows_one_copy_per_distinct_entry():
         assert rows[(cache, "4", "shared")][2:4] == ["0.005", "0.002"]
         assert rows[(cache, "4", "distinct")][2:4] == ["0.005", "0.005"]
         assert rows[(cache, "1", "shared")][2:4] == ["0.001", "0.001"]
+
+
+def test_compiled_run_resumes_an_eager_checkpoint_with_checkpointing_and_validation(tiny_model, images, tmp_path):
+    """The whole script with --compile and --gradient_checkpointing, resuming at step 2 from a checkpoint an eager
+    run wrote, with validation (its no-grad graphs) on: the same LoRA as the eager run's 4 steps (rtol 1e-4: inductor
+    reorders float32 sums), so compiled blocks change neither parameter names nor the resumed state."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import launch
+
+    common = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--gradient_checkpointing", "--validation_prompt",
+              "a dog", "--num_validation_images", "1"]
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    launch(base_args(tiny_model, images, eager, *common))
+    compiled.mkdir()
+    shutil.copytree(eager / "checkpoint-2", compiled / "checkpoint-2")
+    proc = launch(base_args(tiny_model, images, compiled, *common, "--compile", "--resume_from_checkpoint", "latest"))
+    assert "at step 2" in proc.stderr and "--compile: 2 blocks compile" in proc.stderr and (compiled / "validation" / "final-0.png").is_file()
+    reference, ours = (load_file(str(out / "pytorch_lora_weights.safetensors")) for out in (eager, compiled))
+    assert ours.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-6)
+    assert not torch.equal(ours[name], load_file(str(eager / "checkpoint-2" / "pytorch_lora_weights.safetensors"))[name])
