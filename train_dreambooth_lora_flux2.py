@@ -600,6 +600,8 @@ def attention_backend_problem(name):
         _check_attention_backend_requirements(AttentionBackendName(name))
     except (RuntimeError, ValueError, ImportError) as e:
         return str(e)
+    if name == "flex" and not torch.cuda.is_available():
+        return "needs a CUDA GPU (FlexAttention has no backward pass on the CPU)"
     if name not in ("native", "_native_math", "flex") and not torch.cuda.is_available():
         return "needs a CUDA GPU"
     return None

@@ -83,7 +83,7 @@ def parse(argv=None):
             if getattr(args, flag) == p.get_default(flag):
                 setattr(args, flag, value)
     if args.tiny:  # tiny defaults where the grid was not given
-        for flag, value in (("models", "tiny"), ("resolutions", "32,64"), ("batch", "1,2"), ("modes", "eager")):
+        for flag, value in (("models", "tiny"), ("resolutions", "32,64"), ("batch", "1,2")):
             if getattr(args, flag) == p.get_default(flag):
                 setattr(args, flag, value)
         args.attention = ",".join(a for a in args.attention.split(",") if a in ("native", "_native_math")) or "native"

@@ -106,11 +106,12 @@ def test_attention_backend_is_the_one_that_runs(tiny_model, images, tmp_path, mo
     ("flash", "flash-attn"),
     ("xformers", "xformers"),
     ("_native_efficient", "needs a CUDA GPU"),
+    ("flex", "no backward pass on the CPU"),  # it would fail at the first backward
     ("_native_cudnn", "illegal memory access"),  # refused everywhere: it crashed real-shaped training on an H100
 ])
 def test_attention_backend_that_cannot_train_here_is_refused(name, reason, tiny_model, images, tmp_path):
-    if name == "_native_efficient" and torch.cuda.is_available():
-        pytest.skip("a CUDA GPU is here: the memory-efficient kernel is usable")
+    if name in ("_native_efficient", "flex") and torch.cuda.is_available():
+        pytest.skip(f"a CUDA GPU is here: {name} is usable")
     with pytest.raises(T.UsageError) as refused:
         T.validate_args(_args(tiny_model, images, tmp_path, "--attention_backend", name))
     message = str(refused.value)
@@ -200,13 +201,15 @@ def test_run_state_is_typed_and_a_misspelt_field_is_an_error():
 
 
 def test_gpu_benchmark_tiny_mode_runs_the_script_step():
+    """Eager and --compile rows (inductor on the CPU) through the script's own step."""
     proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--tiny", "--steps", "2", "--batch", "1",
-                           "--resolutions", "32", "--gc", "on"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                           "--resolutions", "32", "--gc", "on", "--modes", "eager,compile"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 1 and "| eager | native | on | 32 | 1 | bf16 |" in rows[0]
-    seconds = float(rows[0].split("|")[9])
-    assert seconds > 0
+    assert len(rows) == 2 and "| eager | native | on | 32 | 1 | bf16 |" in rows[0]
+    assert "| compile | native | on | 32 | 1 | bf16 |" in rows[1]
+    assert all(float(row.split("|")[9]) > 0 for row in rows)
 
 
 def test_gpu_benchmark_memory_mode_tiny_runs_swapping_rows_and_estimates(tmp_path):
