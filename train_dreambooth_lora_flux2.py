@@ -1951,84 +1951,6 @@ def resolve_buckets(args):
     return [(args.resolution, args.resolution)]
 
 
-def list_checkpoints(output_dir):
-    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
-    found = []
-    for path in Path(output_dir).glob("checkpoint-*"):
-        m = CHECKPOINT_RE.match(path.name)
-        if m and path.is_dir():
-            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
-                found.append((int(m.group(1)), path))
-            else:
-                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
-    return [p for _, p in sorted(found)]
-
-
-def checkpoint_problem(folder):
-    """Why checkpoint `folder` cannot be resumed from (None: it can): a file missing or unreadable, JSON that does not
-    parse, a tensor file cut short, or a tensor its JSON names that the tensor file lacks. Headers only: a checkpoint
-    is checked in milliseconds, before any model loads. Whether its tensors fit the model is load_checkpoint's test."""
-    folder = Path(folder)
-
-    def tensor_names(skeleton):
-        if isinstance(skeleton, dict):
-            return [skeleton["__tensor__"]] if "__tensor__" in skeleton else [
-                n for _, v in skeleton["__items__"] for n in tensor_names(v)]
-        return [n for v in skeleton for n in tensor_names(v)] if isinstance(skeleton, list) else []
-
-    name = TRAINER_STATE_NAME
-    try:
-        state = json.loads((folder / name).read_text())
-        if not (isinstance(state, dict) and isinstance(state.get("global_step"), int) and state["global_step"] >= 0
-                and isinstance(state.get("seed"), int)):
-            return f"{name} has no global_step and seed"
-        for stem in ("training", *sorted(p.stem for p in folder.glob("rng-*.json"))):
-            name = f"{stem}.json"
-            skeleton = json.loads((folder / name).read_text())
-            name = f"{stem}.safetensors"
-            header = safetensors_header(folder / name)
-            missing = [n for n in tensor_names(skeleton) if n not in header]
-            if missing:
-                return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
-            if stem == "training" and isinstance(skeleton, dict) and "lora" not in dict(skeleton.get("__items__", [])):
-                name = LORA_WEIGHTS_NAME  # written before the raw adapter moved into training.json: the LoRA file
-                safetensors_header(folder / name)
-    except FileNotFoundError:
-        return f"{name} is missing"
-    except OSError as e:
-        return f"{name} cannot be read ({e.strerror or e})"
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-        return f"{name} is damaged ({type(e).__name__}: {e})"
-    return None
-
-
-def find_resume_checkpoint(args):
-    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
-    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint == "latest":
-        found = list_checkpoints(args.output_dir)
-        if not found:
-            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
-            return None
-        for path in reversed(found):
-            problem = checkpoint_problem(path)
-            if problem is None:
-                return path
-            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
-        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
-                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
-                         "away to start from scratch")
-    path = Path(args.resume_from_checkpoint)
-    if not (path / TRAINER_STATE_NAME).is_file():
-        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
-    problem = checkpoint_problem(path)
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
-    return path
-
-
 def agree_seed(args, checkpoint, accelerator):
     """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
     seed = args.seed
@@ -3016,6 +2938,84 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
 # Stage 4: checkpoints
 
 
+def list_checkpoints(output_dir):
+    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        m = CHECKPOINT_RE.match(path.name)
+        if m and path.is_dir():
+            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
+                found.append((int(m.group(1)), path))
+            else:
+                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_problem(folder):
+    """Why checkpoint `folder` cannot be resumed from (None: it can): a file missing or unreadable, JSON that does not
+    parse, a tensor file cut short, or a tensor its JSON names that the tensor file lacks. Headers only: a checkpoint
+    is checked in milliseconds, before any model loads. Whether its tensors fit the model is load_checkpoint's test."""
+    folder = Path(folder)
+
+    def tensor_names(skeleton):
+        if isinstance(skeleton, dict):
+            return [skeleton["__tensor__"]] if "__tensor__" in skeleton else [
+                n for _, v in skeleton["__items__"] for n in tensor_names(v)]
+        return [n for v in skeleton for n in tensor_names(v)] if isinstance(skeleton, list) else []
+
+    name = TRAINER_STATE_NAME
+    try:
+        state = json.loads((folder / name).read_text())
+        if not (isinstance(state, dict) and isinstance(state.get("global_step"), int) and state["global_step"] >= 0
+                and isinstance(state.get("seed"), int)):
+            return f"{name} has no global_step and seed"
+        for stem in ("training", *sorted(p.stem for p in folder.glob("rng-*.json"))):
+            name = f"{stem}.json"
+            skeleton = json.loads((folder / name).read_text())
+            name = f"{stem}.safetensors"
+            header = safetensors_header(folder / name)
+            missing = [n for n in tensor_names(skeleton) if n not in header]
+            if missing:
+                return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
+            if stem == "training" and isinstance(skeleton, dict) and "lora" not in dict(skeleton.get("__items__", [])):
+                name = LORA_WEIGHTS_NAME  # written before the raw adapter moved into training.json: the LoRA file
+                safetensors_header(folder / name)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror or e})"
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        return f"{name} is damaged ({type(e).__name__}: {e})"
+    return None
+
+
+def find_resume_checkpoint(args):
+    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
+    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
+    if args.resume_from_checkpoint is None:
+        return None
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(args.output_dir)
+        if not found:
+            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
+            return None
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
+        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
+                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
+                         "away to start from scratch")
+    path = Path(args.resume_from_checkpoint)
+    if not (path / TRAINER_STATE_NAME).is_file():
+        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
+    return path
+
+
 def lora_state_dict(accelerator, transformer):
     """The adapter's tensors, complete and on the CPU, keyed as diffusers' FLUX.2 LoRA loader expects (before its
     "transformer." prefix). Under FSDP the parameters are shards: they are gathered, a collective every process
@@ -3229,6 +3229,27 @@ def load_checkpoint(checkpoint, accelerator, run):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 5: the loop
+
+
+def start_logging(args, accelerator, run, global_step):
+    """Start the trackers and say what the run is about to do."""
+    if accelerator.is_main_process:
+        accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
+    data, caches = run.data, run.caches
+    logger.info(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
+                f"mixed precision {accelerator.mixed_precision}")
+    logger.info(f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
+                f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
+                f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts"
+                + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
+                   f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
+                   ", images decoded in the main process"))
+
+
+def tracker_config(args):
+    """Flags for the trackers: scalars only, and never the Hub token."""
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
+            if k != "hub_token" and v is not None}
 
 
 @dataclass
@@ -3630,27 +3651,6 @@ def finish(args, accelerator, run):
         write_model_card(args, paths, prompt, run.data.family)
         if args.push_to_hub:
             push_to_hub(args)
-
-
-def start_logging(args, accelerator, run, global_step):
-    """Start the trackers and say what the run is about to do."""
-    if accelerator.is_main_process:
-        accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
-    data, caches = run.data, run.caches
-    logger.info(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
-                f"mixed precision {accelerator.mixed_precision}")
-    logger.info(f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
-                f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
-                f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts"
-                + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
-                   f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
-                   ", images decoded in the main process"))
-
-
-def tracker_config(args):
-    """Flags for the trackers: scalars only, and never the Hub token."""
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
-            if k != "hub_token" and v is not None}
 
 
 # ----------------------------------------------------------------------------------------------------------------
