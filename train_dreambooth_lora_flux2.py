@@ -547,6 +547,10 @@ def check_block_swap(args, cuda, fsdp):
     if fsdp:
         raise UsageError("--blocks_to_swap does not work under FSDP, which already splits every block over the "
                          "GPUs; use one or the other")
+    if args.bnb_quantization_config_path:
+        raise UsageError("--blocks_to_swap does not work with --bnb_quantization_config_path: bitsandbytes' 4- and "
+                         "8-bit layers keep their GPU weights referenced until the backward pass, so a swapped block "
+                         "could not leave the GPU; swap bf16 weights, or quantise without swapping")
     if not args.gradient_checkpointing:
         raise UsageError("--blocks_to_swap needs --gradient_checkpointing: without it autograd keeps every block's "
                          "weights for the backward pass, so swapped blocks could not leave the GPU")
@@ -2771,8 +2775,7 @@ def prepare_transformer(args, accelerator, transformer):
         logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "
                     f"{len(transformer_blocks(transformer))} blocks stay in pinned host memory; at most 2 of them "
                     "are on the GPU at once")
-    if args.blocks_to_swap and not args.bnb_quantization_config_path:
-        transformer.to(accelerator.device)
+        transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
     if args.attention_backend != "native":
         transformer.set_attention_backend(args.attention_backend)
     if args.compile:
@@ -2812,19 +2815,28 @@ class BlockSwapper:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ready = {}  # block -> CUDA event recorded after its copy
-        self.weights = {}  # block -> [(parameter, host copy)]
-        for i in self.schedule.swapped:
-            pairs = []
-            for param in blocks[i].parameters():
-                if not param.requires_grad:
-                    host = param.data.to("cpu")
-                    pairs.append((param, host.pin_memory() if self.stream is not None else host))
-                    param.data = torch.empty(0, dtype=param.dtype, device=self.device)
-            self.weights[i] = pairs
-        transformer.register_forward_pre_hook(lambda module, args: self.carry_out(self.schedule.begin_pass()) and None)
+        self.weights = {i: self.host_copies(blocks[i]) for i in self.schedule.swapped}  # [(parameter, host copy)]
+        transformer.register_forward_pre_hook(lambda module, args: self.carry_out(self.schedule.begin_pass()))
         for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda module, args, i=i: self.carry_out(self.schedule.before_block(i)) and None)
+            block.register_forward_pre_hook(lambda module, args, i=i: self.carry_out(self.schedule.before_block(i)))
             block.register_forward_hook(lambda module, args, output, i=i: self.after_block(i, output))
+
+    def host_copies(self, block):
+        """A block's frozen weights -> views of one host buffer (pinned on CUDA); the parameters keep an empty
+        placeholder. One buffer a block, not one per weight: the pinned allocator rounds every allocation up to a
+        power of two, +58% for [dev]'s 679 MB fused projection, under +10% for a whole block."""
+        params = [p for p in block.parameters() if not p.requires_grad]
+        sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # 64-byte aligned views
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        buffer = buffer.pin_memory() if self.stream is not None else buffer
+        pairs, offset = [], 0
+        for param, size in zip(params, sizes):
+            host = buffer[offset:offset + param.numel() * param.element_size()].view(param.dtype).view(param.shape)
+            host.copy_(param.data)
+            pairs.append((param, host))
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            offset += size
+        return pairs
 
     def after_block(self, i, output):
         tensors = output if isinstance(output, tuple) else (output,)
@@ -2837,18 +2849,23 @@ class BlockSwapper:
 
     def carry_out(self, actions):
         for action, i in actions:
-            if action == "load":
-                with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                    for param, host in self.weights[i]:
-                        param.data = host.to(self.device, non_blocking=True)
-                    if self.stream is not None:
-                        self.ready[i] = torch.cuda.Event()
-                        self.ready[i].record(self.stream)
-            elif action == "wait" and i in self.ready:
+            if action == "load" and self.stream is None:
+                for param, host in self.weights[i]:
+                    param.data = host.to(self.device)
+            elif action == "load":
+                # Allocated in the compute stream's order, so a load reuses the memory of the block evicted last
+                # and at most two swapped blocks hold memory however far the host runs ahead; the copy waits for
+                # the compute that last used that memory (queued up to the block before the one now running).
                 compute = torch.cuda.current_stream(self.device)
-                compute.wait_event(self.ready.pop(i))
-                for param, _ in self.weights[i]:  # allocated on the copy stream, used on this one
-                    param.data.record_stream(compute)
+                targets = [torch.empty_like(host, device=self.device) for _, host in self.weights[i]]
+                self.stream.wait_stream(compute)
+                with torch.cuda.stream(self.stream):
+                    for (param, host), target in zip(self.weights[i], targets):
+                        param.data = target.copy_(host, non_blocking=True)
+                    self.ready[i] = torch.cuda.Event()
+                    self.ready[i].record(self.stream)
+            elif action == "wait" and i in self.ready:
+                torch.cuda.current_stream(self.device).wait_event(self.ready.pop(i))
             elif action == "evict":
                 self.ready.pop(i, None)
                 for param, _ in self.weights[i]:

@@ -118,7 +118,7 @@ def test_training_with_swapped_blocks_equals_training_without(deep_model, images
     plain_losses, plain_lora = _train(_args(deep_model, images, tmp_path, "--gradient_checkpointing"), deep_model, shapes)
     moves, carry_out = [], T.BlockSwapper.carry_out
     monkeypatch.setattr(T.BlockSwapper, "carry_out", lambda self, actions: (
-        moves.extend((a, i) for a, i in actions if a != "wait"), carry_out(self, actions)))
+        moves.extend((a, i) for a, i in actions if a != "wait") or carry_out(self, actions)))
     args = _args(deep_model, images, tmp_path, "--gradient_checkpointing", "--blocks_to_swap", "3")
     swapped_losses, swapped_lora = _train(args, deep_model, shapes)
     # forward: 3 comes while 2 runs, 4 while 3 runs; backward in reverse; each block leaves once its work is done
@@ -179,6 +179,10 @@ def test_swapped_blocks_leave_the_device_and_keep_their_weights(deep_model, imag
     for name, param in named.items():
         if id(param) in host:
             torch.testing.assert_close(host[id(param)], original[name.replace(".base_layer", "")], rtol=0, atol=0)
+    # one host buffer a block (the pinned allocator rounds each allocation up to a power of two), none shared
+    buffers = [{h.untyped_storage().data_ptr() for _, h in swapper.weights[i]} for i in (2, 3, 4)]
+    assert all(len(b) == 1 for b in buffers) and len(set.union(*buffers)) == 3
+    assert sum(len(pairs) for pairs in swapper.weights.values()) == len(host) > 3
 
 
 def test_whole_run_with_swapped_blocks_validates_checkpoints_and_resumes(tiny_model, images, tmp_path, monkeypatch):
@@ -211,6 +215,10 @@ def test_block_swap_refusals(tiny_model, images, tmp_path):
     with pytest.raises(T.UsageError, match="under FSDP"):
         T.check_block_swap(args, cuda=True, fsdp=True)
     T.check_block_swap(args, cuda=True, fsdp=False)
+    args.bnb_quantization_config_path = "nf4.json"  # bitsandbytes' matmuls hold their weights until backward
+    with pytest.raises(T.UsageError, match="does not work with --bnb_quantization_config_path"):
+        T.check_block_swap(args, cuda=True, fsdp=False)
+    args.bnb_quantization_config_path = None
     args.gradient_checkpointing = False
     with pytest.raises(T.UsageError, match="needs --gradient_checkpointing"):
         T.check_block_swap(args, cuda=True, fsdp=False)
