@@ -2056,9 +2056,9 @@ def generate_class_images(args, accelerator, seed, existing, family):
         pipeline.to(accelerator.device)
     else:
         getattr(pipeline, f"enable_{placement}_cpu_offload")(device=accelerator.device)
+        why = "--offload" if args.offload else f"does not fit {human_bytes(free)} free on the GPU"
         logger.info(f"class images: the pipeline ({human_bytes(sum(sizes.values()))}, the largest model "
-                    f"{human_bytes(max(sizes.values()))}) {'with --offload' if args.offload else 'does not fit'} "
-                    f"{human_bytes(free)} free on the GPU: {placement} CPU offload ("
+                    f"{human_bytes(max(sizes.values()))}) {why}: {placement} CPU offload ("
                     f"{'one model' if placement == 'model' else 'one layer'} on the GPU at a time)")
     pipeline.set_progress_bar_config(disable=True)
     mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]

@@ -102,8 +102,9 @@ def rows(args):
         for mode, attention, gc_, res, batch, precision, swap in itertools.product(
                 split(args.modes), split(args.attention), split(args.gc), split(args.resolutions), split(args.batch),
                 split(args.precision), split(args.swap)):
-            if swap != "0" and gc_ == "off" or swap_count(swap, MODELS[model]) > num_blocks(MODELS[model]):
-                continue  # the script refuses swapping without gradient checkpointing, or more blocks than exist
+            if swap != "0" and (gc_ == "off" or precision == "nf4") or swap_count(swap, MODELS[model]) > num_blocks(
+                    MODELS[model]):
+                continue  # the script refuses these: swapping needs checkpointing and bf16 weights, and the blocks
             yield dict(model=model, mode=mode, attention=attention, gc=gc_, resolution=int(res), batch=int(batch),
                        precision=precision, swap=swap, baseline=False)
 
@@ -141,10 +142,11 @@ def estimate(row, config, rank, text_tokens, lora_layers="default"):
     """Peak GPU memory of a row, estimated without a GPU: the row's model is prepared by the script on the meta
     device (shapes only), so weight and LoRA bytes are counted exactly, and one forward pass records what autograd
     saves, per block, at the row's shapes. Weights: the resident blocks, plus two swapped ones (SwapSchedule keeps
-    at most two), plus the rest. LoRA: float32 weight, gradient and two AdamW moments. Activations without
-    checkpointing: everything saved, plus one block's worth of gradients in flight; with it: what is saved outside
-    the blocks, each block's inputs (kept for recomputation) and twice the largest block's saved tensors (one block
-    recomputed, its gradients). fp8 (torchao float8 training) keeps bf16 weights and is counted as bf16."""
+    at most two), plus the rest. LoRA: float32 weight, gradient and two AdamW moments. Activations (a view counted
+    once, with its base) without checkpointing: everything saved, plus one block's worth of gradients in flight;
+    with it: what is saved outside the blocks, each block's inputs (kept for recomputation) and twice the largest
+    block's saved tensors (one block recomputed, its gradients). fp8 (torchao float8 training) keeps bf16 weights
+    and is counted as bf16."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -167,24 +169,22 @@ def estimate(row, config, rank, text_tokens, lora_layers="default"):
     weights += sum(block_bytes[:kept]) + sum(sorted(block_bytes[kept:])[-2:])
     host = sum(block_bytes[kept:])  # pinned host memory of the swapped blocks
     lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+    for p in transformer.parameters():  # bf16, as autocast runs the float32 LoRA layers (it skips meta tensors)
+        p.data = p.data.to(torch.bfloat16) if p.requires_grad else p.data
 
-    saved, inputs, current = [0] * len(blocks), [0] * len(blocks), [None]
-    seen = set()
+    saved, inputs, outside, current, seen = [0] * len(blocks), [0] * len(blocks), [0], [None], set()
 
     def pack(t):
-        key = (current[0], id(t))
-        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-            return t  # weights that a linear layer keeps for its input gradient: resident anyway
-        if key not in seen:
-            seen.add(key)
-            index = current[0] if current[0] is not None else -1
-            if index >= 0:
-                saved[index] += t.numel() * t.element_size()
-            else:
-                outside[0] += t.numel() * t.element_size()
+        base = t if t._base is None else t._base  # a view costs nothing beyond its base
+        if isinstance(base, torch.nn.Parameter) or id(base) in seen:
+            return t  # weights a linear layer keeps for its input gradient (resident anyway), or counted already
+        seen.add(id(base))
+        if current[0] is None:
+            outside[0] += base.numel() * base.element_size()
+        else:
+            saved[current[0]] += base.numel() * base.element_size()
         return t
 
-    outside = [0]
     hooks = []
     for i, block in enumerate(blocks):
         def pre(module, a, k, i=i):
@@ -194,7 +194,6 @@ def estimate(row, config, rank, text_tokens, lora_layers="default"):
         hooks.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(block.register_forward_hook(lambda *_: current.__setitem__(0, None)))
     b, image_tokens = row["batch"], (row["resolution"] // PATCH) ** 2
-    side = row["resolution"] // PATCH
     with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), unittest.mock.patch(
             "torch.nn.functional.scaled_dot_product_attention", lambda query, key, value, **_: FusedAttention.apply(query, key, value)):
         transformer(hidden_states=torch.empty(b, image_tokens, config["in_channels"], dtype=torch.bfloat16),
@@ -323,14 +322,16 @@ def time_row(row, bench, accelerator, rate):
     args = script_args(row, config, bench.rank, bench.lora_layers)
     device = accelerator.device
     text_tokens = TEXT_TOKENS.get(row["model"], 512)
-    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-    transformer = build_transformer(config, device, dtype, row["precision"] == "nf4")
+    # swapped rows start on the CPU, as the script loads them: the whole model never sits on the GPU
+    transformer = build_transformer(config, "cpu" if args.blocks_to_swap else device, dtype, row["precision"] == "nf4")
     transformer = T.prepare_transformer(args, accelerator, transformer)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = T.setup_optimizer(args, params, accelerator)
     if row["baseline"] and device.type == "cuda":  # the example's optimizer: foreach, not fused
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.adam_weight_decay)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    if device.type == "cuda":  # the training peak: the resident weights on, not building or quantising them
+        torch.cuda.reset_peak_memory_stats()
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)

@@ -195,7 +195,7 @@ def test_run_state_is_typed_and_a_misspelt_field_is_an_error():
 
     caches = T.Caches(T.SampleCache())
     with pytest.raises(dataclasses.FrozenInstanceError):
-        caches.latent = None  # noqa: B018 - the typo the dataclass must refuse
+        caches.latent = None  # the typo (latents) the frozen dataclass must refuse
     assert {f.name for f in dataclasses.fields(T.Run)} >= {"transformer", "optimizer", "ema", "named_params"}
     assert all(dataclasses.fields(cls) and cls.__dataclass_params__.frozen for cls in (T.Data, T.Caches, T.Run))
 
@@ -230,7 +230,7 @@ def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     """The estimate on real [klein] 4B shapes (meta device, nothing allocated): swapping N blocks removes N - 2 of
     them from the GPU and puts N in pinned host memory; NF4 weights are about a quarter of bf16; checkpointing keeps
     a fraction of the activations. Against the two rows measured on an H100 (README; the script then adapted
-    to_k, to_q, to_v, to_out.0): 8.9 GiB with checkpointing, 19.7 without; the estimate may err high, by < 10%."""
+    to_k, to_q, to_v, to_out.0): 8.9 GiB with checkpointing, 19.7 without; the estimate may err high, by < 8%."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_step as G
     from accelerate import PartialState
@@ -251,7 +251,7 @@ def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     assert estimate(gc="off")["activations_gib"] > 4 * plain["activations_gib"]
     old_default = "to_k,to_q,to_v,to_out.0"
     for gc, measured in (("on", 8.9), ("off", 19.7)):
-        assert measured <= estimate(gc=gc, layers=old_default)["estimate_gib"] < 1.1 * measured
+        assert measured <= estimate(gc=gc, layers=old_default)["estimate_gib"] < 1.08 * measured
     assert G.fits(8.9) == [24, 48, 80] and G.fits(30) == [48, 80] and G.fits(80) == []
 
 
