@@ -139,63 +139,84 @@ NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes NF4: 4 bits a weight + one float32 absm
 
 
 def estimate(row, config, rank, text_tokens, lora_layers="default"):
-    """Peak GPU memory of a row, estimated without a GPU: the row's model is prepared by the script on the meta
-    device (shapes only), so weight and LoRA bytes are counted exactly, and one forward pass records what autograd
-    saves, per block, at the row's shapes. Weights: the resident blocks, plus two swapped ones (SwapSchedule keeps
-    at most two), plus the rest. LoRA: float32 weight, gradient and two AdamW moments. Activations (a view counted
-    once, with its base) without checkpointing: everything saved, plus one block's worth of gradients in flight;
-    with it: what is saved outside the blocks, each block's inputs (kept for recomputation) and twice the largest
-    block's saved tensors (one block recomputed, its gradients). fp8 (torchao float8 training) keeps bf16 weights
-    and is counted as bf16."""
+    """Peak GPU memory of a row, estimated without a GPU, GiB: weights + LoRA (weight, gradient, two AdamW moments,
+    float32) + activations, and the pinned host memory of the swapped blocks. With checkpointing the activations
+    are what is saved outside the blocks, each block's inputs (kept for recomputation) and twice the largest
+    block's saved tensors (one block recomputed, its gradients); without, everything saved plus one block's worth
+    of gradients in flight."""
+    transformer = meta_model(row, config, rank, lora_layers)
+    weights, host, lora = weight_bytes(transformer, row, config)
+    outside, inputs, saved = saved_bytes(transformer, row, config, text_tokens)
+    if row["gc"] == "on":
+        activations = outside + sum(inputs) + 2 * max(saved)
+    else:
+        activations = outside + sum(saved) + max(saved)
+    return dict(host_gib=host / GIB, weights_gib=weights / GIB, lora_gib=lora / GIB, activations_gib=activations / GIB,
+                estimate_gib=(weights + lora + activations) / GIB)
+
+
+def meta_model(row, config, rank, lora_layers):
+    """The row's transformer as the script prepares it (LoRA on --lora_layers), on the meta device: shapes only.
+    Neither quantised nor converted to fp8: weight_bytes counts NF4, and fp8 training keeps bf16 weights."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
     args = script_args(dict(row, swap="0", mode="eager", gc="off"), config, rank, lora_layers)
-    args.bnb_quantization_config_path, args.do_fp8_training = None, False  # counted here, not applied
+    args.bnb_quantization_config_path, args.do_fp8_training = None, False
     meta = SimpleNamespace(device=torch.device("meta"), distributed_type=DistributedType.NO, is_main_process=True,
                            state=SimpleNamespace(fsdp_plugin=None))
     with torch.device("meta"):
-        transformer = T.prepare_transformer(args, meta, build_transformer(config, "meta", torch.bfloat16, nf4=False))
-    blocks = T.transformer_blocks(transformer)
+        return T.prepare_transformer(args, meta, build_transformer(config, "meta", torch.bfloat16, nf4=False))
 
-    def frozen_bytes(module, nf4=False):  # NF4: the blocks' linear weights (the 2-D ones)
+
+def weight_bytes(transformer, row, config):
+    """-> (frozen weights on the GPU, pinned host bytes, LoRA bytes). Swapped blocks: all on the host, at most two on
+    the GPU (SwapSchedule); NF4: the blocks' linear weights (the 2-D ones) at NF4_BYTES."""
+    def frozen(module, nf4=False):
         return sum(p.numel() * (NF4_BYTES if nf4 and p.dim() == 2 else p.element_size())
                    for p in module.parameters() if not p.requires_grad)
 
-    block_bytes = [frozen_bytes(b, row["precision"] == "nf4") for b in blocks]
+    blocks = T.transformer_blocks(transformer)
+    block_bytes = [frozen(b, row["precision"] == "nf4") for b in blocks]
     kept = len(blocks) - swap_count(row["swap"], config)
-    weights = frozen_bytes(transformer) - sum(map(frozen_bytes, blocks))  # embedders, modulation, output layers
-    weights += sum(block_bytes[:kept]) + sum(sorted(block_bytes[kept:])[-2:])
-    host = sum(block_bytes[kept:])  # pinned host memory of the swapped blocks
+    rest = frozen(transformer) - sum(map(frozen, blocks))  # embedders, modulation, output layers
+    weights = rest + sum(block_bytes[:kept]) + sum(sorted(block_bytes[kept:])[-2:])
     lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+    return weights, sum(block_bytes[kept:]), lora
+
+
+def saved_bytes(transformer, row, config, text_tokens):
+    """One forward pass at the row's shapes on the meta device, recording what autograd saves for backward ->
+    (bytes saved outside the blocks, each block's input bytes, each block's saved bytes). A view counts once, with
+    its base; parameters (resident anyway) not at all; attention as a fused kernel saves it (FusedAttention)."""
+    blocks = T.transformer_blocks(transformer)
     for p in transformer.parameters():  # bf16, as autocast runs the float32 LoRA layers (it skips meta tensors)
         p.data = p.data.to(torch.bfloat16) if p.requires_grad else p.data
-
     saved, inputs, outside, current, seen = [0] * len(blocks), [0] * len(blocks), [0], [None], set()
 
     def pack(t):
-        base = t if t._base is None else t._base  # a view costs nothing beyond its base
-        if isinstance(base, torch.nn.Parameter) or id(base) in seen:
-            return t  # weights a linear layer keeps for its input gradient (resident anyway), or counted already
-        seen.add(id(base))
-        if current[0] is None:
-            outside[0] += base.numel() * base.element_size()
-        else:
-            saved[current[0]] += base.numel() * base.element_size()
+        base = t if t._base is None else t._base
+        if not isinstance(base, torch.nn.Parameter) and id(base) not in seen:
+            seen.add(id(base))
+            if current[0] is None:
+                outside[0] += base.numel() * base.element_size()
+            else:
+                saved[current[0]] += base.numel() * base.element_size()
         return t
 
-    hooks = []
-    for i, block in enumerate(blocks):
-        def pre(module, a, k, i=i):
-            current[0] = i
-            inputs[i] = sum(t.numel() * t.element_size() for t in (*a, *k.values()) if isinstance(t, torch.Tensor)
-                            and t.dim() == 3)  # the hidden states; rotary tables and temb are shared, counted outside
-        hooks.append(block.register_forward_pre_hook(pre, with_kwargs=True))
-        hooks.append(block.register_forward_hook(lambda *_: current.__setitem__(0, None)))
+    def enter(i, args, kwargs):  # the hidden states; rotary tables and temb are shared, counted outside
+        current[0] = i
+        inputs[i] = sum(t.numel() * t.element_size() for t in (*args, *kwargs.values())
+                        if isinstance(t, torch.Tensor) and t.dim() == 3)
+
+    hooks = [h for i, block in enumerate(blocks) for h in (
+        block.register_forward_pre_hook(lambda module, a, k, i=i: enter(i, a, k), with_kwargs=True),
+        block.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
     b, image_tokens = row["batch"], (row["resolution"] // PATCH) ** 2
+    fused = lambda query, key, value, **_: FusedAttention.apply(query, key, value)  # noqa: E731
     with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), unittest.mock.patch(
-            "torch.nn.functional.scaled_dot_product_attention", lambda query, key, value, **_: FusedAttention.apply(query, key, value)):
+            "torch.nn.functional.scaled_dot_product_attention", fused):
         transformer(hidden_states=torch.empty(b, image_tokens, config["in_channels"], dtype=torch.bfloat16),
                     encoder_hidden_states=torch.empty(b, text_tokens, config["joint_attention_dim"], dtype=torch.bfloat16),
                     timestep=torch.empty(b), img_ids=torch.empty(b, image_tokens, 4, dtype=torch.long),
@@ -203,12 +224,7 @@ def estimate(row, config, rank, text_tokens, lora_layers="default"):
                     guidance=torch.empty(b) if config["guidance_embeds"] else None, return_dict=False)
     for h in hooks:
         h.remove()
-    if row["gc"] == "on":
-        activations = outside[0] + sum(inputs) + 2 * max(saved)
-    else:
-        activations = outside[0] + sum(saved) + max(saved)
-    return dict(host_gib=host / GIB, weights_gib=weights / GIB, lora_gib=lora / GIB, activations_gib=activations / GIB,
-                estimate_gib=(weights + lora + activations) / GIB)
+    return outside[0], inputs, saved
 
 
 class FusedAttention(torch.autograd.Function):
