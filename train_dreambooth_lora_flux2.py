@@ -547,10 +547,6 @@ def check_block_swap(args, cuda, fsdp):
     if fsdp:
         raise UsageError("--blocks_to_swap does not work under FSDP, which already splits every block over the "
                          "GPUs; use one or the other")
-    if args.bnb_quantization_config_path:
-        raise UsageError("--blocks_to_swap does not work with --bnb_quantization_config_path: bitsandbytes' 4- and "
-                         "8-bit layers keep their GPU weights referenced until the backward pass, so a swapped block "
-                         "could not leave the GPU; swap bf16 weights, or quantise without swapping")
     if not args.gradient_checkpointing:
         raise UsageError("--blocks_to_swap needs --gradient_checkpointing: without it autograd keeps every block's "
                          "weights for the backward pass, so swapped blocks could not leave the GPU")
@@ -2806,8 +2802,8 @@ class BlockSwapper:
     """--blocks_to_swap: carries out a SwapSchedule with module hooks, so the training loop and the validation
     pipeline run unchanged. The frozen weights of the swapped blocks live in pinned host memory; their parameters
     hold an empty tensor except while the schedule has them on the device. LoRA parameters (trainable) stay put, so
-    the optimizer never sees a swap. On a CPU (the tests) "loading" aliases the host copy, and an evicted block
-    that ran would fail on its empty weights: the schedule is exercised exactly as on a GPU."""
+    the optimizer never sees a swap. On a CPU (the tests) everything but the side stream runs as on a GPU, and an
+    evicted block that ran would fail on its empty weights."""
 
     def __init__(self, transformer, blocks_to_swap, device):
         blocks = transformer_blocks(transformer)
@@ -2815,28 +2811,33 @@ class BlockSwapper:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ready = {}  # block -> CUDA event recorded after its copy
-        self.weights = {i: self.host_copies(blocks[i]) for i in self.schedule.swapped}  # [(parameter, host copy)]
+        self.weights = {i: self.host_copies(blocks[i]) for i in self.schedule.swapped}
         transformer.register_forward_pre_hook(lambda module, args: self.carry_out(self.schedule.begin_pass()))
         for i, block in enumerate(blocks):
             block.register_forward_pre_hook(lambda module, args, i=i: self.carry_out(self.schedule.before_block(i)))
             block.register_forward_hook(lambda module, args, output, i=i: self.after_block(i, output))
 
     def host_copies(self, block):
-        """A block's frozen weights -> views of one host buffer (pinned on CUDA); the parameters keep an empty
-        placeholder. One buffer a block, not one per weight: the pinned allocator rounds every allocation up to a
-        power of two, +58% for [dev]'s 679 MB fused projection, under +10% for a whole block."""
+        """A block's frozen weights -> [(parameter, host copy, device slot)]. The host copies are views of one host
+        buffer (pinned on CUDA): the pinned allocator rounds every allocation up to a power of two, +58% for [dev]'s
+        679 MB fused projection alone, under +10% for a whole block. The slot is the weight's device tensor, whose
+        storage is emptied on eviction and refilled on loading: a view of it that a layer keeps for backward (a
+        bitsandbytes matmul keeps its weight) then holds no memory and sees the weight again when it is back.
+        Between loads the parameter holds an empty placeholder."""
         params = [p for p in block.parameters() if not p.requires_grad]
         sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # 64-byte aligned views
         buffer = torch.empty(sum(sizes), dtype=torch.uint8)
         buffer = buffer.pin_memory() if self.stream is not None else buffer
-        pairs, offset = [], 0
+        weights, offset = [], 0
         for param, size in zip(params, sizes):
             host = buffer[offset:offset + param.numel() * param.element_size()].view(param.dtype).view(param.shape)
             host.copy_(param.data)
-            pairs.append((param, host))
+            slot = torch.empty_like(host, device=self.device)
+            slot.untyped_storage().resize_(0)
+            weights.append((param, host, slot))
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
             offset += size
-        return pairs
+        return weights
 
     def after_block(self, i, output):
         tensors = output if isinstance(output, tuple) else (output,)
@@ -2849,27 +2850,27 @@ class BlockSwapper:
 
     def carry_out(self, actions):
         for action, i in actions:
-            if action == "load" and self.stream is None:
-                for param, host in self.weights[i]:
-                    param.data = host.to(self.device)
-            elif action == "load":
-                # Allocated in the compute stream's order, so a load reuses the memory of the block evicted last
-                # and at most two swapped blocks hold memory however far the host runs ahead; the copy waits for
-                # the compute that last used that memory (queued up to the block before the one now running).
-                compute = torch.cuda.current_stream(self.device)
-                targets = [torch.empty_like(host, device=self.device) for _, host in self.weights[i]]
-                self.stream.wait_stream(compute)
-                with torch.cuda.stream(self.stream):
-                    for (param, host), target in zip(self.weights[i], targets):
-                        param.data = target.copy_(host, non_blocking=True)
-                    self.ready[i] = torch.cuda.Event()
-                    self.ready[i].record(self.stream)
+            if action == "load":
+                # The slots are refilled in the compute stream's order, so a load reuses the memory of the block
+                # evicted last and at most two swapped blocks hold memory however far the host runs ahead; the copy
+                # waits for the compute that last used that memory (queued up to the block before the one running).
+                for _, host, slot in self.weights[i]:
+                    slot.untyped_storage().resize_(host.numel() * host.element_size())
+                if self.stream is not None:
+                    self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                    for param, host, slot in self.weights[i]:
+                        param.data = slot.copy_(host, non_blocking=True)
+                    if self.stream is not None:
+                        self.ready[i] = torch.cuda.Event()
+                        self.ready[i].record(self.stream)
             elif action == "wait" and i in self.ready:
                 torch.cuda.current_stream(self.device).wait_event(self.ready.pop(i))
             elif action == "evict":
                 self.ready.pop(i, None)
-                for param, _ in self.weights[i]:
+                for param, _, slot in self.weights[i]:
                     param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+                    slot.untyped_storage().resize_(0)
 
 
 class _BeforeBackward(torch.autograd.Function):

@@ -102,9 +102,8 @@ def rows(args):
         for mode, attention, gc_, res, batch, precision, swap in itertools.product(
                 split(args.modes), split(args.attention), split(args.gc), split(args.resolutions), split(args.batch),
                 split(args.precision), split(args.swap)):
-            if swap != "0" and (gc_ == "off" or precision == "nf4") or swap_count(swap, MODELS[model]) > num_blocks(
-                    MODELS[model]):
-                continue  # the script refuses these: swapping needs checkpointing and bf16 weights, and the blocks
+            if swap != "0" and gc_ == "off" or swap_count(swap, MODELS[model]) > num_blocks(MODELS[model]):
+                continue  # the script refuses swapping without gradient checkpointing, or more blocks than exist
             yield dict(model=model, mode=mode, attention=attention, gc=gc_, resolution=int(res), batch=int(batch),
                        precision=precision, swap=swap, baseline=False)
 
@@ -171,19 +170,26 @@ def meta_model(row, config, rank, lora_layers):
 
 
 def weight_bytes(transformer, row, config):
-    """-> (frozen weights on the GPU, pinned host bytes, LoRA bytes). Swapped blocks: all on the host, at most two on
-    the GPU (SwapSchedule); NF4: the blocks' linear weights (the 2-D ones) at NF4_BYTES."""
+    """-> (frozen weights on the GPU, pinned host bytes, LoRA bytes). Swapped blocks: on the host, at most two on the
+    GPU (SwapSchedule); NF4: the blocks' linear weights (the 2-D ones) at NF4_BYTES, whose scales (quantisation
+    state, not parameters) stay on the GPU when a block is swapped."""
+    nf4 = row["precision"] == "nf4"
+
     def frozen(module, nf4=False):
         return sum(p.numel() * (NF4_BYTES if nf4 and p.dim() == 2 else p.element_size())
                    for p in module.parameters() if not p.requires_grad)
 
+    def scales(module):  # NF4: one float32 absmax per 64 weights
+        return sum(p.numel() * 4 / 64 for p in module.parameters() if not p.requires_grad and p.dim() == 2) * nf4
+
     blocks = T.transformer_blocks(transformer)
-    block_bytes = [frozen(b, row["precision"] == "nf4") for b in blocks]
     kept = len(blocks) - swap_count(row["swap"], config)
+    swapped = [frozen(b, nf4) - scales(b) for b in blocks[kept:]]
     rest = frozen(transformer) - sum(map(frozen, blocks))  # embedders, modulation, output layers
-    weights = rest + sum(block_bytes[:kept]) + sum(sorted(block_bytes[kept:])[-2:])
+    weights = rest + sum(frozen(b, nf4) for b in blocks[:kept]) + sum(map(scales, blocks[kept:]))
+    weights += sum(sorted(swapped)[-2:])
     lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-    return weights, sum(block_bytes[kept:]), lora
+    return weights, sum(swapped), lora
 
 
 def saved_bytes(transformer, row, config, text_tokens):
