@@ -2771,7 +2771,8 @@ def prepare_transformer(args, accelerator, transformer):
         logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "
                     f"{len(transformer_blocks(transformer))} blocks stay in pinned host memory; at most 2 of them "
                     "are on the GPU at once")
-        transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
+        if not args.bnb_quantization_config_path:  # quantised weights are on the GPU already
+            transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
     if args.attention_backend != "native":
         transformer.set_attention_backend(args.attention_backend)
     if args.compile:
