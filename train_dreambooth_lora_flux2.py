@@ -186,6 +186,8 @@ def _data_flags(p):
     g.add_argument("--dataset_config_name", default=None, help="Config of --dataset_name.")
     g.add_argument("--image_column", default="image", help="Image column of --dataset_name.")
     g.add_argument("--caption_column", default=None, help="Caption column of --dataset_name (else --instance_prompt).")
+    g.add_argument("--cond_image_column", default=None, help="Edit training: the condition (reference) image column of --dataset_name; a list of images in a row gives several references. The target is --image_column.")
+    g.add_argument("--cond_data_dir", default=None, help="Edit training: folder of condition images; the condition of <instance_data_dir>/x.png is x.<any image extension> here.")
     g.add_argument("--instance_prompt", default=None, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog' (required unless --from_manifest).")
     g.add_argument("--repeats", type=int, default=1, help="Samples per instance image in one epoch.")
     g.add_argument("--with_prior_preservation", action="store_true", help="Add the prior-preservation loss on class images.")
@@ -301,6 +303,7 @@ def _checkpointing_and_outputs_flags(p):
 def _validation_flags(p):
     g = p.add_argument_group("validation")
     g.add_argument("--validation_prompt", default=None)
+    g.add_argument("--validation_image", default=None, help="Condition image that validation edits (with --validation_prompt, or --final_validation_prompt): the pipeline runs in edit mode, the image fitted into its bucket.")
     g.add_argument("--validation_epochs", type=int, default=50, help="Validate every N epochs (the last epoch's are the final images).")
     g.add_argument("--validation_steps", type=int, default=None, help="Also validate every N optimizer steps.")
     g.add_argument("--num_validation_images", type=int, default=4)
@@ -383,9 +386,17 @@ def _ema_device(value):
     return device.type in ("cpu", "cuda")
 
 
+def _image_file(value):
+    try:
+        return inspect_image(value) is not None
+    except Exception:  # noqa: BLE001 - missing, unreadable, corrupt, a decompression bomb: not an image to use
+        return False
+
+
 SWITCH, CHOICE, TEXT = Accepts("on or off"), Accepts("one of its choices"), Accepts("any text")
 EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK), True)
 READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK), True)
+READABLE_IMAGE = Accepts("a readable image file", _image_file, True)
 # existing download and class folders may be read-only (a shared model cache, class images all there)
 FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be, True)
 OUTPUT_FOLDER = Accepts("a folder, existing or to be created, that this user can write",
@@ -401,7 +412,7 @@ FLAG_RULES = {
         Path(v).is_dir() or (not Path(v).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v) is not None)), True),
     "revision": TEXT, "variant": TEXT, "cache_dir": FOLDER_TO_WRITE,
     "instance_data_dir": EXISTING_FOLDER, "dataset_name": TEXT, "dataset_config_name": TEXT, "image_column": TEXT,
-    "caption_column": TEXT, "instance_prompt": TEXT, "repeats": integer(1), "with_prior_preservation": SWITCH,
+    "caption_column": TEXT, "cond_image_column": TEXT, "cond_data_dir": EXISTING_FOLDER, "instance_prompt": TEXT, "repeats": integer(1), "with_prior_preservation": SWITCH,
     "class_data_dir": FOLDER_TO_WRITE, "class_prompt": TEXT, "num_class_images": integer(1),
     "prior_loss_weight": NON_NEGATIVE, "sample_batch_size": integer(1), "prior_generation_precision": CHOICE,
     # FLUX.2 samples up to 4 MP (2048^2); 4096 leaves room for buckets, beyond it one image is over 65k tokens
@@ -445,7 +456,7 @@ FLAG_RULES = {
                              t in TRACKERS for t in v.split(","))),
     "logging_dir": TEXT,  # checked with --output_dir, which it is relative to
     "push_to_hub": SWITCH, "hub_model_id": TEXT, "hub_token": TEXT,
-    "validation_prompt": TEXT, "validation_epochs": integer(1), "validation_steps": integer(1),
+    "validation_prompt": TEXT, "validation_image": READABLE_IMAGE, "validation_epochs": integer(1), "validation_steps": integer(1),
     "num_validation_images": integer(0), "validation_inference_steps": integer(1),
     "validation_guidance_scale": NON_NEGATIVE, "final_validation_prompt": TEXT, "skip_final_inference": SWITCH,
 }
@@ -475,7 +486,7 @@ def check_flag_values(args):
 
 def validate_manifest_args(args):
     """--from_manifest: the manifest and the disk cache replace the data flags; checked before anything loads."""
-    for flag in ("instance_data_dir", "dataset_name", "class_data_dir"):
+    for flag in ("instance_data_dir", "dataset_name", "class_data_dir", "cond_data_dir"):
         if getattr(args, flag) is not None:
             raise UsageError(f"--from_manifest replaces --{flag}: the manifest names the data, the cache holds it")
     if not args.cache_latents:
@@ -509,6 +520,7 @@ def validate_args(args):
         raise UsageError("give exactly one of --instance_data_dir or --dataset_name")
     elif not args.instance_prompt:
         raise UsageError("--instance_prompt is required (unless --from_manifest)")
+    check_edit_flags(args)
     if args.with_prior_preservation and not args.from_manifest:
         if not args.class_prompt:
             raise UsageError("--with_prior_preservation needs --class_prompt")
@@ -538,6 +550,19 @@ def validate_args(args):
         raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
     if args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")):
         raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
+
+
+def check_edit_flags(args):
+    """Edit training: each data source has its own condition flag; prior preservation is refused."""
+    if args.cond_data_dir and not args.instance_data_dir:
+        raise UsageError("--cond_data_dir pairs with --instance_data_dir; with --dataset_name use --cond_image_column")
+    if args.cond_image_column and not args.dataset_name:
+        raise UsageError("--cond_image_column is a column of --dataset_name; with --instance_data_dir use --cond_data_dir")
+    if (args.cond_data_dir or args.cond_image_column) and args.with_prior_preservation:
+        raise UsageError("--with_prior_preservation does not combine with edit training (--cond_data_dir, "
+                         "--cond_image_column): its class images are text-to-image samples without a condition image, "
+                         "and a batch cannot mix rows with and without reference tokens (every row of a batch has the "
+                         "same token count). Regularise an edit LoRA with edit pairs of the class instead")
 
 
 def check_block_swap(args, cuda, fsdp):
@@ -666,14 +691,47 @@ def draw_crop(image_size, bucket, center_crop, rng):
     return (rh, rw), rng.randint(0, rh - bh), rng.randint(0, rw - bw)
 
 
-def image_to_tensor(image, transform, bucket):
-    """PIL image + transform -> float tensor [3, H, W] in [-1, 1]."""
+def follow_crop(transform, cond_size, bucket):
+    """The crop of a condition image that matches its target's crop `transform` ((resized_hw, top, left) of
+    draw_crop): the condition resized to cover the same bucket and cropped at the same relative place. A condition of
+    the target's size gets exactly the target's transform, so pixel-aligned pairs (relighting, retouching) stay
+    aligned token for token."""
+    (rh, rw), top, left = transform
+    (ch, cw), _, _ = draw_crop(cond_size, bucket, True, None)
+
+    def place(offset, full, new, side):
+        return (new - side) // 2 if full == side else round(offset * (new - side) / (full - side))
+    return (ch, cw), place(top, rh, ch, bucket[0]), place(left, rw, cw, bucket[1])
+
+
+def transform_image(image, transform, bucket):
+    """PIL image + transform ((resized_hw, top, left, flip)) -> the bucket-sized PIL image."""
     (rh, rw), top, left, flip = transform
     image = image.resize((rw, rh), Image.Resampling.BICUBIC).crop((left, top, left + bucket[1], top + bucket[0]))
-    if flip:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    array = np.asarray(image, dtype=np.uint8)
+    return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
+
+
+def image_to_tensor(image, transform, bucket):
+    """PIL image + transform -> float tensor [3, H, W] in [-1, 1]."""
+    array = np.asarray(transform_image(image, transform, bucket), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
+
+
+def validation_image_problem(size, buckets):
+    """Why the FLUX.2 pipelines would refuse --validation_image (of `size`, (w, h)) once fitted into its bucket
+    (Flux2ImageProcessor.check_image_input: sides of 64 px or more, aspect at most 8:1), or None."""
+    h, w = buckets[nearest_bucket(size[1], size[0], buckets)]
+    if min(h, w) < 64 or max(h, w) > 8 * min(h, w):
+        return (f"it is fitted into the bucket {h}x{w} (h x w) as training conditions are, and the FLUX.2 pipelines "
+                "take condition images of at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
+    return None
+
+
+def fit_to_bucket(image, buckets):
+    """An RGB PIL image resized to cover its nearest bucket and centre-cropped to it: how validation prepares
+    --validation_image, the way training crops conditions into their buckets."""
+    bucket = buckets[nearest_bucket(image.height, image.width, buckets)]
+    return transform_image(image, (*draw_crop(image.size, bucket, True, None), False), bucket)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -691,6 +749,7 @@ class ImageRecord:
     image: object = None
     mask_path: str | None = None  # <stem>_mask.png beside the image
     sha256: str | None = None  # of the file's bytes, from the folder scan (or a manifest: then there is no file)
+    conditions: tuple = ()  # edit training: the condition (reference) images, ImageRecords, in reference order
 
     def content_hash(self):
         """SHA-256 of the file's bytes (a renamed copy hashes the same), or of a dataset row's pixels."""
@@ -825,20 +884,51 @@ def scan_image_folder(folder, read_captions=True, index=None, workers=None, prog
     return records
 
 
-def load_hf_dataset(name, config, image_column, caption_column, cache_dir):
-    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here."""
+def pair_conditions(targets, conditions, target_folder, cond_folder):
+    """Edit training from folders: attach to each target x.* the condition image of the same stem. A target without a
+    condition, a condition without a target, or a stem with two condition files is refused, all of them listed."""
+    by_stem = {}
+    for record in conditions:
+        by_stem.setdefault(Path(record.name).stem, []).append(record)
+    stems = {Path(r.name).stem for r in targets}
+    problems = [f"{target_folder}/{r.name}: no condition image {Path(r.name).stem}.* in {cond_folder}"
+                for r in targets if Path(r.name).stem not in by_stem]
+    problems += [f"{cond_folder}/{r.name}: no target image {Path(r.name).stem}.* in {target_folder}"
+                 for r in conditions if Path(r.name).stem not in stems]
+    problems += [f"{cond_folder}: {', '.join(r.name for r in found)} are the same stem's condition; keep one"
+                 for found in by_stem.values() if len(found) > 1]
+    if problems:
+        raise UsageError(f"--cond_data_dir: {len(problems)} image(s) without a partner (edit training pairs "
+                         f"x.* of --instance_data_dir with x.* of --cond_data_dir):\n  " + "\n  ".join(problems))
+    return [dataclasses.replace(r, conditions=tuple(by_stem[Path(r.name).stem])) for r in targets]
+
+
+def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
+    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
+    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references)."""
     try:
         from datasets import load_dataset
     except ImportError:
         raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
     split = load_dataset(name, config, cache_dir=cache_dir)["train"]
-    for flag, column in (("--image_column", image_column), ("--caption_column", caption_column)):
+    for flag, column in (("--image_column", image_column), ("--caption_column", caption_column),
+                         ("--cond_image_column", cond_column)):
         if column is not None and column not in split.column_names:
             raise UsageError(f"{flag} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
     captions = split[caption_column] if caption_column else [None] * len(split)
-    records = []
-    for i, (image, caption) in enumerate(zip(split[image_column], captions)):
-        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), caption=(caption or "").strip() or None, image=image))
+    conditions = split[cond_column] if cond_column else [()] * len(split)
+    records, empty = [], []
+    for i, (image, caption, cond) in enumerate(zip(split[image_column], captions, conditions)):
+        cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
+        if cond_column and not cond:
+            empty.append(str(i))
+        refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
+                     for j, c in enumerate(cond))
+        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), caption=(caption or "").strip() or None,
+                                   image=image, conditions=refs))
+    if empty:
+        raise UsageError(f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
+                         f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
     return records
 
 
@@ -846,7 +936,9 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     """Samples of a DreamBooth run. Items are dicts carrying their sample "index".
 
     Sample i shows instance image i % I (I instance images; len = max(I * repeats, C)) in that image's bucket,
-    and with prior preservation class image i % C resized into the same bucket. The model sees "slots": slot i is
+    and with prior preservation class image i % C resized into the same bucket. For edit training an instance image
+    carries its condition images (ImageRecord.conditions): each is cropped into the target's bucket like the target
+    (follow_crop), flipped with it, and travels with it as the latent keys of condition_keys. The model sees "slots": slot i is
     sample i's instance part and slot N + i its class part, the order in which a batch is laid out. Items are
     addressed by (epoch, index), the pairs the batch sampler yields: the epoch travels with the index, so
     DataLoader workers that live for the whole run draw each epoch's crops and flips without being told.
@@ -864,13 +956,20 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         self.with_masks = with_masks
         self.num_samples = max(len(self.instances) * repeats, len(self.classes))
         self.image_buckets = [nearest_bucket(r.size[1], r.size[0], self.buckets) for r in self.instances]
+        # edit training: condition images numbered in one list; instance image i has the ids cond_ids[i]
+        self.conditions, self.cond_ids = [], []
+        for record in self.instances:
+            self.cond_ids.append(tuple(range(len(self.conditions), len(self.conditions) + len(record.conditions))))
+            self.conditions.extend(record.conditions)
 
     def __len__(self):
         return self.num_samples
 
     def sample_buckets(self):
-        """Bucket id of every sample, for the batch sampler."""
-        return [self.image_buckets[i % len(self.instances)] for i in range(self.num_samples)]
+        """(bucket id, condition images) of every sample, for the batch sampler: a batch shares both, so its rows
+        have the same number of target and reference tokens."""
+        return [(self.image_buckets[i % len(self.instances)], len(self.cond_ids[i % len(self.instances)]))
+                for i in range(self.num_samples)]
 
     @property
     def num_slots(self):
@@ -889,7 +988,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         return "class", i % len(self.classes), bucket
 
     def record(self, kind, image_id):
-        return (self.instances if kind == "instance" else self.classes)[image_id]
+        return {"instance": self.instances, "class": self.classes, "cond": self.conditions}[kind][image_id]
 
     def latent_key(self, slot, epoch):
         """What the VAE sees for a slot in an epoch: (kind, image id, bucket, resized size, top, left, flip).
@@ -900,10 +999,21 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         flip = self.random_flip and random.Random(seed_for("flip", self.seed, epoch, slot)).random() < 0.5
         return (kind, image_id, bucket, *crop, flip)
 
+    def condition_keys(self, key):
+        """The latent keys of the condition images that travel with a target's latent key, in reference order:
+        the target's bucket, crop (follow_crop) and flip. Class images have none."""
+        kind, image_id, bucket, resized, top, left, flip = key
+        if kind != "instance":
+            return []
+        return [("cond", c, bucket, *follow_crop((resized, top, left), self.conditions[c].size, bucket), flip)
+                for c in self.cond_ids[image_id]]
+
     def cached_latent_keys(self):
-        """Every latent key training can ask for under fixed crops: epoch 0's, in both orientations if flipping."""
+        """Every latent key training can ask for under fixed crops: epoch 0's, in both orientations if flipping,
+        then their condition images'."""
         keys = [self.latent_key(s, 0) for s in range(self.num_slots)]
-        return keys + [k[:-1] + (not k[-1],) for k in keys] if self.random_flip else keys
+        keys = keys + [k[:-1] + (not k[-1],) for k in keys] if self.random_flip else keys
+        return keys + [c for k in keys for c in self.condition_keys(k)]
 
     def prompt_key(self, slot):
         """The text of a slot: its image's caption or the instance prompt; the class prompt for class slots."""
@@ -940,14 +1050,18 @@ class DreamBoothDataset(torch.utils.data.Dataset):
             item["pixel_values"] = torch.stack([self.pixels(k) for k in keys])
             if self.with_masks:
                 item["masks"] = torch.stack([self.mask(k) for k in keys])
+            conditions = self.condition_keys(keys[0])
+            if conditions:
+                item["cond_pixels"] = torch.stack([self.pixels(k) for k in conditions])
         return item
 
 
 def collate(examples):
     """-> {"indices": [B], "epoch": e, "pixel_values": [B * parts, 3, H, W], "masks": [B * parts, 1, H, W]}, rows
-    laid out as DreamBoothDataset.slots (all instance parts, then all class parts)."""
+    laid out as DreamBoothDataset.slots (all instance parts, then all class parts); edit training adds
+    "cond_pixels": [R * B, 3, H, W], reference by reference (the first reference of every row, then the second...)."""
     batch = {"indices": [ex["index"] for ex in examples], "epoch": examples[0]["epoch"]}
-    for name in ("pixel_values", "masks"):
+    for name in ("pixel_values", "masks", "cond_pixels"):
         if name in examples[0]:
             parts = examples[0][name].shape[0]  # 1, or 2 with a class image
             batch[name] = torch.stack([ex[name][k] for k in range(parts) for ex in examples])
@@ -1416,12 +1530,14 @@ def build_manifest(data, model, instances, classes, prompt_entries, latent_entri
 
 
 def manifest_record(record):
-    return {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
+    row = {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
+    return {**row, "conditions": [manifest_record(c) for c in record.conditions]} if record.conditions else row
 
 
 def manifest_records(rows):
     """Manifest images -> ImageRecords without a file: enough for keys and sizes, never for pixels."""
-    return [ImageRecord(name=r["name"], size=tuple(r["size"]), caption=r["caption"], sha256=r["sha256"]) for r in rows]
+    return [ImageRecord(name=r["name"], size=tuple(r["size"]), caption=r["caption"], sha256=r["sha256"],
+                        conditions=tuple(manifest_records(r.get("conditions", [])))) for r in rows]
 
 
 def draw_latents(params, generator):
@@ -1698,9 +1814,23 @@ def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length
     return diffusers.Flux2Pipeline._get_mistral_3_small_prompt_embeds(system_message=SYSTEM_MESSAGE, **kwargs)
 
 
-def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None):
+def reference_tokens(conditions, dtype):
+    """Edit training: condition latents, a list of R [B, C, h, w], -> (tokens [B, R*h*w, C] in `dtype`, image ids
+    [B, R*h*w, 4] int64), packed and numbered as Flux2Pipeline.prepare_image_latents does: reference r at time
+    coordinate 10 + 10 r, each one's rows and columns from 0, concatenated in reference order."""
+    from diffusers import Flux2Pipeline
+
+    bsz = conditions[0].shape[0]
+    tokens = torch.cat([Flux2Pipeline._pack_latents(c) for c in conditions], dim=1).to(dtype)
+    ids = Flux2Pipeline._prepare_image_ids([c[:1] for c in conditions]).to(conditions[0].device)
+    return tokens, ids.repeat(bsz, 1, 1)
+
+
+def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None,
+                       conditions=()):
     """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's dtype;
-    mask: [B, 1, h, w] or None; returns a scalar."""
+    mask: [B, 1, h, w] or None; conditions (edit training): R clean condition latents [B, C, h', w'], whose tokens
+    follow the noisy target's in the sequence as in Flux2Pipeline (the loss covers the target's); returns a scalar."""
     from diffusers import Flux2Pipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
@@ -1713,16 +1843,21 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
     s = sigma.view(-1, 1, 1, 1)
     noisy = (1.0 - s) * latents + s * noise  # the flow-matching path from data (s=0) to noise (s=1)
     packed = Flux2Pipeline._pack_latents(noisy).to(prompt_embeds.dtype)  # [B, C, h, w] -> [B, h*w, C]
+    img_ids = Flux2Pipeline._prepare_latent_ids(latents).to(latents.device)  # [B, h*w, 4]
+    hidden = packed
+    if conditions:
+        tokens, ids = reference_tokens(conditions, prompt_embeds.dtype)
+        hidden, img_ids = torch.cat([packed, tokens], dim=1), torch.cat([img_ids, ids], dim=1)
     guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
     pred = transformer(
-        hidden_states=packed,
+        hidden_states=hidden,
         timestep=sigma,  # the transformer takes timestep / 1000 == sigma
         guidance=guidance,
         encoder_hidden_states=prompt_embeds,
         txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device),  # [B, L, 4]
-        img_ids=Flux2Pipeline._prepare_latent_ids(latents).to(latents.device),  # [B, h*w, 4]
+        img_ids=img_ids,
         return_dict=False,
-    )[0][:, : packed.shape[1]]
+    )[0][:, : packed.shape[1]]  # the target's tokens: the references' predictions are not trained
     target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction, float32
     weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
     mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
@@ -1878,10 +2013,14 @@ def scan_folder(folder, disk, read_captions=True):
 
 def load_instance_images(args, disk=None):
     if args.dataset_name:
-        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column, args.cache_dir)
+        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
+                               args.cache_dir, args.cond_image_column)
     records = scan_folder(args.instance_data_dir, disk)
     if not records:
         raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    if args.cond_data_dir:
+        conditions = scan_folder(args.cond_data_dir, disk, read_captions=False)
+        records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
     return records
 
 
@@ -2133,7 +2272,8 @@ def build_data(args, instances, classes, seed, accelerator, warn=True):
         logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
                        f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
     if len(sampler) == 0:
-        sizes = {dataset.buckets[b]: n for b, n in sorted(collections.Counter(dataset.sample_buckets()).items())}
+        sizes = {(*dataset.buckets[b], f"{r} references") if r else dataset.buckets[b]: n
+                 for (b, r), n in sorted(collections.Counter(dataset.sample_buckets()).items())}
         raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
                          f"{sizes} over {accelerator.num_processes} process(es); lower --train_batch_size, raise --repeats, "
                          "or use fewer buckets")
@@ -2183,7 +2323,20 @@ def prepare_data(args, accelerator, disk=None):
     if args.use_ema and is_fsdp(accelerator):
         raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
     classes = load_class_images(args, accelerator, seed, family, disk) if manifest is None else manifest_classes
-    return Data(family, checkpoint, seed, *build_data(args, instances, classes, seed, accelerator))
+    data = Data(family, checkpoint, seed, *build_data(args, instances, classes, seed, accelerator))
+    check_edit_validation(args, data.dataset)
+    return data
+
+
+def check_edit_validation(args, dataset):
+    """--validation_image must be one the pipeline takes; an edit run validating without one says what it gets."""
+    if args.validation_image:
+        problem = validation_image_problem(inspect_image(args.validation_image)[0], dataset.buckets)
+        if problem:
+            raise UsageError(f"--validation_image {args.validation_image}: {problem}")
+    elif dataset.conditions and validation_prompts(args):
+        logger.warning("edit training validates without a condition image: give --validation_image to see the LoRA "
+                       "edit it (the validation images are generated from the prompt alone)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3279,10 +3432,12 @@ class StepInputs:
 
     embeds: torch.Tensor  # [U, L, D] distinct prompt embeddings
     embed_rows: torch.Tensor  # [B'] long, row -> embeds
-    images: torch.Tensor  # cached: [V, 4C, h, w] latents ([V, 2, 4C, h, w] mean and std); else pixels [B', 3, H, W]
-    image_rows: torch.Tensor  # [B'] long, row -> images
+    # cached: [V, 4C, h, w] latents ([V, 2, 4C, h, w] mean and std); else pixels [B'(1 + R), 3, H, W]
+    images: torch.Tensor
+    image_rows: torch.Tensor  # [B'(1 + R)] long, row -> images: the B' targets, then R references of B' rows each
     masks: torch.Tensor | None  # loss masks beside `images`: [V, 1, h, w] cached, [B', 1, H, W] in pixels
     encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
+    references: int = 0  # edit training: condition images per row (R)
 
     def apply(self, fn):
         """A copy with fn applied to every tensor (pin, move to the device)."""
@@ -3291,32 +3446,40 @@ class StepInputs:
 
 
 def gather_inputs(batch, dataset, caches, caption_dropout, rng):
-    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout."""
+    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout. Edit
+    training: each row's condition images are looked up from its target's latent key, so they cannot part."""
     slots = dataset.slots(batch["indices"])
     texts = drop_captions([dataset.prompt_key(s) for s in slots], len(batch["indices"]), caption_dropout, rng)
     embeds, embed_rows = caches.prompts.gather_unique(texts)
     if caches.latents is None:
-        return StepInputs(embeds, embed_rows, batch["pixel_values"], torch.arange(len(slots)), batch.get("masks"),
-                          encoded=False)
+        cond = batch.get("cond_pixels")
+        images = batch["pixel_values"] if cond is None else torch.cat([batch["pixel_values"], cond])
+        return StepInputs(embeds, embed_rows, images, torch.arange(len(images)), batch.get("masks"), encoded=False,
+                          references=len(images) // len(slots) - 1)
     keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
+    references = [dataset.condition_keys(k) for k in keys]  # [B'][R]
+    keys += [refs[r] for r in range(len(references[0])) for refs in references]  # reference-major, as collate
     latents, image_rows = caches.latents.gather_unique(keys)
     masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None
-    return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True)
+    return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True, references=len(references[0]))
 
 
 def model_inputs(inputs, run, generator, offload, latent_sampling):
     """Device side of a step: StepInputs already on the device -> latents [B', 4C, h, w], prompt embeddings
-    [B', L, D], loss mask [B', 1, h, w] or None. Uncached pixels are encoded here; `generator` draws posterior
-    samples."""
+    [B', L, D], loss mask [B', 1, h, w] or None, condition latents (R of [B', 4C, h, w]: the posterior mean, as the
+    pipeline encodes references). Uncached pixels are encoded here; `generator` draws posterior samples."""
     embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # expanded on the device
+    rows = len(inputs.embed_rows)
     if inputs.encoded:
         params = inputs.images[inputs.image_rows]
-        mask = None if inputs.masks is None else inputs.masks[inputs.image_rows]
+        mask = None if inputs.masks is None else inputs.masks[inputs.image_rows[:rows]]
     else:
         with torch.no_grad(), on_device(run.vae, inputs.images.device, offload):
             params = encode_images(run.vae, inputs.images, *run.latent_stats, latent_sampling)
         mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])
-    return draw_latents(params.float(), generator), embeds, mask  # float32: the step casts at the transformer
+    params = params.float()  # float32: the step casts at the transformer
+    references = params[rows:] if params.ndim == 4 else params[rows:, 0]  # posterior mean
+    return draw_latents(params[:rows], generator), embeds, mask, list(references.split(rows))
 
 
 class Prefetcher:
@@ -3362,8 +3525,9 @@ def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sa
     draws the same."""
     generator = torch.Generator(accelerator.device).manual_seed(
         seed_for("step", run.data.seed, micro, accelerator.process_index))
-    latents, embeds, mask = model_inputs(inputs, run, generator, offload, latent_sampling)
-    loss = flow_matching_step(run.transformer, latents, embeds, num_instance, run.sigmas, run.step_config, generator, mask)
+    latents, embeds, mask, references = model_inputs(inputs, run, generator, offload, latent_sampling)
+    loss = flow_matching_step(run.transformer, latents, embeds, num_instance, run.sigmas, run.step_config, generator,
+                              mask, references)
     accelerator.backward(loss)
     return loss.detach(), list(latents.shape[-2:])
 
@@ -3498,21 +3662,27 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
         embeds["negative_prompt_embeds"] = run.caches.prompts[""].to(accelerator.device, run.weight_dtype)
     folder = Path(args.output_dir, "validation")
-    base = None
+    base, condition = None, None
+    inputs = {"height": args.resolution, "width": args.resolution}
+    if args.validation_image:  # edit mode: the pipeline appends the condition's tokens, as training did
+        condition = fit_to_bucket(ImageRecord("", (0, 0), path=args.validation_image).load(), run.data.dataset.buckets)
+        inputs = {"image": [condition], "height": condition.height, "width": condition.width}
     with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
         if base_images_missing(accelerator, folder, args.num_validation_images):
             accelerator.unwrap_model(run.transformer).disable_adapters()
             try:
-                base = generate_images(args, pipeline, embeds, family, run.data.seed, accelerator.device)
+                base = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
             finally:
                 accelerator.unwrap_model(run.transformer).enable_adapters()
         averaged = run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext()
         with averaged:
-            images = generate_images(args, pipeline, embeds, family, run.data.seed, accelerator.device)
+            images = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
     model.train(was_training)
     if not accelerator.is_main_process:
         return []
     folder.mkdir(parents=True, exist_ok=True)
+    if condition is not None:
+        condition.save(folder / "condition.png")
     for name, batch in (("base", base or []), (tag, images)):
         for i, image in enumerate(batch):
             image.save(folder / f"{name}-{i}.png")
@@ -3529,11 +3699,11 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     return paths
 
 
-def generate_images(args, pipeline, embeds, family, seed, device):
-    """--num_validation_images images; the same noise at every validation (and for the base model's)."""
+def generate_images(args, pipeline, embeds, inputs, family, seed, device):
+    """--num_validation_images images; the same noise at every validation (and for the base model's). `inputs`:
+    height and width, and the condition image in edit mode."""
     generator = torch.Generator(device).manual_seed(seed_for("validation", seed))
-    return [pipeline(**embeds, height=args.resolution, width=args.resolution, generator=generator,
-                     num_inference_steps=args.validation_inference_steps,
+    return [pipeline(**embeds, **inputs, generator=generator, num_inference_steps=args.validation_inference_steps,
                      guidance_scale=guidance_scale(args, family)).images[0] for _ in range(args.num_validation_images)]
 
 
@@ -3547,14 +3717,17 @@ def base_images_missing(accelerator, folder, count):
 
 
 def update_progress_sheet(folder, k, tag, step, count):
-    """Add the column of validation `tag` (at optimizer `step`) to validation/progress-<k>.png, after the base model
-    and the validations before it. A column of a later step is dropped first: after a resume the run goes on from
-    an earlier step. The columns are listed in progress-<k>.json; their images are the PNGs of the folder."""
+    """Add the column of validation `tag` (at optimizer `step`) to validation/progress-<k>.png, after the condition
+    image (edit mode: condition.png), the base model and the validations before it. A column of a later step is
+    dropped first: after a resume the run goes on from an earlier step. The columns are listed in progress-<k>.json;
+    their images are the PNGs of the folder."""
     record = Path(folder, f"progress-{k}.json")
     columns = json.loads(record.read_text())["columns"] if record.is_file() else []
     columns = [c for c in columns if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
     write_json_atomic(record, {"columns": columns})
-    sheet = progress_sheet([("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])] +
+    condition = Path(folder, "condition.png")
+    sheet = progress_sheet([("condition", [Image.open(condition)])] * condition.is_file() +
+                           [("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])] +
                            [(f"step {c['step']}", [Image.open(Path(folder, f"{c['tag']}-{i}.png")) for i in range(count)])
                             for c in columns])
     path = Path(folder, f"progress-{k}.png")
@@ -3585,21 +3758,24 @@ def progress_sheet(columns, pad=4):
     return sheet
 
 
-def write_model_card(args, image_paths, prompt, family):
-    """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub."""
+def write_model_card(args, image_paths, prompt, family, edit=False):
+    """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub. `edit`: an image-to-image
+    (edit) LoRA, used with a condition image."""
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
     widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
     gallery = "\n".join(f"![{prompt}]({p})" for p in images)
     if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
         gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
                     "![progress](validation/progress-0.png)")
+    edit_use = (f'condition = load_image("condition.png")  # the image to edit (from diffusers.utils import load_image)\n'
+                f'image = pipe(image=condition, prompt="{prompt or args.instance_prompt}").images[0]')
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
 library_name: diffusers
 license: other
 instance_prompt: {json.dumps(args.instance_prompt)}
 tags:
-- text-to-image
+- {"image-to-image" if edit else "text-to-image"}
 - diffusers
 - lora
 - flux2
@@ -3624,7 +3800,7 @@ from diffusers import {family.pipeline}
 pipe = {family.pipeline}.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
 pipe.enable_model_cpu_offload()  # moves each model to the GPU only while it runs
 pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
-image = pipe("{prompt or args.instance_prompt}").images[0]
+{edit_use if edit else f'image = pipe("{prompt or args.instance_prompt}").images[0]'}
 ```
 
 (FLUX.2 [dev]: loading the Hub tokenizer as a PixtralProcessor needs `torchvision`.)
@@ -3667,7 +3843,7 @@ def finish(args, accelerator, run):
         paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_model_card(args, paths, prompt, run.data.family)
+        write_model_card(args, paths, prompt, run.data.family, edit=bool(run.data.dataset.conditions))
         if args.push_to_hub:
             push_to_hub(args)
 

@@ -119,7 +119,7 @@ BUCKETS = [(32, 32), (32, 48), (48, 32)]
 def test_dataset_items_carry_their_index_and_repeats_multiply_samples():
     ds = DreamBoothDataset(_records([(48, 32), (32, 48)]), "sks", BUCKETS, repeats=3, with_pixels=False)
     assert len(ds) == 6 and [ds[(0, i)]["index"] for i in range(6)] == list(range(6))
-    assert ds.sample_buckets() == [1, 2] * 3
+    assert ds.sample_buckets() == [(1, 0), (2, 0)] * 3
 
 
 def test_every_class_image_is_paired_within_one_epoch():
