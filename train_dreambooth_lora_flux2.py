@@ -3478,8 +3478,9 @@ def model_inputs(inputs, run, generator, offload, latent_sampling):
             params = encode_images(run.vae, inputs.images, *run.latent_stats, latent_sampling)
         mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])
     params = params.float()  # float32: the step casts at the transformer
-    references = params[rows:] if params.ndim == 4 else params[rows:, 0]  # posterior mean
-    return draw_latents(params[:rows], generator), embeds, mask, list(references.split(rows))
+    means = params if params.ndim == 4 else params[:, 0]  # references: the posterior mean
+    references = [means[rows * r: rows * (r + 1)] for r in range(1, 1 + inputs.references)]
+    return draw_latents(params[:rows], generator), embeds, mask, references
 
 
 class Prefetcher:
@@ -3726,7 +3727,7 @@ def update_progress_sheet(folder, k, tag, step, count):
     columns = [c for c in columns if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
     write_json_atomic(record, {"columns": columns})
     condition = Path(folder, "condition.png")
-    sheet = progress_sheet([("condition", [Image.open(condition)])] * condition.is_file() +
+    sheet = progress_sheet(([("condition", [Image.open(condition)])] if condition.is_file() else []) +
                            [("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])] +
                            [(f"step {c['step']}", [Image.open(Path(folder, f"{c['tag']}-{i}.png")) for i in range(count)])
                             for c in columns])

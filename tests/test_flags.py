@@ -21,6 +21,7 @@ REFUSED = {
     "pretrained_model_name_or_path": ["FILE", "MISSING", "no spaces allowed/in ids"],
     "cache_dir": ["FILE", "UNDER_FILE"],
     "instance_data_dir": ["MISSING", "FILE"],
+    "cond_data_dir": ["MISSING", "FILE"],
     "repeats": ["0", "-3", "1.5", "x"],
     "blocks_to_swap": ["-1", "1.5"],
     "class_data_dir": ["FILE", "UNDER_FILE"],
@@ -79,6 +80,7 @@ REFUSED = {
     "resume_from_checkpoint": ["MISSING", "FILE"],
     "report_to": ["tensorbored", "tensorboard,nope"],
     "logging_dir": ["FILE_IN_OUTPUT"],
+    "validation_image": ["MISSING", "FOLDER", "FILE"],  # FILE: a text file, not an image
     "validation_epochs": ["0"],
     "validation_steps": ["0", "-1"],
     "num_validation_images": ["-1"],
@@ -86,7 +88,7 @@ REFUSED = {
     "validation_guidance_scale": ["-1", "nan"],
 }
 # Flags that accept any text (prompts, names, Hub ids: the Hub itself is the judge, and only with --push_to_hub)
-FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column",
+FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column", "cond_image_column",
              "instance_prompt", "class_prompt", "hub_model_id", "hub_token", "validation_prompt", "final_validation_prompt"}
 # Flags never refused, and why
 NEVER_REFUSED = {"precompute_cache_dir": "the cache never stops a run: a folder it cannot write warns, entries stay in memory"}

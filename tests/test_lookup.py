@@ -52,8 +52,9 @@ def test_a_steps_inputs_line_up_instance_then_class_rows_with_this_epochs_flips(
     batch = {"indices": [2, 0], "epoch": epoch}
     inputs = T.gather_inputs(batch, dataset, _caches(dataset), caption_dropout=0.0, rng=random.Random(0))
     run = SimpleNamespace(weight_dtype=torch.float32)
-    latents, embeds, mask = T.model_inputs(inputs, run, torch.Generator().manual_seed(0), offload=False,
-                                           latent_sampling="mode")
+    latents, embeds, mask, references = T.model_inputs(inputs, run, torch.Generator().manual_seed(0), offload=False,
+                                                       latent_sampling="mode")
+    assert references == []  # text-to-image: no condition images
     # rows: the instance parts of samples 2 and 0, then their class parts (class image i % 2 of sample i)
     assert embeds[:, 0, 0].tolist() == [3.0, 1.0, 4.0, 4.0]
     expected = [_code("instance", 2, _flip(2, epoch)), _code("instance", 0, _flip(0, epoch)),
