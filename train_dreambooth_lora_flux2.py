@@ -188,7 +188,7 @@ def _data_flags(p):
     g.add_argument("--caption_column", default=None, help="Caption column of --dataset_name (else --instance_prompt).")
     g.add_argument("--cond_image_column", default=None, help="Edit training: the condition (reference) image column of --dataset_name; a list of images in a row gives several references. The target is --image_column.")
     g.add_argument("--cond_data_dir", default=None, help="Edit training: folder of condition images; the condition of <instance_data_dir>/x.png is x.<any image extension> here.")
-    g.add_argument("--instance_prompt", default=None, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog' (required unless --from_manifest).")
+    g.add_argument("--instance_prompt", default=None, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog' (required unless --from_manifest, or --caption_column captions every row).")
     g.add_argument("--repeats", type=int, default=1, help="Samples per instance image in one epoch.")
     g.add_argument("--with_prior_preservation", action="store_true", help="Add the prior-preservation loss on class images.")
     g.add_argument("--class_data_dir", default=None, help="Folder of class images; missing ones are generated into it.")
@@ -518,8 +518,8 @@ def validate_args(args):
         validate_manifest_args(args)
     elif (args.instance_data_dir is None) == (args.dataset_name is None):
         raise UsageError("give exactly one of --instance_data_dir or --dataset_name")
-    elif not args.instance_prompt:
-        raise UsageError("--instance_prompt is required (unless --from_manifest)")
+    elif not args.instance_prompt and not args.caption_column:
+        raise UsageError("--instance_prompt is required (unless --from_manifest, or --caption_column captions every row)")
     check_edit_flags(args)
     if args.with_prior_preservation and not args.from_manifest:
         if not args.class_prompt:
@@ -2305,6 +2305,11 @@ def prepare_data(args, accelerator, disk=None):
     if manifest is None:
         with scan_order(accelerator, disk):
             instances = load_instance_images(args, disk)
+        uncaptioned = [r.name for r in instances if not r.caption]
+        if uncaptioned and not args.instance_prompt:
+            raise UsageError(f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption "
+                             f"({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
+                             "--instance_prompt for them")
     else:
         instances, manifest_classes = apply_manifest(args, manifest)
     checkpoint = find_resume_checkpoint(args)
@@ -3769,7 +3774,7 @@ def write_model_card(args, image_paths, prompt, family, edit=False):
         gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
                     "![progress](validation/progress-0.png)")
     edit_use = (f'condition = load_image("condition.png")  # the image to edit (from diffusers.utils import load_image)\n'
-                f'image = pipe(image=condition, prompt="{prompt or args.instance_prompt}").images[0]')
+                f'image = pipe(image=condition, prompt="{prompt or args.instance_prompt or "..."}").images[0]')
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
 library_name: diffusers
@@ -3788,7 +3793,7 @@ widget:
 # {family.name} DreamBooth LoRA
 
 LoRA adapters (rank {args.rank}, alpha {args.lora_alpha}) for `{args.pretrained_model_name_or_path}`, trained with
-DreamBooth on the prompt `{args.instance_prompt}` for {args.max_train_steps} steps at learning rate {args.learning_rate}.
+DreamBooth on {f"the prompt `{args.instance_prompt}`" if args.instance_prompt else "its dataset's captions"} for {args.max_train_steps} steps at learning rate {args.learning_rate}.
 
 {gallery}
 
