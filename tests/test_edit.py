@@ -458,3 +458,18 @@ def test_dataset_columns_give_one_or_several_references(references, tiny_model, 
     manifest = json.loads((out / T.MANIFEST_NAME).read_text())
     assert [[c["name"] for c in r["conditions"]] for r in manifest["instances"]][1] == [
         f"{folder}[1].file_name[{j}]" for j in range(references)]
+
+
+def test_swapped_blocks_train_and_validate_an_edit_lora_like_resident_ones(tiny_model, pairs, tmp_path, monkeypatch):
+    """--blocks_to_swap (its CUDA requirement lifted for the CPU) with the longer edit sequence: the same LoRA and
+    edit-mode validation image as without swapping, bit for bit."""
+    targets, conds = pairs
+    monkeypatch.setattr(T, "check_block_swap", lambda *a: None)
+    common = ["--max_train_steps", "2", "--gradient_checkpointing", "--cache_latents", "--precompute_cache_dir", "none",
+              "--validation_prompt", "relight", "--validation_image", conds / "p0.png", "--num_validation_images", "1"]
+    plain, swapped = tmp_path / "plain", tmp_path / "swapped"
+    T.main(edit_args(tiny_model, targets, conds, plain, *common))
+    T.main(edit_args(tiny_model, targets, conds, swapped, *common, "--blocks_to_swap", "2"))
+    assert _same_lora(plain, swapped)
+    expected = np.asarray(Image.open(plain / "validation" / "final-0.png"))
+    assert (np.asarray(Image.open(swapped / "validation" / "final-0.png")) == expected).all()
