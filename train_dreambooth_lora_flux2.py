@@ -22,6 +22,10 @@ text-encoder layers and validation defaults from its diffusers pipeline):
       --output_dir flux2-klein-dog-lora --mixed_precision bf16 --cache_latents --resolution 1024 \
       --train_batch_size 1 --gradient_accumulation_steps 4 --learning_rate 1e-4 --max_train_steps 500 --seed 0
 
+Edit (image-to-image) LoRAs train from the same script on (condition, target, instruction) triplets: add
+`--cond_data_dir` (same-stem condition images) or, with --dataset_name, `--cond_image_column`, and validate with
+`--validation_image` (README: "Training an edit (image-to-image) LoRA").
+
 What is cached and what stays random:
 - Samples are the instance images times `--repeats` (with prior preservation, at least one sample per class
   image, each paired with a class image, so every class image is seen every epoch). Each sample has an index;
@@ -3421,6 +3425,11 @@ def start_logging(args, accelerator, run, global_step):
                 + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
                    f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
                    ", images decoded in the main process"))
+    counts = sorted({len(ids) for ids in data.dataset.cond_ids})
+    if data.dataset.conditions:
+        logger.info(f"edit training: {len(data.dataset.conditions)} condition images for {len(data.dataset.instances)} "
+                    f"targets, {' or '.join(map(str, counts))} per target, their tokens after the target's (the loss "
+                    "covers the target's)")
 
 
 def tracker_config(args):

@@ -328,6 +328,7 @@ def test_dev_edit_run_caches_resumes_validates_and_its_lora_edits(tiny_model, pa
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     proc = launch(edit_args(tiny_model, targets, conds, straight, *common))
     assert "encoded 24 of 24 missing images" in proc.stderr  # 6 targets + 6 conditions, both orientations
+    assert "edit training: 6 condition images for 6 targets, 1 per target" in proc.stderr
     resumed.mkdir()
     shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
     proc = launch(edit_args(tiny_model, targets, conds, resumed, *common, "--resume_from_checkpoint", "latest"))
