@@ -13,6 +13,10 @@ the card's measured bf16 matmul rate (forward = 2 x block parameters x tokens + 
     python benchmarks/gpu_step.py                         # the default grid (see --help); on CUDA only
     python benchmarks/gpu_step.py --memory                # the memory table: 1024 px, batch 1, rank 16
     python benchmarks/gpu_step.py --tiny                  # the same code on a tiny model on the CPU (CI smoke test)
+    python benchmarks/gpu_step.py --memory --references 0,1   # edit training: one condition image per row
+
+--references R: edit (image-to-image) training, each row with R condition images of the target's size whose tokens
+follow the target's (the script's own dataset, caches and step), so the sequence holds (1 + R) x the image tokens.
 
 The memory table puts each row's measured peak next to an estimate made without a GPU (`estimate`: exact weight and
 LoRA bytes of the model the script prepares, activations from one forward pass on the meta device) and says which
@@ -64,6 +68,7 @@ def parse(argv=None):
     p.add_argument("--batch", default="1,4")
     p.add_argument("--precision", default="bf16,fp8", help="bf16, fp8 (--do_fp8_training), nf4 (bitsandbytes 4-bit)")
     p.add_argument("--swap", default="0", help="--blocks_to_swap: numbers, 'half' or 'max'")
+    p.add_argument("--references", default="0", help="condition images per row (edit training); 0: text-to-image")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lora_layers", default="default", help="the script's --lora_layers")
     p.add_argument("--baseline", action="store_true", help="add the diffusers example's step as the first row of each "
@@ -98,14 +103,14 @@ def rows(args):
     for model in split(args.models):
         if args.baseline:
             yield dict(model=model, mode="eager", attention="native", gc="on", resolution=int(split(args.resolutions)[-1]),
-                       batch=int(split(args.batch)[0]), precision="bf16", swap="0", baseline=True)
-        for mode, attention, gc_, res, batch, precision, swap in itertools.product(
+                       batch=int(split(args.batch)[0]), precision="bf16", swap="0", references=0, baseline=True)
+        for mode, attention, gc_, res, batch, precision, swap, refs in itertools.product(
                 split(args.modes), split(args.attention), split(args.gc), split(args.resolutions), split(args.batch),
-                split(args.precision), split(args.swap)):
+                split(args.precision), split(args.swap), split(args.references)):
             if swap != "0" and gc_ == "off" or swap_count(swap, MODELS[model]) > num_blocks(MODELS[model]):
                 continue  # the script refuses swapping without gradient checkpointing, or more blocks than exist
             yield dict(model=model, mode=mode, attention=attention, gc=gc_, resolution=int(res), batch=int(batch),
-                       precision=precision, swap=swap, baseline=False)
+                       precision=precision, swap=swap, references=int(refs), baseline=False)
 
 
 def num_blocks(config):
@@ -219,7 +224,7 @@ def saved_bytes(transformer, row, config, text_tokens):
     hooks = [h for i, block in enumerate(blocks) for h in (
         block.register_forward_pre_hook(lambda module, a, k, i=i: enter(i, a, k), with_kwargs=True),
         block.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
-    b, image_tokens = row["batch"], (row["resolution"] // PATCH) ** 2
+    b, image_tokens = row["batch"], image_tokens_of(row)
     fused = lambda query, key, value, **_: FusedAttention.apply(query, key, value)  # noqa: E731
     with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), unittest.mock.patch(
             "torch.nn.functional.scaled_dot_product_attention", fused):
@@ -292,6 +297,11 @@ def quantize_nf4(transformer, compute_dtype):
             del module
 
 
+def image_tokens_of(row):
+    """Image tokens in a row's sequence: the target's, and as many again per condition image (edit training)."""
+    return (row["resolution"] // PATCH) ** 2 * (1 + row.get("references", 0))
+
+
 def forward_flops(config, batch, image_tokens, text_tokens):
     """2 x the block parameters a token passes x tokens, + attention. Each block holds 13 inner^2 weights per stream
     (attention 4, SwiGLU MLP 9; the single-stream block's fused 9 + 4): a double-stream block has two streams, but
@@ -324,7 +334,10 @@ def cached_inputs(row, config, text_tokens, dtype, seed=0):
     """The script's dataset, sampler, loader and caches, filled with real-shaped random entries: what precompute
     leaves behind for one distinct prompt and 8 distinct images of one bucket."""
     side = row["resolution"]
-    images = [T.ImageRecord(name=f"img{i}.png", size=(side, side)) for i in range(max(8, row["batch"]))]
+    conditions = lambda i: tuple(T.ImageRecord(name=f"cond{i}-{r}.png", size=(side, side))  # noqa: E731
+                                 for r in range(row.get("references", 0)))
+    images = [T.ImageRecord(name=f"img{i}.png", size=(side, side), conditions=conditions(i))
+              for i in range(max(8, row["batch"]))]
     dataset = T.DreamBoothDataset(images, "x", [(side, side)], seed=seed, center_crop=True, with_pixels=False,
                                   fixed_crops=True)
     g = torch.Generator().manual_seed(seed)
@@ -388,8 +401,7 @@ def time_row(row, bench, accelerator, rate):
         if len(times) == bench.warmup + bench.steps:
             break
     seconds = statistics.median(times[bench.warmup:])
-    image_tokens = (row["resolution"] // PATCH) ** 2
-    flops = forward_flops(config, row["batch"], image_tokens, text_tokens) * (3 if row["gc"] == "on" else 2)
+    flops = forward_flops(config, row["batch"], image_tokens_of(row), text_tokens) * (3 if row["gc"] == "on" else 2)
     result = dict(row, s_per_step=seconds, warmup_s=sum(times[:bench.warmup]),
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                   mfu=flops / seconds / rate if rate else None, loss=loss.item())
@@ -406,6 +418,7 @@ def cleanup(accelerator):
 
 def describe(row):
     swap = f" swap {row['swap']}" if row["swap"] != "0" else ""
+    swap += f" edit x{row['references']}" if row.get("references") else ""
     name = "example-like baseline" if row["baseline"] else f"{row['mode']} {row['attention']}"
     return (f"{row['model']:8} {name:26} gc {row['gc']:3} {row['resolution']:4}px b{row['batch']} "
             f"{row['precision']:4}{swap}")
@@ -469,11 +482,12 @@ def line(r):
 def table(results, device_name, memory=False):
     if memory:
         return memory_table(results, device_name)
-    head = "| model | step | attention | grad ckpt | px | batch | precision | swap | s/it | peak GiB | MFU |"
-    lines = [f"{device_name}, {time.strftime('%Y-%m-%d')}", head, "|" + "---|" * 11]
+    head = "| model | step | attention | grad ckpt | px | batch | precision | swap | refs | s/it | peak GiB | MFU |"
+    lines = [f"{device_name}, {time.strftime('%Y-%m-%d')}", head, "|" + "---|" * 12]
     for r in results:
         step = "example-like" if r["baseline"] else r["mode"]
-        cells = [r["model"], step, r["attention"], r["gc"], r["resolution"], r["batch"], r["precision"], r["swap"]]
+        cells = [r["model"], step, r["attention"], r["gc"], r["resolution"], r["batch"], r["precision"], r["swap"],
+                 r.get("references", 0)]
         if "error" in r:
             cells += [r["error"], f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-", "-"]
         else:
@@ -501,6 +515,7 @@ def memory_table(results, device_name):
             cards = f"{cards or 'none'} ({'m' if measured is not None else 'e'})"
         swap = r["swap"] if r["swap"] == "0" else f"{r['swap']} ({swap_count(r['swap'], MODELS[r['model']])})"
         model = r["model"] + ("" if r["resolution"] == 1024 else f" {r['resolution']} px")
+        model += f" edit ({r['references']} ref)" if r.get("references") else ""
         cells = [model, r["precision"], r["gc"], swap, speed, f"{measured:.1f}" if measured is not None else "-",
                  estimated, f"{r['host_gib']:.1f}", cards]
         lines.append("| " + " | ".join(map(str, cells)) + " |")

@@ -201,15 +201,18 @@ def test_run_state_is_typed_and_a_misspelt_field_is_an_error():
 
 
 def test_gpu_benchmark_tiny_mode_runs_the_script_step():
-    """Eager and --compile rows (inductor on the CPU) through the script's own step."""
+    """Eager and --compile rows (inductor on the CPU) through the script's own step, text-to-image and edit (one
+    condition image per row, through the script's dataset, caches and step)."""
     proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--tiny", "--steps", "2", "--batch", "1",
-                           "--resolutions", "32", "--gc", "on", "--modes", "eager,compile"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+                           "--resolutions", "32", "--gc", "on", "--modes", "eager,compile", "--references", "0,1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 2 and "| eager | native | on | 32 | 1 | bf16 |" in rows[0]
-    assert "| compile | native | on | 32 | 1 | bf16 |" in rows[1]
-    assert all(float(row.split("|")[9]) > 0 for row in rows)
+    assert len(rows) == 4 and "| eager | native | on | 32 | 1 | bf16 | 0 | 0 |" in rows[0]
+    assert "| eager | native | on | 32 | 1 | bf16 | 0 | 1 |" in rows[1]
+    assert "| compile | native | on | 32 | 1 | bf16 | 0 | 0 |" in rows[2]
+    assert all(float(row.split("|")[10]) > 0 for row in rows)
+    assert "edit x1" in proc.stdout
 
 
 def test_gpu_benchmark_memory_mode_tiny_runs_swapping_rows_and_estimates(tmp_path):
@@ -238,9 +241,9 @@ def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     PartialState(cpu=True)
     config = G.MODELS["klein4b"]
 
-    def estimate(gc="on", precision="bf16", swap="0", layers="default"):
+    def estimate(gc="on", precision="bf16", swap="0", layers="default", references=0):
         row = dict(model="klein4b", mode="eager", attention="native", gc=gc, resolution=1024, batch=1,
-                   precision=precision, swap=swap, baseline=False)
+                   precision=precision, swap=swap, references=references, baseline=False)
         return G.estimate(row, config, 16, 512, layers)
 
     plain, half = estimate(), estimate(swap="half")
@@ -253,6 +256,10 @@ def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     for gc, measured in (("on", 8.9), ("off", 19.7)):
         assert measured <= estimate(gc=gc, layers=old_default)["estimate_gib"] < 1.08 * measured
     assert G.fits(8.9) == [24, 48, 80] and G.fits(30) == [48, 80] and G.fits(80) == []
+    # edit training with one condition image: the same weights, activations for twice the image tokens (+ 512 text)
+    edit = estimate(references=1)
+    assert edit["weights_gib"] == plain["weights_gib"]
+    assert 1.7 < edit["activations_gib"] / plain["activations_gib"] < 2.0
 
 
 def test_data_path_benchmark_tiny_mode_shows_one_copy_per_distinct_entry():
