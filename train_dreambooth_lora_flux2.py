@@ -611,6 +611,8 @@ def surprising_values(args):
         (args.validation_prompt is not None and args.num_validation_images == 0,
          "--validation_prompt with --num_validation_images 0: no validation images are made"),
         (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
+        (args.validation_image is not None and not (args.validation_prompt or args.final_validation_prompt),
+         "--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"),
     ]
     return [note for surprising, note in notes if surprising]
 

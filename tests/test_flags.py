@@ -218,6 +218,7 @@ def test_a_sourceless_run_needs_no_text_encoder_not_even_its_config(tiny_model, 
      "never reaches its peak"),
     (["--validation_prompt", "v", "--num_validation_images", "0"], "no validation images are made"),
     (["--rank", "512"], "trains like a full fine-tune"),
+    (["--validation_image", "x.png"], "--validation_image without --validation_prompt"),
 ])
 def test_legal_but_surprising_values_get_one_warning(extra, warning):
     base = ["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d"]
