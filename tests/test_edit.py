@@ -379,11 +379,14 @@ def test_klein_edit_run_validates_and_its_lora_edits(tiny_klein, pairs, tmp_path
 
 def test_memory_options_and_cache_leave_an_edit_run_unchanged(tiny_model, pairs, tmp_path):
     """Uncached (the VAE encodes target and conditions with the batch), with --gradient_checkpointing and --offload:
-    the same LoRA as the plain uncached run; with --center_crop, cached latents give the same LoRA as uncached."""
+    the same LoRA as the plain uncached run; with --center_crop, cached latents give the same LoRA as uncached. (The
+    plain run validates without --validation_image, which it warns about.)"""
     targets, conds = pairs
     common = ["--max_train_steps", "3", "--train_batch_size", "2", "--center_crop", "--precompute_cache_dir", "none"]
     plain, lean, cached = tmp_path / "plain", tmp_path / "lean", tmp_path / "cached"
-    launch(edit_args(tiny_model, targets, conds, plain, *common))
+    proc = launch(edit_args(tiny_model, targets, conds, plain, *common, "--validation_prompt", "relight",
+                            "--num_validation_images", "1"))
+    assert "edit training validates without a condition image" in proc.stderr  # no --validation_image: said so
     launch(edit_args(tiny_model, targets, conds, lean, *common, "--gradient_checkpointing", "--offload"))
     launch(edit_args(tiny_model, targets, conds, cached, *common, "--cache_latents"))
     a, b, c = (load_file(str(p / LORA)) for p in (plain, lean, cached))
