@@ -944,8 +944,9 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     Sample i shows instance image i % I (I instance images; len = max(I * repeats, C)) in that image's bucket,
     and with prior preservation class image i % C resized into the same bucket. For edit training an instance image
     carries its condition images (ImageRecord.conditions): each is cropped into the target's bucket like the target
-    (follow_crop), flipped with it, and travels with it as the latent keys of condition_keys. The model sees "slots": slot i is
-    sample i's instance part and slot N + i its class part, the order in which a batch is laid out. Items are
+    (follow_crop), flipped with it, and travels with it as the latent keys of condition_keys. The model sees
+    "slots": slot i is sample i's instance part and slot N + i its class part, the order in which a batch is laid
+    out. Items are
     addressed by (epoch, index), the pairs the batch sampler yields: the epoch travels with the index, so
     DataLoader workers that live for the whole run draw each epoch's crops and flips without being told.
     """
