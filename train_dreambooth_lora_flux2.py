@@ -144,6 +144,7 @@ BROKEN_ATTENTION_BACKENDS = {
                      "and 1024 px, eager and compiled (H100, torch 2.11 + CUDA 13.0, 2026-11-22); use native, which "
                      "picks a working SDPA kernel itself",
 }
+REFERENCE_MAX_PIXELS = 1024 * 1024  # the FLUX.2 pipelines shrink larger reference images to this area
 NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
 OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
               "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
@@ -192,7 +193,7 @@ def _data_flags(p):
     g.add_argument("--caption_column", default=None, help="Caption column of --dataset_name (else --instance_prompt).")
     g.add_argument("--cond_image_column", default=None, help="Edit training: the condition (reference) image column of --dataset_name; a list of images in a row gives several references. The target is --image_column.")
     g.add_argument("--cond_data_dir", default=None, help="Edit training: folder of condition images; the condition of <instance_data_dir>/x.png is x.<any image extension> here.")
-    g.add_argument("--instance_prompt", default=None, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog' (required unless --from_manifest, or --caption_column captions every row).")
+    g.add_argument("--instance_prompt", default=None, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog' (required unless --from_manifest, or captions cover every image).")
     g.add_argument("--repeats", type=int, default=1, help="Samples per instance image in one epoch.")
     g.add_argument("--with_prior_preservation", action="store_true", help="Add the prior-preservation loss on class images.")
     g.add_argument("--class_data_dir", default=None, help="Folder of class images; missing ones are generated into it.")
@@ -522,8 +523,11 @@ def validate_args(args):
         validate_manifest_args(args)
     elif (args.instance_data_dir is None) == (args.dataset_name is None):
         raise UsageError("give exactly one of --instance_data_dir or --dataset_name")
-    elif not args.instance_prompt and not args.caption_column:
-        raise UsageError("--instance_prompt is required (unless --from_manifest, or --caption_column captions every row)")
+    elif not args.instance_prompt and args.dataset_name and not args.caption_column:
+        raise UsageError("--instance_prompt is required (unless --from_manifest, or captions cover every image)")
+    elif args.caption_column and not args.dataset_name:
+        raise UsageError("--caption_column is a column of --dataset_name; --instance_data_dir reads same-stem .txt "
+                         "captions")
     check_edit_flags(args)
     if args.with_prior_preservation and not args.from_manifest:
         if not args.class_prompt:
@@ -697,17 +701,29 @@ def draw_crop(image_size, bucket, center_crop, rng):
     return (rh, rw), rng.randint(0, rh - bh), rng.randint(0, rw - bw)
 
 
-def follow_crop(transform, cond_size, bucket):
-    """The crop of a condition image that matches its target's crop `transform` ((resized_hw, top, left) of
-    draw_crop): the condition resized to cover the same bucket and cropped at the same relative place. A condition of
-    the target's size gets exactly the target's transform, so pixel-aligned pairs (relighting, retouching) stay
-    aligned token for token."""
-    (rh, rw), top, left = transform
-    (ch, cw), _, _ = draw_crop(cond_size, bucket, True, None)
+def reference_size(bucket):
+    """(h, w) of the condition images of a target in `bucket`: the bucket itself, or, above 1024^2 pixels, what the
+    FLUX.2 pipelines make of a reference that large (Flux2ImageProcessor._resize_to_target_area to 1024^2 pixels,
+    sides floored to multiples of 16), so training sees references at the size inference gives them."""
+    h, w = bucket
+    if h * w <= REFERENCE_MAX_PIXELS:
+        return tuple(bucket)
+    scale = math.sqrt(REFERENCE_MAX_PIXELS / (h * w))
+    return int(h * scale) // 16 * 16, int(w * scale) // 16 * 16
 
-    def place(offset, full, new, side):
-        return (new - side) // 2 if full == side else round(offset * (new - side) / (full - side))
-    return (ch, cw), place(top, rh, ch, bucket[0]), place(left, rw, cw, bucket[1])
+
+def follow_crop(transform, cond_size, bucket, cond_bucket=None):
+    """The crop of a condition image that matches its target's crop `transform` ((resized_hw, top, left) of
+    draw_crop in `bucket`): the condition resized to cover `cond_bucket` (default: the target's bucket) and cropped at
+    the same relative place. A condition of the target's size in the target's bucket gets exactly the target's
+    transform, so pixel-aligned pairs (relighting, retouching) stay aligned token for token."""
+    (rh, rw), top, left = transform
+    cond_bucket = bucket if cond_bucket is None else cond_bucket
+    (ch, cw), _, _ = draw_crop(cond_size, cond_bucket, True, None)
+
+    def place(offset, full, side, new, new_side):
+        return (new - new_side) // 2 if full == side else round(offset * (new - new_side) / (full - side))
+    return (ch, cw), place(top, rh, bucket[0], ch, cond_bucket[0]), place(left, rw, bucket[1], cw, cond_bucket[1])
 
 
 def transform_image(image, transform, bucket):
@@ -726,7 +742,7 @@ def image_to_tensor(image, transform, bucket):
 def validation_image_problem(size, buckets):
     """Why the FLUX.2 pipelines would refuse --validation_image (of `size`, (w, h)) once fitted into its bucket
     (Flux2ImageProcessor.check_image_input: sides of 64 px or more, aspect at most 8:1), or None."""
-    h, w = buckets[nearest_bucket(size[1], size[0], buckets)]
+    h, w = reference_size(buckets[nearest_bucket(size[1], size[0], buckets)])
     if min(h, w) < 64 or max(h, w) > 8 * min(h, w):
         return (f"it is fitted into the bucket {h}x{w} (h x w) as training conditions are, and the FLUX.2 pipelines "
                 "take condition images of at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
@@ -734,10 +750,11 @@ def validation_image_problem(size, buckets):
 
 
 def fit_to_bucket(image, buckets):
-    """An RGB PIL image resized to cover its nearest bucket and centre-cropped to it: how validation prepares
-    --validation_image, the way training crops conditions into their buckets."""
+    """--validation_image as training uses conditions -> (the RGB PIL image resized to cover reference_size of its
+    nearest bucket and centre-cropped to it, the bucket: the size of the edited image)."""
     bucket = buckets[nearest_bucket(image.height, image.width, buckets)]
-    return transform_image(image, (*draw_crop(image.size, bucket, True, None), False), bucket)
+    size = reference_size(bucket)
+    return transform_image(image, (*draw_crop(image.size, size, True, None), False), size), bucket
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -928,6 +945,10 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
         cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
         if cond_column and not cond:
             empty.append(str(i))
+        if not all(isinstance(c, Image.Image) for c in cond):
+            raise UsageError(f"--cond_image_column {cond_column!r}: row {i} holds {type(cond[0]).__name__}, not images "
+                             f"(feature {split.features[cond_column]}); cast the column to datasets.Image() (in a "
+                             "metadata.jsonl, name it <something>_file_name)")
         refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
                      for j, c in enumerate(cond))
         records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), caption=(caption or "").strip() or None,
@@ -1008,11 +1029,13 @@ class DreamBoothDataset(torch.utils.data.Dataset):
 
     def condition_keys(self, key):
         """The latent keys of the condition images that travel with a target's latent key, in reference order:
-        the target's bucket, crop (follow_crop) and flip. Class images have none."""
+        the target's bucket (capped at the pipelines' reference size), crop (follow_crop) and flip. Class images have
+        none."""
         kind, image_id, bucket, resized, top, left, flip = key
         if kind != "instance":
             return []
-        return [("cond", c, bucket, *follow_crop((resized, top, left), self.conditions[c].size, bucket), flip)
+        size = reference_size(bucket)
+        return [("cond", c, size, *follow_crop((resized, top, left), self.conditions[c].size, bucket, size), flip)
                 for c in self.cond_ids[image_id]]
 
     def cached_latent_keys(self):
@@ -2314,8 +2337,10 @@ def prepare_data(args, accelerator, disk=None):
             instances = load_instance_images(args, disk)
         uncaptioned = [r.name for r in instances if not r.caption]
         if uncaptioned and not args.instance_prompt:
-            raise UsageError(f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption "
-                             f"({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
+            source = (f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption"
+                      if args.dataset_name else f"--instance_data_dir {args.instance_data_dir}: {len(uncaptioned)} "
+                      "image(s) have no .txt caption")
+            raise UsageError(f"{source} ({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
                              "--instance_prompt for them")
     else:
         instances, manifest_classes = apply_manifest(args, manifest)
@@ -3683,10 +3708,12 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     base, condition = None, None
     inputs = {"height": args.resolution, "width": args.resolution}
     if args.validation_image:  # edit mode: the pipeline appends the condition's tokens, as training did
-        condition = fit_to_bucket(ImageRecord("", (0, 0), path=args.validation_image).load(), run.data.dataset.buckets)
-        inputs = {"image": [condition], "height": condition.height, "width": condition.width}
+        image = ImageRecord("", (0, 0), path=args.validation_image).load()
+        condition, (height, width) = fit_to_bucket(image, run.data.dataset.buckets)
+        inputs = {"image": [condition], "height": height, "width": width}
+    stale = condition_changed(folder, condition)  # the base images were made for another condition (or none)
     with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
-        if base_images_missing(accelerator, folder, args.num_validation_images):
+        if base_images_missing(accelerator, folder, args.num_validation_images, stale):
             accelerator.unwrap_model(run.transformer).disable_adapters()
             try:
                 base = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
@@ -3701,6 +3728,8 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     folder.mkdir(parents=True, exist_ok=True)
     if condition is not None:
         condition.save(folder / "condition.png")
+    elif stale:
+        (folder / "condition.png").unlink()
     for name, batch in (("base", base or []), (tag, images)):
         for i, image in enumerate(batch):
             image.save(folder / f"{name}-{i}.png")
@@ -3725,10 +3754,21 @@ def generate_images(args, pipeline, embeds, inputs, family, seed, device):
                      guidance_scale=guidance_scale(args, family)).images[0] for _ in range(args.num_validation_images)]
 
 
-def base_images_missing(accelerator, folder, count):
+def condition_changed(folder, condition):
+    """Whether validation/condition.png (the condition the base images were made for) is not `condition` (a PIL
+    image, or None for text-to-image validation)."""
+    path = Path(folder, "condition.png")
+    if not path.is_file():
+        return condition is not None
+    with Image.open(path) as old:
+        return condition is None or not np.array_equal(np.asarray(old.convert("RGB")), np.asarray(condition))
+
+
+def base_images_missing(accelerator, folder, count, stale=False):
     """Whether the base model's validation images are still to be made (once per output folder, so resumes skip
-    them); agreed with the main process under FSDP, where every process generates."""
-    missing = [not all(Path(folder, f"base-{i}.png").is_file() for i in range(count))]
+    them, unless `stale`: made for another condition image); agreed with the main process under FSDP, where every
+    process generates."""
+    missing = [stale or not all(Path(folder, f"base-{i}.png").is_file() for i in range(count))]
     if is_fsdp(accelerator):
         broadcast_object_list(missing)
     return missing[0]
@@ -3785,7 +3825,7 @@ def write_model_card(args, image_paths, prompt, family, edit=False):
     if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
         gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
                     "![progress](validation/progress-0.png)")
-    edit_use = (f'condition = load_image("condition.png")  # the image to edit (from diffusers.utils import load_image)\n'
+    edit_use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
                 f'image = pipe(image=condition, prompt="{prompt or args.instance_prompt or "..."}").images[0]')
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
@@ -3818,7 +3858,7 @@ from diffusers import {family.pipeline}
 pipe = {family.pipeline}.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
 pipe.enable_model_cpu_offload()  # moves each model to the GPU only while it runs
 pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
-{edit_use if edit else f'image = pipe("{prompt or args.instance_prompt}").images[0]'}
+{edit_use if edit else f'image = pipe("{prompt or args.instance_prompt or "..."}").images[0]'}
 ```
 
 (FLUX.2 [dev]: loading the Hub tokenizer as a PixtralProcessor needs `torchvision`.)

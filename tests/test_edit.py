@@ -90,6 +90,32 @@ def test_a_condition_follows_its_targets_crop():
     assert T.follow_crop(((64, 96), 0, 0), (64, 128), (64, 64)) == ((128, 64), 32, 0)
 
 
+@pytest.mark.parametrize("bucket", [(64, 96), (1024, 1024), (912, 1152), (1152, 912), (1536, 1536), (1024, 2048)])
+def test_conditions_are_used_at_the_size_the_pipelines_give_references(bucket):
+    """Up to 1024^2 pixels a condition fills its target's bucket; above, it is what Flux2Pipeline makes of a
+    reference that large (resized to 1024^2 pixels, sides floored to 16), so inference sees the training size."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    h, w = bucket
+    resized = Flux2ImageProcessor._resize_to_target_area(Image.new("RGB", (w, h)), 1024 * 1024) if h * w > 1024**2 \
+        else Image.new("RGB", (w, h))
+    assert T.reference_size(bucket) == (resized.height // 16 * 16, resized.width // 16 * 16)
+    dataset = T.DreamBoothDataset(_records(1)[:1], "x", [bucket], seed=0, with_pixels=False, fixed_crops=True)
+    (cond,) = dataset.condition_keys(dataset.latent_key(0, 0))
+    assert cond[2] == T.reference_size(bucket) and dataset.pixels(cond).shape[1:] == T.reference_size(bucket)
+    condition, edited = T.fit_to_bucket(_picture(w, h, 0), [bucket])
+    assert edited == bucket and (condition.height, condition.width) == T.reference_size(bucket)
+
+
+def test_base_validation_images_are_redone_when_the_condition_changes(tmp_path):
+    one, other = _picture(64, 64, 1), _picture(64, 64, 2)
+    assert not T.condition_changed(tmp_path, None)  # text-to-image, as before
+    assert T.condition_changed(tmp_path, one)
+    one.save(tmp_path / "condition.png")
+    assert not T.condition_changed(tmp_path, one)
+    assert T.condition_changed(tmp_path, other) and T.condition_changed(tmp_path, None)
+
+
 def _condition_keys(dataset):
     return {k for k in dataset.cached_latent_keys() if k[0] == "cond"}
 
@@ -245,7 +271,7 @@ def test_the_loss_covers_the_target_tokens_only(tiny_model):
 
 
 @pytest.mark.parametrize("case", ["unpaired", "cond_dir_with_dataset", "column_with_folder", "prior", "small_validation",
-                                  "bad_column", "uncaptioned"])
+                                  "bad_column", "uncaptioned", "text_column", "uncaptioned_folder"])
 def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path):
     targets, conds = pairs
     out = tmp_path / "out"
@@ -258,6 +284,8 @@ def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path
         "small_validation": "take condition images of at least 64 px a side",
         "bad_column": "--cond_image_column 'nope' is not a column of",
         "uncaptioned": "--caption_column instruction: 1 row(s) have no caption",
+        "text_column": "--cond_image_column 'file_name': row 0 holds str, not images",
+        "uncaptioned_folder": "1 image(s) have no .txt caption (p0.png); give --instance_prompt for them",
     }[case]
     if case == "unpaired":
         (targets / "p2.png").rename(tmp_path / "p2.png")
@@ -273,9 +301,12 @@ def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path
         args += ["--with_prior_preservation", "--class_prompt", "a scene", "--class_data_dir", tmp_path / "class"]
     elif case == "small_validation":
         args += ["--resolution", "32", "--validation_prompt", "relight", "--validation_image", conds / "p0.png"]
-    elif case in ("bad_column", "uncaptioned"):
+    elif case == "uncaptioned_folder":  # every other target has its .txt caption
+        del args[args.index("--instance_prompt"):args.index("--instance_prompt") + 2]
+    elif case in ("bad_column", "uncaptioned", "text_column"):
         pytest.importorskip("datasets")
-        folder = _hf_folder(tmp_path / "hf", references=1, blank_instruction=case == "uncaptioned")
+        folder = _hf_folder(tmp_path / "hf", references=1, blank_instruction=case == "uncaptioned",
+                            names=case == "text_column")
         args = edit_args(tiny_model, folder, conds, out, "--max_train_steps", "1", "--image_column", "output",
                          "--caption_column", "instruction",
                          "--cond_image_column", "nope" if case == "bad_column" else "file_name")
@@ -427,17 +458,20 @@ def test_from_manifest_trains_an_edit_lora_with_both_folders_deleted(tiny_model,
     assert _same_lora(first, again)
 
 
-def _hf_folder(folder, references, blank_instruction=False):
+def _hf_folder(folder, references, blank_instruction=False, names=False):
     """A local `datasets` folder (parquet) with columns output (target), file_name (condition: one image, or a list
-    of `references`) and instruction (row 2's blank with blank_instruction)."""
+    of `references`; with `names`, file names as strings) and instruction (row 2's blank with blank_instruction)."""
     import datasets
 
     folder.mkdir(parents=True)
     targets = [_picture(64, 64, i) for i in range(4)]
     conds = [[ImageOps.invert(t), swap_channels(t)][:references] for t in targets]
     column = conds if references > 1 else [c[0] for c in conds]
+    kind = datasets.Sequence(datasets.Image()) if references > 1 else datasets.Image()
+    if names:
+        column, kind = [f"cond-{i}.png" for i in range(4)], datasets.Value("string")
     features = datasets.Features({"output": datasets.Image(), "instruction": datasets.Value("string"),
-                                  "file_name": datasets.Sequence(datasets.Image()) if references > 1 else datasets.Image()})
+                                  "file_name": kind})
     datasets.Dataset.from_dict({"output": targets, "file_name": column,
                                 "instruction": [" " if blank_instruction and i == 2 else f"edit {i}" for i in range(4)]},
                                features=features
