@@ -167,8 +167,8 @@ def train_generator(path, transformer, data, steps, batch_size, lr=2e-3):
         optimizer.step()
 
 
-def final_latents(model, lora_dir=None, seeds=range(4), steps=SAMPLING_STEPS):
-    """[len(seeds), L, C]: Flux2Pipeline's final latents for PROMPT, base model or with the LoRA of `lora_dir`."""
+def pipeline_and_embeds(model, lora_dir, prompt):
+    """diffusers' own Flux2Pipeline of `model` (with the LoRA of `lora_dir`, if any) and its embedding of `prompt`."""
     from diffusers import Flux2Pipeline
     from transformers import AutoTokenizer
 
@@ -178,8 +178,15 @@ def final_latents(model, lora_dir=None, seeds=range(4), steps=SAMPLING_STEPS):
     if lora_dir is not None:
         pipe.load_lora_weights(str(lora_dir))
     with torch.no_grad():
-        embeds, _ = pipe.encode_prompt(PROMPT, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
+        embeds, _ = pipe.encode_prompt(prompt, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
                                        text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
+    return pipe, embeds
+
+
+def final_latents(model, lora_dir=None, seeds=range(4), steps=SAMPLING_STEPS):
+    """[len(seeds), L, C]: Flux2Pipeline's final latents for PROMPT, base model or with the LoRA of `lora_dir`."""
+    pipe, embeds = pipeline_and_embeds(model, lora_dir, PROMPT)
+    with torch.no_grad():
         return torch.cat([pipe(prompt_embeds=embeds, height=RESOLUTION, width=RESOLUTION, num_inference_steps=steps,
                                output_type="latent", generator=torch.Generator().manual_seed(s)).images
                           for s in seeds])
@@ -256,17 +263,8 @@ def load_images(folder):
 def edit_latents(model, conditions, lora_dir=None, seeds=range(2), steps=SAMPLING_STEPS, prompt=EDIT_PROMPT):
     """[len(conditions), len(seeds), L, C]: Flux2Pipeline's final latents in edit mode (image=[condition], at the
     condition's size), base model or with the LoRA of `lora_dir`; the same seeds for every condition."""
-    from diffusers import Flux2Pipeline
-    from transformers import AutoTokenizer
-
-    pipe = Flux2Pipeline.from_pretrained(model, tokenizer=None)
-    pipe.tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer")
-    pipe.set_progress_bar_config(disable=True)
-    if lora_dir is not None:
-        pipe.load_lora_weights(str(lora_dir))
+    pipe, embeds = pipeline_and_embeds(model, lora_dir, prompt)
     with torch.no_grad():
-        embeds, _ = pipe.encode_prompt(prompt, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
-                                       text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
         return torch.stack([torch.cat([pipe(image=[c], prompt_embeds=embeds, height=c.height, width=c.width,
                                             num_inference_steps=steps, output_type="latent",
                                             generator=torch.Generator().manual_seed(s)).images for s in seeds])

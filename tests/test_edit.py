@@ -54,8 +54,7 @@ def pairs(tmp_path):
 
 def edit_args(model, targets, conds, out, *extra, layers=TEXT_ENCODER_OUT_LAYERS):
     """base_args for an edit run at 64 px (the pipelines take conditions of 64 px a side or more)."""
-    args = base_args(model, targets, out, "--cond_data_dir", conds, "--resolution", "64", *extra, layers=layers)
-    return args
+    return base_args(model, targets, out, "--cond_data_dir", conds, "--resolution", "64", *extra, layers=layers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
