@@ -566,6 +566,10 @@ def check_edit_flags(args):
         raise UsageError("--cond_data_dir pairs with --instance_data_dir; with --dataset_name use --cond_image_column")
     if args.cond_image_column and not args.dataset_name:
         raise UsageError("--cond_image_column is a column of --dataset_name; with --instance_data_dir use --cond_data_dir")
+    if (args.cond_data_dir and args.instance_data_dir and Path(args.cond_data_dir).resolve() ==
+            Path(args.instance_data_dir).resolve()) or (args.cond_image_column and args.cond_image_column == args.image_column):
+        raise UsageError("the condition images are the targets (--cond_data_dir is --instance_data_dir, or "
+                         "--cond_image_column is --image_column): the LoRA would learn to copy its input")
     if (args.cond_data_dir or args.cond_image_column) and args.with_prior_preservation:
         raise UsageError("--with_prior_preservation does not combine with edit training (--cond_data_dir, "
                          "--cond_image_column): its class images are text-to-image samples without a condition image, "

@@ -270,7 +270,7 @@ def test_the_loss_covers_the_target_tokens_only(tiny_model):
 
 
 @pytest.mark.parametrize("case", ["unpaired", "cond_dir_with_dataset", "column_with_folder", "prior", "small_validation",
-                                  "bad_column", "uncaptioned", "text_column", "uncaptioned_folder"])
+                                  "bad_column", "uncaptioned", "text_column", "uncaptioned_folder", "identity"])
 def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path):
     targets, conds = pairs
     out = tmp_path / "out"
@@ -285,6 +285,7 @@ def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path
         "uncaptioned": "--caption_column instruction: 1 row(s) have no caption",
         "text_column": "--cond_image_column 'file_name': row 0 holds str, not images",
         "uncaptioned_folder": "1 image(s) have no .txt caption (p0.png); give --instance_prompt for them",
+        "identity": "the condition images are the targets",
     }[case]
     if case == "unpaired":
         (targets / "p2.png").rename(tmp_path / "p2.png")
@@ -300,6 +301,8 @@ def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path
         args += ["--with_prior_preservation", "--class_prompt", "a scene", "--class_data_dir", tmp_path / "class"]
     elif case == "small_validation":
         args += ["--resolution", "32", "--validation_prompt", "relight", "--validation_image", conds / "p0.png"]
+    elif case == "identity":
+        args[args.index("--cond_data_dir") + 1] = str(targets) + "/"
     elif case == "uncaptioned_folder":  # every other target has its .txt caption
         del args[args.index("--instance_prompt"):args.index("--instance_prompt") + 2]
     elif case in ("bad_column", "uncaptioned", "text_column"):
