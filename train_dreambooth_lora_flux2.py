@@ -3457,8 +3457,8 @@ def start_logging(args, accelerator, run, global_step):
                 + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
                    f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
                    ", images decoded in the main process"))
-    counts = sorted({len(ids) for ids in data.dataset.cond_ids})
     if data.dataset.conditions:
+        counts = sorted({len(ids) for ids in data.dataset.cond_ids})
         logger.info(f"edit training: {len(data.dataset.conditions)} condition images for {len(data.dataset.instances)} "
                     f"targets, {' or '.join(map(str, counts))} per target, their tokens after the target's (the loss "
                     "covers the target's)")
@@ -3829,8 +3829,9 @@ def write_model_card(args, image_paths, prompt, family, edit=False):
     if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
         gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
                     "![progress](validation/progress-0.png)")
-    edit_use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
-                f'image = pipe(image=condition, prompt="{prompt or args.instance_prompt or "..."}").images[0]')
+    shown = prompt or args.instance_prompt or "..."
+    use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
+           f'image = pipe(image=condition, prompt="{shown}").images[0]' if edit else f'image = pipe("{shown}").images[0]')
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
 library_name: diffusers
@@ -3862,7 +3863,7 @@ from diffusers import {family.pipeline}
 pipe = {family.pipeline}.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
 pipe.enable_model_cpu_offload()  # moves each model to the GPU only while it runs
 pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
-{edit_use if edit else f'image = pipe("{prompt or args.instance_prompt or "..."}").images[0]'}
+{use}
 ```
 
 (FLUX.2 [dev]: loading the Hub tokenizer as a PixtralProcessor needs `torchvision`.)
