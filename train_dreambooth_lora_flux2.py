@@ -1,5 +1,7 @@
 #!/usr/bin/env python
 # Copyright 2026 The train_dreambooth_lora_flux2 authors. Licensed under the Apache License, Version 2.0.
+#!/usr/bin/env python
+# Copyright 2026 The train_dreambooth_lora_flux2 authors. Licensed under the Apache License, Version 2.0.
 """DreamBooth LoRA training for FLUX.2 [dev] and FLUX.2 [klein].
 
 Trains PEFT LoRA adapters on the `Flux2Transformer2DModel` of a FLUX.2 checkpoint from a folder of images
@@ -46,6 +48,8 @@ What is cached and what stays random:
   continues with exactly the batches a straight run would have seen.
 """
 
+from __future__ import annotations
+
 import argparse
 import atexit
 import collections
@@ -78,15 +82,15 @@ from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from PIL import Image, ImageOps
 from tqdm.auto import tqdm
-
 logger = get_logger(__name__)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Constants
 
+
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
 # The double-stream blocks' image attention: all that the copy of diffusers' [dev] example we checked adapts by
@@ -98,17 +102,11 @@ TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is nam
 # A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), i.e. two or three
 # captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
 DEFAULT_CACHE_MAX_GB = 50.0
-MANIFEST_NAME = "dataset_manifest.json"
-MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
-# the flags that shaped a manifest's cache entries: --from_manifest takes them from it
-MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution",
-                       "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
-RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
-DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
-RECOMPUTE_ADVICE = ("rerunning the same command recomputes it (add --resume_from_checkpoint latest to keep the steps "
-                    "done; a --from_manifest run cannot recompute: rerun the command that wrote its manifest first)")
-
-
+NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
+OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
+              "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
+              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
+              "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
 @dataclass(frozen=True)
 class Family:
     """What differs between FLUX.2 checkpoints, read from their model_index.json; the rest is shared."""
@@ -121,8 +119,6 @@ class Family:
 
 FAMILIES = {"Flux2Pipeline": ("FLUX.2 [dev]", "Mistral3ForConditionalGeneration"),
             "Flux2KleinPipeline": ("FLUX.2 [klein]", "Qwen3ForCausalLM")}
-
-
 class UsageError(Exception):
     """A problem with the user's flags or files: reported as one message, exit status 2, no traceback."""
 
@@ -135,25 +131,8 @@ class TrainingStopped(Exception):
         self.code = code
 
 
-# diffusers attention backends with a backward pass (sage and the NPU/XLA/AMD kernels are inference or other hardware)
-TRAINING_ATTENTION_BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math", "flex",
-                               "flash", "flash_hub", "_flash_3", "_flash_3_hub", "xformers")
-# Backends seen to break a FLUX.2 training step; refused with the evidence, so no run dies mid-way.
-BROKEN_ATTENTION_BACKENDS = {
-    "_native_cudnn": "crashed FLUX.2 [klein] 4B training steps with 'CUDA error: an illegal memory access' at 512 "
-                     "and 1024 px, eager and compiled (H100, torch 2.11 + CUDA 13.0, 2026-11-22); use native, which "
-                     "picks a working SDPA kernel itself",
-}
-REFERENCE_MAX_PIXELS = 1024 * 1024  # the FLUX.2 pipelines shrink larger reference images to this area
-NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
-OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
-              "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
-              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
-              "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Arguments
+# Flags
 
 
 def _bool(text):
@@ -176,6 +155,81 @@ def _timestep_shift(text):
     return value
 
 
+@dataclass(frozen=True)
+class Accepts:
+    """What one flag accepts. `ok(value)` is False (or raises UsageError with its own message) for a bad value; None
+    means argparse's type and choices already say everything (switches, choices, free text). A flag not given (None)
+    is never checked. `path` rules test the file system; they run after every value rule."""
+
+    what: str
+    ok: object = None
+    path: bool = False
+
+
+def integer(low, high=None, multiple=1):
+    what = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+    return Accepts(what + (f", a multiple of {multiple}" if multiple > 1 else ""),
+                   lambda v: v >= low and (high is None or v <= high) and v % multiple == 0)
+
+
+def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    what = ("a finite number" if (low, high) == (-math.inf, math.inf) else
+            f"a number > {low}" if high == math.inf and low_open else f"a number >= {low}" if high == math.inf
+            else f"a number in {left}{low}, {high}{right}")
+
+    def ok(v):
+        return math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    return Accepts(what, ok)
+
+
+def _folder_can_be(path, writable=False):
+    """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
+    existing parent writable."""
+    path = Path(path).absolute()
+    if path.exists():
+        return path.is_dir() and (not writable or os.access(path, os.W_OK | os.X_OK))
+    parent = next(p for p in path.parents if p.exists())
+    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+
+
+def _checkpoint_folder(value):
+    if value != "latest" and not Path(value).is_dir():
+        raise UsageError(f"--resume_from_checkpoint {value}: no such checkpoint folder (expected a checkpoint-N folder "
+                         "or 'latest')")
+    return True
+
+
+def _ema_device(value):
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        return False
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise UsageError(f"--ema_device {value}: no such CUDA device here; use cpu")
+    return device.type in ("cpu", "cuda")
+
+
+def _image_file(value):
+    try:
+        return inspect_image(value) is not None
+    except Exception:  # noqa: BLE001 - missing, unreadable, corrupt, a decompression bomb: not an image to use
+        return False
+
+
+SWITCH, CHOICE, TEXT = Accepts("on or off"), Accepts("one of its choices"), Accepts("any text")
+EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK), True)
+READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK), True)
+READABLE_IMAGE = Accepts("a readable image file", _image_file, True)
+# existing download and class folders may be read-only (a shared model cache, class images all there)
+FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be, True)
+OUTPUT_FOLDER = Accepts("a folder, existing or to be created, that this user can write",
+                        lambda v: _folder_can_be(v, writable=True), True)
+PROBABILITY = number(0, 1)
+BELOW_ONE = number(0, 1, high_open=True)
+POSITIVE = number(0, low_open=True)
+NON_NEGATIVE = number(0)
+TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 def _model_flags(p):
     g = p.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", required=True, help="Hub id or local folder of a FLUX.2 checkpoint.")
@@ -336,80 +390,6 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
-@dataclass(frozen=True)
-class Accepts:
-    """What one flag accepts. `ok(value)` is False (or raises UsageError with its own message) for a bad value; None
-    means argparse's type and choices already say everything (switches, choices, free text). A flag not given (None)
-    is never checked. `path` rules test the file system; they run after every value rule."""
-
-    what: str
-    ok: object = None
-    path: bool = False
-
-
-def integer(low, high=None, multiple=1):
-    what = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-    return Accepts(what + (f", a multiple of {multiple}" if multiple > 1 else ""),
-                   lambda v: v >= low and (high is None or v <= high) and v % multiple == 0)
-
-
-def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
-    left, right = "(" if low_open else "[", ")" if high_open else "]"
-    what = ("a finite number" if (low, high) == (-math.inf, math.inf) else
-            f"a number > {low}" if high == math.inf and low_open else f"a number >= {low}" if high == math.inf
-            else f"a number in {left}{low}, {high}{right}")
-
-    def ok(v):
-        return math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-    return Accepts(what, ok)
-
-
-def _folder_can_be(path, writable=False):
-    """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
-    existing parent writable."""
-    path = Path(path).absolute()
-    if path.exists():
-        return path.is_dir() and (not writable or os.access(path, os.W_OK | os.X_OK))
-    parent = next(p for p in path.parents if p.exists())
-    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
-
-
-def _checkpoint_folder(value):
-    if value != "latest" and not Path(value).is_dir():
-        raise UsageError(f"--resume_from_checkpoint {value}: no such checkpoint folder (expected a checkpoint-N folder "
-                         "or 'latest')")
-    return True
-
-
-def _ema_device(value):
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        return False
-    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        raise UsageError(f"--ema_device {value}: no such CUDA device here; use cpu")
-    return device.type in ("cpu", "cuda")
-
-
-def _image_file(value):
-    try:
-        return inspect_image(value) is not None
-    except Exception:  # noqa: BLE001 - missing, unreadable, corrupt, a decompression bomb: not an image to use
-        return False
-
-
-SWITCH, CHOICE, TEXT = Accepts("on or off"), Accepts("one of its choices"), Accepts("any text")
-EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK), True)
-READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK), True)
-READABLE_IMAGE = Accepts("a readable image file", _image_file, True)
-# existing download and class folders may be read-only (a shared model cache, class images all there)
-FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be, True)
-OUTPUT_FOLDER = Accepts("a folder, existing or to be created, that this user can write",
-                        lambda v: _folder_can_be(v, writable=True), True)
-PROBABILITY = number(0, 1)
-BELOW_ONE = number(0, 1, high_open=True)
-POSITIVE = number(0, low_open=True)
-NON_NEGATIVE = number(0)
 # Every flag of the parser and what it accepts, checked by validate_args before anything loads. tests/test_flags.py
 # fails for a flag missing here, and tries each numeric or path flag with values it must refuse.
 FLAG_RULES = {
@@ -465,9 +445,6 @@ FLAG_RULES = {
     "num_validation_images": integer(0), "validation_inference_steps": integer(1),
     "validation_guidance_scale": NON_NEGATIVE, "final_validation_prompt": TEXT, "skip_final_inference": SWITCH,
 }
-TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
-
-
 def check_flag_values(args):
     """Every flag against FLAG_RULES: values first, then paths. Raises UsageError naming flag, value and rule."""
     rules = sorted(FLAG_RULES.items(), key=lambda item: item[1].path)
@@ -487,32 +464,6 @@ def check_flag_values(args):
     logs = Path(args.output_dir, args.logging_dir)
     if not _folder_can_be(logs):
         raise UsageError(f"--logging_dir {args.logging_dir}: {logs} cannot be a folder (a file is in the way)")
-
-
-def validate_manifest_args(args):
-    """--from_manifest: the manifest and the disk cache replace the data flags; checked before anything loads."""
-    for flag in ("instance_data_dir", "dataset_name", "class_data_dir", "cond_data_dir"):
-        if getattr(args, flag) is not None:
-            raise UsageError(f"--from_manifest replaces --{flag}: the manifest names the data, the cache holds it")
-    if not args.cache_latents:
-        raise UsageError("--from_manifest needs --cache_latents (without the images, latents can only come from the cache)")
-    if resolve_cache_dir(args.precompute_cache_dir, os.environ) is None:
-        raise UsageError("--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
-    if args.masked_loss:
-        raise UsageError("--from_manifest cannot train with --masked_loss: masks are made from the source images")
-    if read_manifest(args.from_manifest)["model"]["latent_identity"] is None:
-        raise UsageError(f"--from_manifest {args.from_manifest} was written by a run without --cache_latents: the cache "
-                         "holds no latents of its images")
-
-
-def read_bnb_config(path):
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--bnb_quantization_config_path {path}: {e}") from None
-    if not isinstance(config, dict) or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
-        raise UsageError(f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or load_in_8bit")
-    return config
 
 
 def validate_args(args):
@@ -560,209 +511,8 @@ def validate_args(args):
         raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
 
-def check_edit_flags(args):
-    """Edit training: each data source has its own condition flag; prior preservation is refused."""
-    if args.cond_data_dir and not args.instance_data_dir:
-        raise UsageError("--cond_data_dir pairs with --instance_data_dir; with --dataset_name use --cond_image_column")
-    if args.cond_image_column and not args.dataset_name:
-        raise UsageError("--cond_image_column is a column of --dataset_name; with --instance_data_dir use --cond_data_dir")
-    if (args.cond_data_dir and args.instance_data_dir and Path(args.cond_data_dir).resolve() ==
-            Path(args.instance_data_dir).resolve()) or (args.cond_image_column and args.cond_image_column == args.image_column):
-        raise UsageError("the condition images are the targets (--cond_data_dir is --instance_data_dir, or "
-                         "--cond_image_column is --image_column): the LoRA would learn to copy its input")
-    if (args.cond_data_dir or args.cond_image_column) and args.with_prior_preservation:
-        raise UsageError("--with_prior_preservation does not combine with edit training (--cond_data_dir, "
-                         "--cond_image_column): its class images are text-to-image samples without a condition image, "
-                         "and a batch cannot mix rows with and without reference tokens (every row of a batch has the "
-                         "same token count). Regularise an edit LoRA with edit pairs of the class instead")
-
-
-def check_block_swap(args, cuda, fsdp):
-    """--blocks_to_swap refusals that need no model (the block count is checked against the config later)."""
-    if not cuda:
-        raise UsageError("--blocks_to_swap needs a CUDA GPU: it moves blocks between pinned host memory and the GPU")
-    if fsdp:
-        raise UsageError("--blocks_to_swap does not work under FSDP, which already splits every block over the "
-                         "GPUs; use one or the other")
-    if not args.gradient_checkpointing:
-        raise UsageError("--blocks_to_swap needs --gradient_checkpointing: without it autograd keeps every block's "
-                         "weights for the backward pass, so swapped blocks could not leave the GPU")
-
-
-def surprising_values(args):
-    """Legal values that are probably not what the user meant -> one warning line each."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    warmup = args.lr_scheduler not in ("constant",)
-    notes = [
-        (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
-                                     "empty prompt, so the subject is barely tied to its prompt"),
-        (args.with_prior_preservation and args.prior_loss_weight == 0,
-         "--prior_loss_weight 0: the class images are encoded and trained on, but their loss counts for nothing"),
-        (not args.with_prior_preservation and (args.class_data_dir or args.class_prompt) is not None,
-         "--class_data_dir/--class_prompt without --with_prior_preservation: no class images are used"),
-        (args.max_sequence_length < 64, f"--max_sequence_length {args.max_sequence_length}: the chat template's system "
-                                        "message fills about 25 tokens first, so captions are cut short or away"),
-        (args.resolution > 2048, f"--resolution {args.resolution}: beyond FLUX.2's 4-megapixel range (2048^2)"),
-        (args.optimizer == "adamw" and args.learning_rate > 1e-2,
-         f"--learning_rate {args.learning_rate} with AdamW: LoRA runs use 1e-4 to 1e-3 and usually diverge above 1e-2"),
-        (args.optimizer == "prodigy" and args.learning_rate < 0.1,
-         f"--learning_rate {args.learning_rate} with Prodigy: its learning rate is a multiplier of the step it finds, "
-         "usually 1.0"),
-        (args.dataloader_num_workers is not None and args.dataloader_num_workers > cores,
-         f"--dataloader_num_workers {args.dataloader_num_workers}: more workers than this machine's {cores} cores"),
-        (args.max_train_steps is not None and args.checkpointing_steps > args.max_train_steps,
-         f"--checkpointing_steps {args.checkpointing_steps} > --max_train_steps {args.max_train_steps}: no checkpoint "
-         "is written before the end"),
-        (warmup and args.max_train_steps is not None and args.lr_warmup_steps >= args.max_train_steps,
-         f"--lr_warmup_steps {args.lr_warmup_steps} >= --max_train_steps {args.max_train_steps}: the learning rate "
-         "never reaches its peak"),
-        (args.validation_prompt is not None and args.num_validation_images == 0,
-         "--validation_prompt with --num_validation_images 0: no validation images are made"),
-        (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
-        (args.validation_image is not None and not (args.validation_prompt or args.final_validation_prompt),
-         "--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"),
-    ]
-    return [note for surprising, note in notes if surprising]
-
-
-def attention_backend_problem(name):
-    """Why --attention_backend `name` cannot train here (None: it can): unknown, inference-only, package missing
-    (diffusers' own requirement check), or a CUDA kernel without a CUDA GPU."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
-
-    if name not in TRAINING_ATTENTION_BACKENDS:
-        known = {b.value for b in AttentionBackendName}
-        return "no backward pass (inference only)" if name in known else "not a diffusers attention backend"
-    if name in BROKEN_ATTENTION_BACKENDS:
-        return BROKEN_ATTENTION_BACKENDS[name]
-    try:
-        _check_attention_backend_requirements(AttentionBackendName(name))
-    except (RuntimeError, ValueError, ImportError) as e:
-        return str(e)
-    if name == "flex" and not torch.cuda.is_available():
-        return "needs a CUDA GPU (FlexAttention has no backward pass on the CPU)"
-    if name not in ("native", "_native_math", "flex") and not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    return None
-
-
-def check_attention_backend(name):
-    problem = attention_backend_problem(name)
-    if problem:
-        usable = [b for b in TRAINING_ATTENTION_BACKENDS if attention_backend_problem(b) is None]
-        raise UsageError(f"--attention_backend {name}: {problem}; usable here: {', '.join(usable)}")
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Pure helpers: seeds and buckets
-
-
-def seed_for(*parts):
-    """A 63-bit seed that is a pure function of `parts` (same on every process and Python run)."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def parse_buckets(text):
-    """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
-    buckets = []
-    for pair in filter(None, (s.strip() for s in text.split(";"))):
-        m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
-        if not m:
-            raise UsageError(f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
-        h, w = int(m.group(1)), int(m.group(2))
-        if h <= 0 or w <= 0 or h % 16 or w % 16:
-            raise UsageError(f"--aspect_ratio_buckets {text}: sides must be positive multiples of 16, got {h},{w}")
-        buckets.append((h, w))
-    if not buckets:
-        raise UsageError(f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
-    return list(dict.fromkeys(buckets))
-
-
-def bucket_ladder(resolution, ratios=((1, 1), (4, 5), (5, 4), (3, 4), (4, 3), (2, 3), (3, 2), (9, 16), (16, 9), (1, 2), (2, 1))):
-    """Buckets of about resolution^2 pixels over common aspect ratios (h:w), sides multiples of 16."""
-    buckets = []
-    for rh, rw in ratios:
-        h = math.sqrt(resolution * resolution * rh / rw)
-        w = h * rw / rh
-        buckets.append((max(16, round(h / 16) * 16), max(16, round(w / 16) * 16)))
-    return list(dict.fromkeys(buckets))
-
-
-def nearest_bucket(height, width, buckets):
-    """Index of the bucket whose aspect ratio is closest (in log space) to height/width; ties go to the first."""
-    target = math.log(height / width)
-    return min(range(len(buckets)), key=lambda i: abs(math.log(buckets[i][0] / buckets[i][1]) - target))
-
-
-def draw_crop(image_size, bucket, center_crop, rng):
-    """Resize to cover the bucket (aspect kept), then crop it. Returns (resized_hw, top, left)."""
-    (w, h), (bh, bw) = image_size, bucket
-    scale = max(bh / h, bw / w)
-    rh, rw = max(bh, round(h * scale)), max(bw, round(w * scale))
-    if center_crop:
-        return (rh, rw), (rh - bh) // 2, (rw - bw) // 2
-    return (rh, rw), rng.randint(0, rh - bh), rng.randint(0, rw - bw)
-
-
-def reference_size(bucket):
-    """(h, w) of the condition images of a target in `bucket`: the bucket itself, or, above 1024^2 pixels, what the
-    FLUX.2 pipelines make of a reference that large (Flux2ImageProcessor._resize_to_target_area to 1024^2 pixels,
-    sides floored to multiples of 16), so training sees references at the size inference gives them."""
-    h, w = bucket
-    if h * w <= REFERENCE_MAX_PIXELS:
-        return tuple(bucket)
-    scale = math.sqrt(REFERENCE_MAX_PIXELS / (h * w))
-    return int(h * scale) // 16 * 16, int(w * scale) // 16 * 16
-
-
-def follow_crop(transform, cond_size, bucket, cond_bucket=None):
-    """The crop of a condition image that matches its target's crop `transform` ((resized_hw, top, left) of
-    draw_crop in `bucket`): the condition resized to cover `cond_bucket` (default: the target's bucket) and cropped at
-    the same relative place. A condition of the target's size in the target's bucket gets exactly the target's
-    transform, so pixel-aligned pairs (relighting, retouching) stay aligned token for token."""
-    (rh, rw), top, left = transform
-    cond_bucket = bucket if cond_bucket is None else cond_bucket
-    (ch, cw), _, _ = draw_crop(cond_size, cond_bucket, True, None)
-
-    def place(offset, full, side, new, new_side):
-        return (new - new_side) // 2 if full == side else round(offset * (new - new_side) / (full - side))
-    return (ch, cw), place(top, rh, bucket[0], ch, cond_bucket[0]), place(left, rw, bucket[1], cw, cond_bucket[1])
-
-
-def transform_image(image, transform, bucket):
-    """PIL image + transform ((resized_hw, top, left, flip)) -> the bucket-sized PIL image."""
-    (rh, rw), top, left, flip = transform
-    image = image.resize((rw, rh), Image.Resampling.BICUBIC).crop((left, top, left + bucket[1], top + bucket[0]))
-    return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
-
-
-def image_to_tensor(image, transform, bucket):
-    """PIL image + transform -> float tensor [3, H, W] in [-1, 1]."""
-    array = np.asarray(transform_image(image, transform, bucket), dtype=np.uint8)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
-
-
-def validation_image_problem(size, buckets):
-    """Why the FLUX.2 pipelines would refuse --validation_image (of `size`, (w, h)) once fitted into its bucket
-    (Flux2ImageProcessor.check_image_input: sides of 64 px or more, aspect at most 8:1), or None."""
-    h, w = reference_size(buckets[nearest_bucket(size[1], size[0], buckets)])
-    if min(h, w) < 64 or max(h, w) > 8 * min(h, w):
-        return (f"it is fitted into the bucket {h}x{w} (h x w) as training conditions are, and the FLUX.2 pipelines "
-                "take condition images of at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
-    return None
-
-
-def fit_to_bucket(image, buckets):
-    """--validation_image as training uses conditions -> (the RGB PIL image resized to cover reference_size of its
-    nearest bucket and centre-cropped to it, the bucket: the size of the edited image)."""
-    bucket = buckets[nearest_bucket(image.height, image.width, buckets)]
-    size = reference_size(bucket)
-    return transform_image(image, (*draw_crop(image.size, size, True, None), False), size), bucket
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Pure helpers: images and dataset
+# Data: images and captions
 
 
 @dataclass(frozen=True)
@@ -817,27 +567,6 @@ def oriented_size(image):
     """(width, height) as displayed: EXIF orientations 5-8 rotate by 90 degrees. Reads the header only."""
     w, h = image.size
     return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
-
-
-class ScanIndex:
-    """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
-    time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
-    `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
-
-    def __init__(self, files=None):
-        self.files, self.hits, self.decoded = dict(files or {}), 0, 0
-
-    def lookup(self, name, stat):
-        entry = self.files.get(name)
-        if isinstance(entry, list) and len(entry) == 5 and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
-            return tuple(entry[2:4]), entry[4]
-        return None
-
-    def keep(self, found, scanned_at):
-        """Keep the entries of `found` ({name: (stat, size, sha256)}), dropping files no longer there; a file changed
-        within RACY_SECONDS of the scan is left out (a same-size edit in the same tick would look unchanged)."""
-        self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
-                      if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
 
 
 def inspect_image(path):
@@ -911,56 +640,69 @@ def scan_image_folder(folder, read_captions=True, index=None, workers=None, prog
     return records
 
 
-def pair_conditions(targets, conditions, target_folder, cond_folder):
-    """Edit training from folders: attach to each target x.* the condition image of the same stem. A target without a
-    condition, a condition without a target, or a stem with two condition files is refused, all of them listed."""
-    by_stem = {}
-    for record in conditions:
-        by_stem.setdefault(Path(record.name).stem, []).append(record)
-    stems = {Path(r.name).stem for r in targets}
-    problems = [f"{target_folder}/{r.name}: no condition image {Path(r.name).stem}.* in {cond_folder}"
-                for r in targets if Path(r.name).stem not in by_stem]
-    problems += [f"{cond_folder}/{r.name}: no target image {Path(r.name).stem}.* in {target_folder}"
-                 for r in conditions if Path(r.name).stem not in stems]
-    problems += [f"{cond_folder}: {', '.join(r.name for r in found)} are the same stem's condition; keep one"
-                 for found in by_stem.values() if len(found) > 1]
-    if problems:
-        raise UsageError(f"--cond_data_dir: {len(problems)} image(s) without a partner (edit training pairs "
-                         f"x.* of --instance_data_dir with x.* of --cond_data_dir):\n  " + "\n  ".join(problems))
-    return [dataclasses.replace(r, conditions=tuple(by_stem[Path(r.name).stem])) for r in targets]
+# ----------------------------------------------------------------------------------------------------------------
+# Data: buckets, dataset, sampler and collate
 
 
-def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
-    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
-    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references)."""
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
-    split = load_dataset(name, config, cache_dir=cache_dir)["train"]
-    for flag, column in (("--image_column", image_column), ("--caption_column", caption_column),
-                         ("--cond_image_column", cond_column)):
-        if column is not None and column not in split.column_names:
-            raise UsageError(f"{flag} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
-    captions = split[caption_column] if caption_column else [None] * len(split)
-    conditions = split[cond_column] if cond_column else [()] * len(split)
-    records, empty = [], []
-    for i, (image, caption, cond) in enumerate(zip(split[image_column], captions, conditions)):
-        cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
-        if cond_column and not cond:
-            empty.append(str(i))
-        if not all(isinstance(c, Image.Image) for c in cond):
-            raise UsageError(f"--cond_image_column {cond_column!r}: row {i} holds {type(cond[0]).__name__}, not images "
-                             f"(feature {split.features[cond_column]}); cast the column to datasets.Image() (in a "
-                             "metadata.jsonl, name it <something>_file_name)")
-        refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
-                     for j, c in enumerate(cond))
-        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), caption=(caption or "").strip() or None,
-                                   image=image, conditions=refs))
-    if empty:
-        raise UsageError(f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
-                         f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
-    return records
+def seed_for(*parts):
+    """A 63-bit seed that is a pure function of `parts` (same on every process and Python run)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def parse_buckets(text):
+    """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
+    buckets = []
+    for pair in filter(None, (s.strip() for s in text.split(";"))):
+        m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
+        if not m:
+            raise UsageError(f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
+        h, w = int(m.group(1)), int(m.group(2))
+        if h <= 0 or w <= 0 or h % 16 or w % 16:
+            raise UsageError(f"--aspect_ratio_buckets {text}: sides must be positive multiples of 16, got {h},{w}")
+        buckets.append((h, w))
+    if not buckets:
+        raise UsageError(f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
+    return list(dict.fromkeys(buckets))
+
+
+def bucket_ladder(resolution, ratios=((1, 1), (4, 5), (5, 4), (3, 4), (4, 3), (2, 3), (3, 2), (9, 16), (16, 9), (1, 2), (2, 1))):
+    """Buckets of about resolution^2 pixels over common aspect ratios (h:w), sides multiples of 16."""
+    buckets = []
+    for rh, rw in ratios:
+        h = math.sqrt(resolution * resolution * rh / rw)
+        w = h * rw / rh
+        buckets.append((max(16, round(h / 16) * 16), max(16, round(w / 16) * 16)))
+    return list(dict.fromkeys(buckets))
+
+
+def nearest_bucket(height, width, buckets):
+    """Index of the bucket whose aspect ratio is closest (in log space) to height/width; ties go to the first."""
+    target = math.log(height / width)
+    return min(range(len(buckets)), key=lambda i: abs(math.log(buckets[i][0] / buckets[i][1]) - target))
+
+
+def draw_crop(image_size, bucket, center_crop, rng):
+    """Resize to cover the bucket (aspect kept), then crop it. Returns (resized_hw, top, left)."""
+    (w, h), (bh, bw) = image_size, bucket
+    scale = max(bh / h, bw / w)
+    rh, rw = max(bh, round(h * scale)), max(bw, round(w * scale))
+    if center_crop:
+        return (rh, rw), (rh - bh) // 2, (rw - bw) // 2
+    return (rh, rw), rng.randint(0, rh - bh), rng.randint(0, rw - bw)
+
+
+def transform_image(image, transform, bucket):
+    """PIL image + transform ((resized_hw, top, left, flip)) -> the bucket-sized PIL image."""
+    (rh, rw), top, left, flip = transform
+    image = image.resize((rw, rh), Image.Resampling.BICUBIC).crop((left, top, left + bucket[1], top + bucket[0]))
+    return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
+
+
+def image_to_tensor(image, transform, bucket):
+    """PIL image + transform -> float tensor [3, H, W] in [-1, 1]."""
+    array = np.asarray(transform_image(image, transform, bucket), dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
 class DreamBoothDataset(torch.utils.data.Dataset):
@@ -1090,28 +832,6 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         return item
 
 
-def collate(examples):
-    """-> {"indices": [B], "epoch": e, "pixel_values": [B * parts, 3, H, W], "masks": [B * parts, 1, H, W]}, rows
-    laid out as DreamBoothDataset.slots (all instance parts, then all class parts); edit training adds
-    "cond_pixels": [R * B, 3, H, W], reference by reference (the first reference of every row, then the second...)."""
-    batch = {"indices": [ex["index"] for ex in examples], "epoch": examples[0]["epoch"]}
-    for name in ("pixel_values", "masks", "cond_pixels"):
-        if name in examples[0]:
-            parts = examples[0][name].shape[0]  # 1, or 2 with a class image
-            batch[name] = torch.stack([ex[name][k] for k in range(parts) for ex in examples])
-    return batch
-
-
-def reduce_mask(mask, latent_hw):
-    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
-    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
-
-
-def drop_captions(keys, num_instance, probability, rng):
-    """Replace each of the first `num_instance` prompt keys (instance rows) by "" with `probability`."""
-    return ["" if i < num_instance and rng.random() < probability else k for i, k in enumerate(keys)]
-
-
 class BucketBatchSampler(torch.utils.data.Sampler):
     """Batches of (epoch, sample index) pairs from one bucket each, reshuffled every epoch.
 
@@ -1159,8 +879,26 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             epoch, start = epoch + 1, 0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Pure helpers: caches and loss
+def collate(examples):
+    """-> {"indices": [B], "epoch": e, "pixel_values": [B * parts, 3, H, W], "masks": [B * parts, 1, H, W]}, rows
+    laid out as DreamBoothDataset.slots (all instance parts, then all class parts); edit training adds
+    "cond_pixels": [R * B, 3, H, W], reference by reference (the first reference of every row, then the second...)."""
+    batch = {"indices": [ex["index"] for ex in examples], "epoch": examples[0]["epoch"]}
+    for name in ("pixel_values", "masks", "cond_pixels"):
+        if name in examples[0]:
+            parts = examples[0][name].shape[0]  # 1, or 2 with a class image
+            batch[name] = torch.stack([ex[name][k] for k in range(parts) for ex in examples])
+    return batch
+
+
+def drop_captions(keys, num_instance, probability, rng):
+    """Replace each of the first `num_instance` prompt keys (instance rows) by "" with `probability`."""
+    return ["" if i < num_instance and rng.random() < probability else k for i, k in enumerate(keys)]
+
+
+def reduce_mask(mask, latent_hw):
+    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
+    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
 
 
 class SampleCache:
@@ -1199,6 +937,1545 @@ class SampleCache:
         return torch.cat([self.store[k] for k in distinct]), torch.tensor([position[k] for k in keys])
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Model maths: encoders, noise levels, loss, one step
+
+
+def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
+    """[B, 3, H, W] in [-1, 1] -> the VAE posterior, patchified and normalised as FLUX.2 trains on it:
+    mode: its mean [B, 4C, H/16, W/16]; sample: mean and std [B, 2, 4C, H/16, W/16] for draw_latents."""
+    from diffusers import Flux2Pipeline
+
+    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist  # diagonal Gaussian, [B, C, H/8, W/8]
+    mean = Flux2Pipeline._patchify_latents(posterior.mean)  # 2x2 patches into channels
+    mean = (mean - latent_mean.to(mean)) / latent_std.to(mean)
+    if sampling == "mode":
+        return mean
+    std = Flux2Pipeline._patchify_latents(posterior.std) / latent_std.to(mean)
+    return torch.stack([mean, std], dim=1)
+
+
+def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
+    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
+    encodes them ([dev]: Mistral chat with FLUX.2's system message; [klein]: Qwen3 chat)."""
+    import diffusers
+
+    kwargs = dict(text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts),
+                  max_sequence_length=max_sequence_length, hidden_states_layers=list(out_layers))
+    if family.pipeline == "Flux2KleinPipeline":
+        return diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(**kwargs)
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return diffusers.Flux2Pipeline._get_mistral_3_small_prompt_embeds(system_message=SYSTEM_MESSAGE, **kwargs)
+
+
+def draw_latents(params, generator):
+    """Cached posterior -> training latents. params: [B, C, h, w] (mode: the mean, used as is) or
+    [B, 2, C, h, w] (sample: mean and std, drawn z = mean + std * eps from `generator`)."""
+    if params.ndim == 4:
+        return params
+    mean, std = params.unbind(1)
+    eps = torch.randn(mean.shape, generator=generator, device=generator.device).to(mean)
+    return mean + std * eps
+
+
+def sample_sigmas(scheduler_sigmas, batch_size, weighting_scheme, logit_mean, logit_std, mode_scale, generator):
+    """Draw one training sigma per sample from the timestep density (diffusers' SD3/FLUX recipe) -> [B].
+
+    scheduler_sigmas: [T] the training schedule (timestep / 1000 of the untouched scheduler, highest first)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = compute_density_for_timestep_sampling(weighting_scheme, batch_size, logit_mean, logit_std, mode_scale,
+                                              device=generator.device, generator=generator)
+    num_timesteps = scheduler_sigmas.shape[0]
+    index = (u * num_timesteps).long().clamp(0, num_timesteps - 1)
+    return scheduler_sigmas.to(u.device)[index]
+
+
+def shift_sigmas(sigmas, shift):
+    """FLUX's time shift: sigma -> shift * sigma / (1 + (shift - 1) * sigma). It is the scheduler's exponential
+    shift exp(mu) / (exp(mu) + 1 / sigma - 1) with shift = exp(mu): it moves noise levels up, keeping 0 and 1."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def timestep_shift_for(mode, image_tokens, num_steps):
+    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) latent tokens: None for none; for auto the
+    FLUX.2 pipelines' exp(compute_empirical_mu(image_tokens, num_steps)), what they sample that size with at
+    `num_steps` steps; else the number itself."""
+    if mode == "none":
+        return None
+    if mode == "auto":
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # [klein]'s is a copy of it
+
+        return math.exp(compute_empirical_mu(image_tokens, num_steps))
+    return float(mode)
+
+
+def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight, mask=None):
+    """Weighted MSE per sample; the first `num_instance` rows are instance samples, the rest class samples.
+
+    pred, target: [B, L, C] packed tokens; weighting: [B]; mask: [B, L, 1] token weights in [0, 1] or None.
+    A masked sample's loss is its mean over the mask, so its scale does not depend on the mask's area.
+    Returns instance loss + prior_loss_weight * class loss.
+    """
+    err = weighting.float().view(-1, 1, 1) * (pred.float() - target.float()) ** 2
+    if mask is None:
+        per_sample = err.flatten(1).mean(1)
+    else:
+        mask = mask.float()
+        per_sample = (err * mask).flatten(1).sum(1) / (mask.flatten(1).sum(1) * err.shape[-1]).clamp_min(1e-8)
+    loss = per_sample[:num_instance].mean()
+    if num_instance < per_sample.shape[0]:
+        loss = loss + prior_loss_weight * per_sample[num_instance:].mean()
+    return loss
+
+
+@dataclass
+class StepConfig:
+    """Settings of one training step that do not change during a run."""
+
+    weighting_scheme: str
+    logit_mean: float
+    logit_std: float
+    mode_scale: float
+    guidance_scale: float | None  # None for checkpoints without a guidance embedding
+    prior_loss_weight: float
+    timestep_shift: str | float = "none"  # --timestep_shift
+    shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift auto matches
+
+
+def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None,
+                       conditions=()):
+    """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's dtype;
+    mask: [B, 1, h, w] or None; conditions (edit training): R clean condition latents [B, C, h', w'], whose tokens
+    follow the noisy target's in the sequence as in Flux2Pipeline (the loss covers the target's); returns a scalar."""
+    from diffusers import Flux2Pipeline
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    bsz = latents.shape[0]
+    latents = latents.float()  # the path and its target in float32; only the transformer's input is cast
+    noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(latents.device)
+    sigma = sample_sigmas(sigmas_table, bsz, cfg.weighting_scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, generator)
+    shift = timestep_shift_for(cfg.timestep_shift, latents.shape[-2] * latents.shape[-1], cfg.shift_steps)
+    sigma = (sigma if shift is None else shift_sigmas(sigma, shift)).to(latents.device)
+    s = sigma.view(-1, 1, 1, 1)
+    noisy = (1.0 - s) * latents + s * noise  # the flow-matching path from data (s=0) to noise (s=1)
+    packed = Flux2Pipeline._pack_latents(noisy).to(prompt_embeds.dtype)  # [B, C, h, w] -> [B, h*w, C]
+    img_ids = Flux2Pipeline._prepare_latent_ids(latents).to(latents.device)  # [B, h*w, 4]
+    hidden = packed
+    if conditions:
+        tokens, ids = reference_tokens(conditions, prompt_embeds.dtype)
+        hidden, img_ids = torch.cat([packed, tokens], dim=1), torch.cat([img_ids, ids], dim=1)
+    guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
+    pred = transformer(
+        hidden_states=hidden,
+        timestep=sigma,  # the transformer takes timestep / 1000 == sigma
+        guidance=guidance,
+        encoder_hidden_states=prompt_embeds,
+        txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device),  # [B, L, 4]
+        img_ids=img_ids,
+        return_dict=False,
+    )[0][:, : packed.shape[1]]  # the target's tokens: the references' predictions are not trained
+    target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction, float32
+    weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
+    mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
+    return flow_matching_loss(pred, target, weighting, num_instance, cfg.prior_loss_weight, mask)
+
+
+def lora_target_modules(spec, num_single_layers, block_linears):
+    """--lora_layers -> PEFT target_modules. spec: comma-separated presets and module names (PEFT matches a name
+    as the whole module name or a dotted suffix); num_single_layers: from the transformer's config;
+    block_linears: full names of the linear layers inside its blocks (for 'all-linear')."""
+    targets = []
+    for entry in (t.strip() for t in (spec or "default").split(",")):
+        if entry in ("attention", "default"):
+            targets += ATTENTION_LORA_TARGETS
+        if entry == "default":  # single-stream blocks: the fused QKV+MLP input and the output projection.
+            # Their `attn.to_out` is named per block: in double-stream blocks that name is a ModuleList
+            targets += ["to_qkv_mlp_proj", *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(num_single_layers))]
+        elif entry == "all-linear":
+            targets += block_linears
+        elif entry and entry != "attention":
+            targets.append(entry)
+    return list(dict.fromkeys(targets))
+
+
+def add_lora(transformer, lora_config):
+    """Attach the adapter and keep its parameters in float32 whatever the base dtype (fp16/bf16 updates of
+    small LoRA deltas lose precision; the frozen base stays in the low-precision dtype)."""
+    transformer.add_adapter(lora_config)
+    for param in transformer.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    return transformer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The recipe: what the stages share
+
+
+@dataclass(frozen=True)  # a misspelt field is an error, not a new attribute
+class Data:
+    """What prepare_data settles before any weights load."""
+
+    family: Family
+    checkpoint: Path | None  # the checkpoint to resume from
+    seed: int
+    dataset: "DreamBoothDataset"
+    sampler: BucketBatchSampler
+    loader: torch.utils.data.DataLoader
+
+
+@dataclass(frozen=True)
+class Caches:
+    """Precomputed inputs, on the CPU or on disk (never the GPU): prompt embeddings always; latents and loss masks
+    with --cache_latents."""
+
+    prompts: SampleCache
+    latents: SampleCache | None = None
+    masks: SampleCache | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """What training carries from stage to stage, built once by setup_training. The loop changes the objects
+    (weights, optimizer state), never the fields; its counters (step, micro-step, epoch) stay local to train()."""
+
+    data: Data
+    caches: Caches
+    weight_dtype: torch.dtype
+    vae: torch.nn.Module | None  # None when nothing needs it (all latents cached, no validation)
+    latent_stats: tuple | None  # the VAE's batch-norm mean and std, [1, 4C, 1, 1] each
+    transformer: torch.nn.Module  # as accelerate prepared it (wrapped under DDP/FSDP)
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    noise_scheduler: object  # FlowMatchEulerDiscreteScheduler; validation builds its pipeline from its config
+    sigmas: torch.Tensor  # [T] training sigmas, highest first
+    named_params: dict  # trainable (LoRA) parameters by name
+    ema: LoraEMA | None
+    step_config: StepConfig
+
+    @property
+    def params(self):
+        return list(self.named_params.values())
+
+
+class StopRequest:
+    """SIGTERM/SIGINT (preemption, Ctrl-C) ask the loop to stop after the optimizer step in flight; a second
+    signal stops at once."""
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self):
+        """Back to the usual handlers: after the loop a signal must interrupt (final validation, upload)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving a checkpoint "
+              "(signal again to stop at once)", file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator, finite):
+        """(signal number or 0, whether every process's loss was finite), agreed across processes so all stop
+        together. The one host-device sync of an optimizer step."""
+        flags = torch.stack([torch.tensor(self.signum, device=finite.device), (~finite).long()])
+        if accelerator.num_processes > 1:
+            flags = accelerator.reduce(flags, reduction="max")
+        signum, bad = flags.tolist()
+        return signum, not bad
+
+
+class PrecomputeStop(StopRequest):
+    """StopRequest during precompute: the batch being encoded is finished and written, then every process stops."""
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping once the entries being written are complete "
+              "(signal again to stop at once)", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 1: data (prepare_data)
+
+
+def quiet_library_imports():
+    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
+    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
+    a plain run never uses. Their loggers keep errors only."""
+    import logging
+
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def setup_accelerator(args):
+    import diffusers
+    import transformers
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+    wanted = {"all": ["tensorboard", "wandb"], "none": []}.get(args.report_to, args.report_to.split(","))
+    available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
+    trackers = [t for t in wanted if available.get(t, True)]
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))),
+    )
+    import logging
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    for t in set(wanted) - set(trackers):
+        logger.warning(f"--report_to {t}: not installed, not reporting to it")
+    transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.set_verbosity_error()
+    if args.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return accelerator
+
+
+def weight_dtype_of(accelerator):
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def scan_folder(folder, disk, read_captions=True):
+    """scan_image_folder with the disk cache's index of that folder (unchanged files are not decoded again)."""
+    index = disk.read_scan_index(folder) if disk is not None and Path(folder).is_dir() else ScanIndex()
+    tic = time.perf_counter()
+    records = scan_image_folder(folder, read_captions, index, progress=PartialState().is_local_main_process)
+    if disk is not None:
+        disk.write_scan_index(folder, index)
+    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
+                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
+    return records
+
+
+def load_instance_images(args, disk=None):
+    if args.dataset_name:
+        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
+                               args.cache_dir, args.cond_image_column)
+    records = scan_folder(args.instance_data_dir, disk)
+    if not records:
+        raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    if args.cond_data_dir:
+        conditions = scan_folder(args.cond_data_dir, disk, read_captions=False)
+        records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
+    return records
+
+
+def resolve_buckets(args):
+    if args.aspect_ratio_buckets:
+        return parse_buckets(args.aspect_ratio_buckets)
+    if args.use_aspect_ratio_buckets:
+        return bucket_ladder(args.resolution)
+    return [(args.resolution, args.resolution)]
+
+
+def agree_seed(args, checkpoint, accelerator):
+    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
+    seed = args.seed
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
+        if seed is not None and seed != saved:
+            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
+                           "continue the original one exactly")
+        seed = saved if seed is None else seed
+    if seed is None:
+        seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
+        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
+    return seed
+
+
+def component_config(args, subfolder):
+    """<subfolder>/config.json of the checkpoint (for a Hub id, that small file alone is fetched) -> dict."""
+    root = Path(args.pretrained_model_name_or_path)
+    try:
+        if root.is_dir():
+            path = root / subfolder / "config.json"
+        else:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(args.pretrained_model_name_or_path, f"{subfolder}/config.json",
+                                   revision=args.revision, cache_dir=args.cache_dir)
+        return json.loads(Path(path).read_text())
+    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
+                         f"{subfolder} config ({e})") from None
+
+
+def detect_family(args):
+    """The checkpoint's family from its model_index.json (a small file; no weights are read)."""
+    root = Path(args.pretrained_model_name_or_path)
+    try:
+        if root.is_dir():
+            index = root / "model_index.json"
+        else:
+            from huggingface_hub import hf_hub_download
+
+            index = hf_hub_download(args.pretrained_model_name_or_path, "model_index.json", revision=args.revision,
+                                    cache_dir=args.cache_dir)
+        config = json.loads(Path(index).read_text())
+    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
+                         f"model_index.json ({e})") from None
+    if config.get("_class_name") not in FAMILIES:
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
+                         f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
+    name, text_encoder = FAMILIES[config["_class_name"]]
+    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
+
+
+def pipeline_default(family, method, parameter):
+    """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
+    import diffusers
+
+    return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
+
+
+def default_sampling_steps(family):
+    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
+    return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
+
+
+def resolve_family_defaults(args, family):
+    """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
+    if args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
+        raise UsageError(f"--remote_text_encoder serves FLUX.2 [dev] embeddings only, not {family.name}")
+    layers = list(pipeline_default(family, "encode_prompt", "text_encoder_out_layers"))
+    if args.text_encoder_out_layers is None:
+        args.text_encoder_out_layers = layers
+    elif list(args.text_encoder_out_layers) != layers:
+        logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
+                       f"default {layers}")
+    if args.validation_inference_steps is None:
+        args.validation_inference_steps = default_sampling_steps(family)
+    if args.validation_guidance_scale is None:
+        args.validation_guidance_scale = 1.0 if family.distilled else pipeline_default(family, "__call__", "guidance_scale")
+    logger.info(f"{family.name}{' (distilled)' if family.distilled else ''}: text-encoder layers "
+                f"{args.text_encoder_out_layers}, validation with {args.validation_inference_steps} steps")
+
+
+def load_pipeline_tokenizer(args):
+    """The FLUX.2 tokenizer without torchvision: the Hub's PixtralProcessor folder holds a plain fast tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path, subfolder="tokenizer",
+                                              revision=args.revision, cache_dir=args.cache_dir)
+    if not tokenizer.chat_template:
+        raise UsageError(f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
+                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
+    return tokenizer
+
+
+def guidance_scale(args, family):
+    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
+    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
+
+
+def load_class_images(args, accelerator, seed, family, disk=None):
+    if not args.with_prior_preservation:
+        return []
+    Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
+    with scan_order(accelerator, disk):
+        records = scan_folder(args.class_data_dir, disk, read_captions=False)
+    if len(records) < args.num_class_images:
+        generate_class_images(args, accelerator, seed, len(records), family)
+        with scan_order(accelerator, disk):
+            records = scan_folder(args.class_data_dir, disk, read_captions=False)
+    return records
+
+
+def scan_order(accelerator, disk):
+    """With the disk cache, each machine's first process scans first and the others find its index warm."""
+    return accelerator.local_main_process_first() if disk is not None else contextlib.nullcontext()
+
+
+def build_data(args, instances, classes, seed, accelerator, warn=True):
+    """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
+    buckets = resolve_buckets(args)
+    dataset = DreamBoothDataset(instances, args.instance_prompt, buckets, repeats=args.repeats, classes=classes,
+                                class_prompt=args.class_prompt, seed=seed, center_crop=args.center_crop,
+                                random_flip=args.random_flip, with_pixels=not args.cache_latents,
+                                fixed_crops=args.cache_latents, with_masks=args.masked_loss)
+    sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
+                                 num_replicas=accelerator.num_processes, rank=accelerator.process_index)
+    small = [r.name for r, b in zip(instances, dataset.image_buckets)
+             if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]]
+    if small and warn and accelerator.is_main_process:
+        logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
+                       f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
+    if len(sampler) == 0:
+        sizes = {(*dataset.buckets[b], f"{r} references") if r else dataset.buckets[b]: n
+                 for (b, r), n in sorted(collections.Counter(dataset.sample_buckets()).items())}
+        raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
+                         f"{sizes} over {accelerator.num_processes} process(es); lower --train_batch_size, raise --repeats, "
+                         "or use fewer buckets")
+    # One iterator for the whole run (the sampler is a flat stream of epochs), so workers start once. Own
+    # generator: iter() draws a worker seed, which must not consume the global RNG (LoRA init and dropout).
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                                         num_workers=loader_workers(args.dataloader_num_workers, args.cache_latents,
+                                                                    int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
+                                         generator=torch.Generator().manual_seed(seed))
+    return dataset, sampler, loader
+
+
+def loader_workers(requested, cache_latents, local_processes):
+    """DataLoader workers: as requested; by default none with --cache_latents (a batch is a list of indices, all
+    inputs come from the caches), else a share of this machine's cores so decoding overlaps training."""
+    if requested is not None:
+        return requested
+    if cache_latents:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores // local_processes - 1))
+
+
+def prepare_data(args, accelerator, disk=None):
+    """Everything that can fail on the user's input, before any weights load: flags that depend on the model
+    family, images (or the --from_manifest records), the resume point and seed, the batch size, --lora_layers;
+    then class images and the data."""
+    manifest = read_manifest(args.from_manifest) if args.from_manifest else None
+    if manifest is None:
+        with scan_order(accelerator, disk):
+            instances = load_instance_images(args, disk)
+        uncaptioned = [r.name for r in instances if not r.caption]
+        if uncaptioned and not args.instance_prompt:
+            source = (f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption"
+                      if args.dataset_name else f"--instance_data_dir {args.instance_data_dir}: {len(uncaptioned)} "
+                      "image(s) have no .txt caption")
+            raise UsageError(f"{source} ({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
+                             "--instance_prompt for them")
+    else:
+        instances, manifest_classes = apply_manifest(args, manifest)
+    checkpoint = find_resume_checkpoint(args)
+    seed = agree_seed(args, checkpoint, accelerator)
+    set_seed(seed)  # LoRA init and dropout draw from the global generators
+    build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
+               warn=False)  # the batch-size check, before class images are generated
+    family = detect_family(args)  # the model's small JSON files only
+    if manifest is not None:
+        check_manifest_model(args, manifest, family)
+    resolve_family_defaults(args, family)
+    check_model_fit(args)
+    if args.fsdp_text_encoder and (accelerator.num_processes < 2 or args.remote_text_encoder):
+        raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
+                         "without --remote_text_encoder")
+    if args.use_ema and is_fsdp(accelerator):
+        raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
+    classes = load_class_images(args, accelerator, seed, family, disk) if manifest is None else manifest_classes
+    data = Data(family, checkpoint, seed, *build_data(args, instances, classes, seed, accelerator))
+    check_edit_validation(args, data.dataset)
+    return data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 2: precompute (prompt embeddings, latents)
+
+
+def validation_prompts(args):
+    """Prompts whose embeddings the run needs after the text encoder is gone."""
+    return [p for p in dict.fromkeys([args.validation_prompt, args.final_validation_prompt]) if p]
+
+
+def needed_prompts(args, dataset, family):
+    """Every text whose embedding the run reads: training slots, validation prompts, and the empty prompt for
+    dropped captions and the negative prompt of [klein] validation with CFG."""
+    keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
+    cfg = (family.pipeline == "Flux2KleinPipeline" and not family.distilled and validation_prompts(args)
+           and args.validation_guidance_scale > 1)
+    return keys + ([""] if args.caption_dropout > 0 or cfg else [])
+
+
+def prompt_encoder(args, accelerator, family, weight_dtype):
+    """-> a function texts -> embeddings [B, L, D]: the remote endpoint, or the text encoder loaded here (sharded
+    with --fsdp_text_encoder); dropping the function frees it."""
+    if args.remote_text_encoder:
+        url, token = args.remote_text_encoder_url, hub_token(args)
+        return lambda texts: torch.cat([remote_prompt_embeds(url, text, token) for text in texts])
+    import transformers
+
+    logger.info("loading the text encoder", main_process_only=False)
+    tokenizer = load_pipeline_tokenizer(args)
+    text_encoder = getattr(transformers, family.text_encoder).from_pretrained(
+        args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
+        torch_dtype=weight_dtype, cache_dir=args.cache_dir).eval()
+    if args.fsdp_text_encoder:
+        shard_text_encoder(text_encoder, accelerator)
+    else:
+        text_encoder.to(accelerator.device)
+    return functools.partial(encode_prompts, family, text_encoder, tokenizer,
+                             max_sequence_length=args.max_sequence_length, out_layers=args.text_encoder_out_layers)
+
+
+@torch.no_grad()
+def precompute_prompts(args, accelerator, dataset, weight_dtype, family, cache=None, plan=None):
+    """Encode every prompt not cached yet, once (training slots and validation) into `cache` (default: a new one in
+    memory); the text encoder is loaded only if something is missing, and freed afterwards. `plan` (a
+    PrecomputePlan) counts the work and stops every process between batches on SIGTERM/SIGINT."""
+    cache = SampleCache() if cache is None else cache
+    keys = needed_prompts(args, dataset, family)
+    todo = cache.todo(keys)
+    accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
+    world, size = accelerator.num_processes, 1 if args.remote_text_encoder else args.train_batch_size
+    mine = todo[accelerator.process_index::world]  # each process encodes its share
+    # every process runs as many rounds as the largest share: the stop check and FSDP's forwards are collectives
+    rounds = math.ceil(math.ceil(len(todo) / world) / size)
+    sharded = args.fsdp_text_encoder and bool(todo)  # every process joins every sharded forward pass
+    encode = prompt_encoder(args, accelerator, family, weight_dtype) if mine or sharded else None
+    bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
+    for i in range(0, rounds * size, size):
+        if plan is not None:
+            plan.check(accelerator)
+        texts = mine[i:i + size]
+        if texts or sharded:
+            embeds = encode(texts or todo[:1])  # todo[:1]: a stand-in keeping shards in step
+            for text, embed in zip(texts, embeds):
+                cache.put(text, embed[None])  # [1, L, D]
+            if plan is not None:
+                plan.written += len(texts)
+        bar.update(len(texts))
+    bar.close()
+    if encode is not None:
+        from diffusers.training_utils import free_memory
+
+        del encode
+        free_memory()
+    logger.info(f"encoded {len(mine)} of {len(todo)} missing prompts ({len(set(keys))} unique)", main_process_only=False)
+    share_entries(cache, todo, accelerator)
+    return cache
+
+
+def load_vae(args, accelerator, weight_dtype):
+    from diffusers import AutoencoderKLFlux2
+
+    logger.info("loading the VAE", main_process_only=False)
+    vae = AutoencoderKLFlux2.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae", revision=args.revision,
+                                             variant=args.variant, cache_dir=args.cache_dir, torch_dtype=weight_dtype)
+    vae.requires_grad_(False).eval()
+    # FLUX.2 normalises patchified latents with the VAE's batch-norm running statistics: [1, 4C, 1, 1]
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
+    return vae.to("cpu" if args.offload else accelerator.device), mean, std
+
+
+@contextlib.contextmanager
+def on_device(module, device, offload):
+    """--offload: `module` lives on the CPU and comes to `device` only while it runs (cost: one host-device
+    copy of its weights each time, about 0.2 GB for the FLUX.2 VAE)."""
+    if not offload or module is None:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to("cpu")
+
+
+def latent_batches(keys, batch_size):
+    """VAE batches of latent keys: grouped by bucket (key[2]; one shape per batch), then cut to batch_size."""
+    by_shape = {}
+    for key in keys:
+        by_shape.setdefault(key[2], []).append(key)
+    return [group[i:i + batch_size] for group in by_shape.values() for i in range(0, len(group), batch_size)]
+
+
+@torch.no_grad()
+def prepare_latents(args, accelerator, dataset, weight_dtype, cache=None, plan=None):
+    """With --cache_latents, encode every (image, bucket, crop, flip) not cached yet, once, into `cache` (default: a
+    new one in memory). Loads the VAE only if something needs it (missing entries, uncached training, validation).
+    `plan` as in precompute_prompts. -> (cache or None, vae or None, stats)."""
+    todo, mine, world = [], [], accelerator.num_processes
+    if args.cache_latents:
+        cache = SampleCache() if cache is None else cache
+        todo = cache.todo(dataset.cached_latent_keys())
+        accelerator.wait_for_everyone()
+        mine = todo[accelerator.process_index::world]  # each process encodes its share
+    if args.cache_latents and not todo and not validation_prompts(args):
+        logger.info("all latents cached; the VAE is not loaded")
+        return cache, None, None
+    vae, latent_mean, latent_std = load_vae(args, accelerator, weight_dtype)
+    if not args.cache_latents:
+        return None, vae, (latent_mean, latent_std)
+    batches = latent_batches(mine, args.train_batch_size)
+    # as many rounds on every process as the longest share has batches: the stop check is a collective
+    rounds = max(len(latent_batches(todo[r::world], args.train_batch_size)) for r in range(world))
+    bar = tqdm(total=len(mine), desc="Encoding images", unit="image", disable=not accelerator.is_local_main_process)
+    for r in range(rounds):
+        if plan is not None:
+            plan.check(accelerator)
+        if r >= len(batches):
+            continue
+        with on_device(vae, accelerator.device, args.offload):
+            params = encode_images(vae, torch.stack([dataset.pixels(k) for k in batches[r]]), latent_mean, latent_std,
+                                   args.latent_sampling)
+        for key, value in zip(batches[r], params):
+            cache.put(key, value[None])  # [1, 4C, h, w], or [1, 2, 4C, h, w] with --latent_sampling sample
+        if plan is not None:
+            plan.written += len(batches[r])
+        bar.update(len(batches[r]))
+    bar.close()
+    logger.info(f"encoded {len(mine)} of {len(todo)} missing images", main_process_only=False)
+    share_entries(cache, todo, accelerator)
+    if not validation_prompts(args):
+        vae = None  # nothing else needs it
+    return cache, vae, (latent_mean, latent_std)
+
+
+def prepare_masks(dataset, latents):
+    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
+    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
+    cache = SampleCache()
+    for key in dict.fromkeys(dataset.cached_latent_keys()):
+        cache.put(key, reduce_mask(dataset.mask(key)[None], latents[key].shape[-2:]))
+    return cache
+
+
+def open_cache(args):
+    """The disk cache folder (--precompute_cache_dir, by default per user), or None for 'none' (in memory)."""
+    root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
+    if root is None:
+        return None
+    disk = CacheFolder(root, int(args.precompute_cache_max_gb * 1e9))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        disk.unwritable(e)
+    return disk
+
+
+@dataclass
+class PrecomputePlan:
+    """The entries a run reads and how far precompute got: what its lease, interrupt message, cache log line and
+    manifest are made of. Paths are relative to the cache folder (empty without one)."""
+
+    prompt_paths: dict  # text -> entry
+    latent_paths: dict  # latent key -> entry
+    missing: set  # entries not cached when precompute started
+    needed: int
+    cached: int
+    written: int = 0  # entries this process has written since
+    stop: object = None  # a PrecomputeStop while precompute runs
+    persistent: bool = True
+
+    def check(self, accelerator):
+        """Called by every process before each batch (a collective): when any process was signalled, all stop."""
+        flags = torch.tensor([[self.stop.signum if self.stop else 0, self.written]], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            flags = accelerator.gather(flags)  # [processes, 2]
+        signum, written = int(flags[:, 0].max()), int(flags[:, 1].sum())
+        if signum:
+            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
+                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
+                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
+            logger.warning(message, main_process_only=False)
+            raise TrainingStopped(message, 128 + signum)
+
+
+def plan_precompute(args, accelerator, dataset, family, prompts, latents, disk):
+    """List the entries the run will read and lease them (each machine's first process) before anyone looks at
+    them, so no other run's eviction removes what this one has found; then count what is cached. With
+    --from_manifest a missing entry is an error: nothing could compute it."""
+    prompt_keys = list(dict.fromkeys(needed_prompts(args, dataset, family)))
+    latent_keys = list(dict.fromkeys(dataset.cached_latent_keys())) if latents is not None else []
+    prompt_paths, latent_paths = {}, {}
+    if disk is not None:
+        prompt_paths = {k: disk.relative(prompts.store.path(k)) for k in prompt_keys}
+        latent_paths = {k: disk.relative(latents.store.path(k)) for k in latent_keys}
+        if accelerator.is_local_main_process:
+            disk.take_lease([*prompt_paths.values(), *latent_paths.values()])
+    accelerator.wait_for_everyone()
+    todo_prompts, todo_latents = prompts.todo(prompt_keys), latents.todo(latent_keys) if latents else []
+    if args.from_manifest and (todo_prompts or todo_latents):
+        raise UsageError(missing_entries_message(args, disk, dataset, todo_prompts, todo_latents,
+                                                 len(prompt_keys) + len(latent_keys)))
+    missing = {prompt_paths.get(k) for k in todo_prompts} | {latent_paths.get(k) for k in todo_latents}
+    needed = len(prompt_keys) + len(latent_keys)
+    return PrecomputePlan(prompt_paths, latent_paths, missing - {None}, needed,
+                          needed - len(todo_prompts) - len(todo_latents), persistent=disk is not None)
+
+
+def precompute(args, accelerator, data, weight_dtype, disk=None):
+    """Prompt embeddings (always) and latents (--cache_latents) -> Caches, the VAE if still needed, its stats.
+    SIGTERM/SIGINT stop every process once the batch being written is complete. With the disk cache the run leases
+    its entries first and leaves the cache within its bound and a dataset manifest behind."""
+    dataset, family = data.dataset, data.family
+    identity = cache_identity(args, weight_dtype, family) if disk is not None else None
+    prompt_cache, latent_cache = open_stores(args, dataset, identity, disk)
+    plan = plan_precompute(args, accelerator, dataset, family, prompt_cache, latent_cache, disk)
+    plan.stop = PrecomputeStop()
+    try:
+        prompts = precompute_prompts(args, accelerator, dataset, weight_dtype, family, prompt_cache, plan)
+        latents, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype, latent_cache, plan)
+        plan.check(accelerator)  # a signal during the last batch still stops before training
+    finally:
+        plan.stop.restore()
+    masks = prepare_masks(dataset, latents) if latents is not None and args.masked_loss else None
+    caches = Caches(prompts, latents, masks)
+    if disk is not None:
+        settle_cache(accelerator, disk, plan)
+        write_manifest(args, accelerator, dataset, family, identity, plan, disk)
+    else:
+        report_memory_copies(caches, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+    return caches, vae, latent_stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 3: model and optimizer (setup_training)
+
+
+def load_transformer_with_lora(args, accelerator, weight_dtype):
+    """Frozen transformer in the training dtype with float32 LoRA adapters on --lora_layers."""
+    return prepare_transformer(args, accelerator, load_transformer(args, weight_dtype, empty=loads_from_rank_0(
+        accelerator, args.bnb_quantization_config_path)))
+
+
+def load_transformer(args, weight_dtype, empty=False):
+    """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU); empty: its shapes
+    only, on the meta device."""
+    from diffusers import Flux2Transformer2DModel
+
+    if empty:
+        from accelerate import init_empty_weights
+
+        logger.info(f"process {PartialState().process_index}: an empty transformer; its weights come from process 0 "
+                    "as FSDP shards (cpu_ram_efficient_loading)", main_process_only=False)
+
+        with init_empty_weights():
+            config = Flux2Transformer2DModel.load_config(args.pretrained_model_name_or_path, subfolder="transformer",
+                                                         revision=args.revision, cache_dir=args.cache_dir)
+            return Flux2Transformer2DModel.from_config(config).to(weight_dtype)
+    quantization = None
+    if args.bnb_quantization_config_path:  # QLoRA: the frozen base in 4 or 8 bits, LoRA on top in float32
+        from diffusers import BitsAndBytesConfig
+
+        config = read_bnb_config(args.bnb_quantization_config_path)
+        if config.get("load_in_4bit"):
+            config.setdefault("bnb_4bit_compute_dtype", weight_dtype)
+        quantization = BitsAndBytesConfig(**config)
+    transformer = Flux2Transformer2DModel.from_pretrained(args.pretrained_model_name_or_path, subfolder="transformer",
+                                                          revision=args.revision, variant=args.variant,
+                                                          torch_dtype=weight_dtype, cache_dir=args.cache_dir,
+                                                          quantization_config=quantization)
+    return transformer
+
+
+def prepare_transformer(args, accelerator, transformer):
+    """A loaded transformer -> frozen, on the device, with float32 LoRA adapters on --lora_layers and the speed and
+    memory options applied. benchmarks/gpu_step.py calls it on real-shaped random transformers."""
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    # The whole model goes to the device now, unless part of it must never be there at once: swapped blocks (placed
+    # below, once their LoRA exists) and FSDP (which moves and shards one wrapped block at a time, so no GPU holds
+    # more than its shards plus one block). Quantised weights are on the GPU already.
+    place_later = args.blocks_to_swap > 0 or is_fsdp(accelerator)
+    if args.bnb_quantization_config_path:
+        from peft import prepare_model_for_kbit_training
+
+        transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
+    elif not place_later:
+        transformer.to(accelerator.device)
+    if args.do_fp8_training:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
+        convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
+                                   module_filter_fn=lambda m, name: name != "proj_out" and (
+                                       not isinstance(m, torch.nn.Linear) or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    targets = lora_target_modules(args.lora_layers, transformer.config.num_single_layers, block_linear_names(transformer))
+    add_lora(transformer, LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                     init_lora_weights="gaussian", target_modules=targets))
+    logger.info(describe_lora(adapted_modules(transformer), sum(p.numel() for p in transformer.parameters()
+                                                                if p.requires_grad), args.rank))
+    if is_fsdp(accelerator) and transformer.device.type == "meta":  # lean loading: accelerate hands the optimizer
+        transformer.to_empty(device="cpu")  # the sharded parameters by data pointer, 0 for all meta tensors
+    if args.blocks_to_swap:
+        transformer.block_swapper = BlockSwapper(transformer, args.blocks_to_swap, accelerator.device)
+        logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "
+                    f"{len(transformer_blocks(transformer))} blocks stay in pinned host memory; at most 2 of them "
+                    "are on the GPU at once")
+        if not args.bnb_quantization_config_path:  # quantised weights are on the GPU already
+            transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
+    if args.attention_backend != "native":
+        transformer.set_attention_backend(args.attention_backend)
+    if args.compile:
+        compile_blocks(transformer)
+    return transformer
+
+
+def setup_optimizer(args, params, accelerator):
+    lr = args.learning_rate
+    if args.scale_lr:
+        lr *= args.gradient_accumulation_steps * args.train_batch_size * accelerator.num_processes
+    if args.optimizer == "prodigy":
+        if args.use_8bit_adam:
+            logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
+        import prodigyopt  # present: validate_args checked
+
+        return prodigyopt.Prodigy(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), beta3=args.prodigy_beta3,
+                                  weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
+                                  decouple=args.prodigy_decouple, use_bias_correction=args.prodigy_use_bias_correction,
+                                  safeguard_warmup=args.prodigy_safeguard_warmup)
+    hyper = dict(lr=lr, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
+    if args.use_8bit_adam:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **hyper)
+    # fused: one kernel for all LoRA tensors instead of several per tensor. Not under FSDP, whose sharded
+    # (DTensor) parameters it has not been verified with here.
+    fused = accelerator.device.type == "cuda" and not is_fsdp(accelerator)
+    return torch.optim.AdamW(params, **hyper, fused=fused or None)
+
+
+def is_fsdp(accelerator):
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype):
+    """Transformer with LoRA, optimizer, LR schedule (built once max_train_steps is known) and noise schedule."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.optimization import get_scheduler
+
+    transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
+    noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+        args.pretrained_model_name_or_path, subfolder="scheduler", revision=args.revision, cache_dir=args.cache_dir)
+    if args.max_train_steps is None:
+        args.max_train_steps = args.num_train_epochs * math.ceil(len(data.sampler) / args.gradient_accumulation_steps)
+    optimizer = setup_optimizer(args, [p for p in transformer.parameters() if p.requires_grad], accelerator)
+    # stepped once per optimizer step by the loop, so not passed to prepare() (which would step it per process)
+    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
+                                 num_training_steps=args.max_train_steps, num_cycles=args.lr_num_cycles, power=args.lr_power)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
+    guidance = args.guidance_scale if accelerator.unwrap_model(transformer).config.guidance_embeds else None
+    return Run(data=data, caches=caches, weight_dtype=weight_dtype, vae=vae, latent_stats=latent_stats,
+               transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
+               sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
+               ema=LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None,
+               step_config=StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
+                                      args.prior_loss_weight, args.timestep_shift, default_sampling_steps(data.family)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 4: checkpoints
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        m = CHECKPOINT_RE.match(path.name)
+        if m and path.is_dir():
+            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
+                found.append((int(m.group(1)), path))
+            else:
+                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
+    return [p for _, p in sorted(found)]
+
+
+def find_resume_checkpoint(args):
+    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
+    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
+    if args.resume_from_checkpoint is None:
+        return None
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(args.output_dir)
+        if not found:
+            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
+            return None
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
+        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
+                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
+                         "away to start from scratch")
+    path = Path(args.resume_from_checkpoint)
+    if not (path / TRAINER_STATE_NAME).is_file():
+        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
+    return path
+
+
+def lora_state_dict(accelerator, transformer):
+    """The adapter's tensors, complete and on the CPU, keyed as diffusers' FLUX.2 LoRA loader expects (before its
+    "transformer." prefix). Under FSDP the parameters are shards: they are gathered, a collective every process
+    must join, and only the LoRA is gathered, never the frozen base."""
+    if is_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+        state = {k.replace(".default.", "."): v for k, v in state.items()}  # peft's naming, without the adapter name
+    else:
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(accelerator.unwrap_model(transformer))
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def portable_lora(state, scale):
+    """Fold the LoRA scale (alpha / rank) into every lora_B, so the file means the same to every loader: diffusers
+    reads alpha from the file's metadata (written as alpha = rank, scale 1), while ComfyUI, the main consumer of
+    FLUX.2 LoRAs, reads alpha only from `.alpha` tensors and otherwise applies scale 1 too."""
+    return {k: v.float() * scale if ".lora_B." in k else v for k, v in state.items()}
+
+
+def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
+    """The adapter as diffusers' FLUX.2 LoRA file, its scale folded in (portable_lora), in `dtype` (default: its own)."""
+    from diffusers import Flux2Pipeline
+
+    config = accelerator.unwrap_model(transformer).peft_config["default"].to_dict()
+    state = portable_lora(state, config["lora_alpha"] / config["r"])
+    config.update(lora_alpha=config["r"], alpha_pattern={})
+    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.to(dtype or state[k].dtype) for k, v in state.items()},
+                                    weight_name=weight_name, transformer_lora_adapter_metadata=config)
+    follow_umask(Path(folder, weight_name))
+
+
+def optimizer_state(accelerator, run):
+    """optimizer.state_dict(); under FSDP its states are shards, which safetensors cannot hold: the full state is
+    gathered (keyed by parameter name; LoRA states are small). A collective under FSDP."""
+    if not is_fsdp(accelerator):
+        return run.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(run.transformer, run.optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def flatten_state(obj, tensors, path="t"):
+    """Nested state (dicts, lists, tensors, scalars) -> JSON-able skeleton; tensors go into `tensors` by path.
+    Checkpoints are safetensors + JSON, so resuming never unpickles anything."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):  # items as pairs: optimizer state is keyed by int
+        return {"__items__": [[k, flatten_state(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
+
+
+def unflatten_state(obj, tensors):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        return {k: unflatten_state(v, tensors) for k, v in obj["__items__"]}
+    if isinstance(obj, list):
+        return [unflatten_state(v, tensors) for v in obj]
+    return obj
+
+
+def write_state(folder, name, state):
+    """state -> <name>.json + <name>.safetensors."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    skeleton = flatten_state(state, tensors)
+    save_file(tensors, str(Path(folder, f"{name}.safetensors")))
+    follow_umask(Path(folder, f"{name}.safetensors"))
+    Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
+
+
+def read_state(folder, name):
+    from safetensors.torch import load_file
+
+    return unflatten_state(json.loads(Path(folder, f"{name}.json").read_text()),
+                           load_file(str(Path(folder, f"{name}.safetensors"))))
+
+
+def rng_state():
+    state = {"torch": torch.get_rng_state()}  # LoRA dropout draws from the global generators
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+@functools.cache
+def umask():
+    """The process's umask (reading it means setting it: done once, before any thread starts)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path):
+    """Give a written file the ordinary mode 0o666 & ~umask: safetensors >= 0.8 writes 0600 files, which another
+    user or container cannot read when the LoRA is copied into a shared model folder."""
+    os.chmod(path, 0o666 & ~umask())
+
+
+def save_checkpoint(args, accelerator, run, global_step):
+    """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part.
+
+    Holds the LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer,
+    LR schedule, grad scaler and each process's RNG state as safetensors + JSON, and trainer_state.json (written
+    last) with the step and seed."""
+    final = Path(args.output_dir, f"checkpoint-{global_step}")
+    partial = final.with_name(final.name + ".partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    try:
+        write_state(partial, f"rng-{accelerator.process_index}", rng_state())
+        lora, optimizer = lora_state_dict(accelerator, run.transformer), optimizer_state(accelerator, run)  # collectives
+        if accelerator.is_main_process:
+            save_lora(accelerator, run.transformer, lora, partial)
+            scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+            ema = run.ema.state_dict() if run.ema is not None else None
+            write_state(partial, "training", {"lora": lora, "optimizer": optimizer, "ema": ema,  # raw: resumes bit for bit
+                                              "lr_scheduler": run.lr_scheduler.state_dict(), "scaler": scaler})
+    except OSError as e:  # disk full, quota, ...: never leave a half checkpoint that looks complete
+        shutil.rmtree(partial, ignore_errors=True)
+        found = list_checkpoints(args.output_dir)
+        raise TrainingStopped(f"could not write {final} ({e}); earlier checkpoints are intact "
+                              f"(latest: {found[-1] if found else 'none'})") from None
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run.data.seed}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        if args.checkpoints_total_limit is not None:
+            older = [c for c in list_checkpoints(args.output_dir) if c != final]
+            for old in older[: max(0, len(older) + 1 - args.checkpoints_total_limit)]:
+                shutil.rmtree(old)
+        logger.info(f"saved {final}")
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(checkpoint, accelerator, run):
+    """Restore what save_checkpoint wrote; returns the global step to continue from. A checkpoint whose tensors do
+    not fit this model and these flags (another --rank, --lora_layers or model) is refused before anything is
+    changed."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    training = read_state(checkpoint, "training")
+    lora = training.get("lora")  # checkpoints written before the LoRA file was portable: the file is the raw adapter
+    if lora is None:
+        lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
+    fsdp = is_fsdp(accelerator)
+    if fsdp:  # saved names -> this run's parameter names; FSDP2's DTensor.shape is the full shape, FSDP1's flat
+        from torch.distributed.tensor import DTensor  # shards have none: names only there
+
+        params = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n): p
+                  for n, p in run.transformer.named_parameters() if p.requires_grad}
+        names = {n.replace(".default.", "."): n for n in params}
+        expected = {k: params[n].shape if isinstance(params[n], DTensor) else None for k, n in names.items()}
+    else:
+        from peft.utils import get_peft_model_state_dict
+
+        expected = {k: v.shape for k, v in get_peft_model_state_dict(accelerator.unwrap_model(run.transformer)).items()}
+    problem = state_fit_problem(lora, expected)
+    if problem is None and run.ema is not None and training.get("ema") is not None:
+        ema_problem = state_fit_problem(training["ema"]["shadow"], {n: v.shape for n, v in run.ema.shadow.items()})
+        problem = ema_problem and f"its EMA: {ema_problem}"
+    saved_groups = [len(g["params"]) for g in training["optimizer"].get("param_groups", [])]
+    if problem is None and not fsdp and saved_groups != [len(g["params"]) for g in run.optimizer.param_groups]:
+        problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
+                         f"({problem}); was it trained with another --rank, --lora_layers or model?")
+    try:
+        if fsdp:  # every process passes the full tensors; torch keeps each process's shard
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            options = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(run.transformer, {names[k]: v for k, v in lora.items()}, options=options)
+            set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
+        else:
+            set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), lora, adapter_name="default")
+            run.optimizer.load_state_dict(training["optimizer"])
+        run.lr_scheduler.load_state_dict(training["lr_scheduler"])
+        if run.ema is not None and training.get("ema") is not None:
+            run.ema.load_state_dict(training["ema"])
+        if accelerator.scaler is not None and training["scaler"] is not None:
+            accelerator.scaler.load_state_dict(training["scaler"])
+    except torch.OutOfMemoryError:
+        raise
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:  # e.g. another optimizer's state (AdamW vs Prodigy)
+        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its training state does not fit this run "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    rng_file = checkpoint / f"rng-{accelerator.process_index}.json"
+    if rng_file.is_file():
+        rng = read_state(checkpoint, f"rng-{accelerator.process_index}")
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    global_step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"]
+    logger.info(f"resumed from {checkpoint} at step {global_step}")
+    return global_step
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 5: the loop (train)
+
+
+def start_logging(args, accelerator, run, global_step):
+    """Start the trackers and say what the run is about to do."""
+    if accelerator.is_main_process:
+        accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
+    data, caches = run.data, run.caches
+    logger.info(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
+                f"mixed precision {accelerator.mixed_precision}")
+    logger.info(f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
+                f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
+                f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts"
+                + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
+                   f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
+                   ", images decoded in the main process"))
+    if data.dataset.conditions:
+        counts = sorted({len(ids) for ids in data.dataset.cond_ids})
+        logger.info(f"edit training: {len(data.dataset.conditions)} condition images for {len(data.dataset.instances)} "
+                    f"targets, {' or '.join(map(str, counts))} per target, their tokens after the target's (the loss "
+                    "covers the target's)")
+
+
+def tracker_config(args):
+    """Flags for the trackers: scalars only, and never the Hub token."""
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
+            if k != "hub_token" and v is not None}
+
+
+@dataclass
+class StepInputs:
+    """A micro-batch's inputs as gathered on the host: each distinct cache entry once, plus which entry each row
+    takes (rows of a batch sharing a prompt move one embedding, 15.7 MB for [dev], not B of them). B' = 2B rows
+    with prior preservation: instance rows, then class rows."""
+
+    embeds: torch.Tensor  # [U, L, D] distinct prompt embeddings
+    embed_rows: torch.Tensor  # [B'] long, row -> embeds
+    # cached: [V, 4C, h, w] latents ([V, 2, 4C, h, w] mean and std); else pixels [B'(1 + R), 3, H, W]
+    images: torch.Tensor
+    image_rows: torch.Tensor  # [B'(1 + R)] long, row -> images: the B' targets, then R references of B' rows each
+    masks: torch.Tensor | None  # loss masks beside `images`: [V, 1, h, w] cached, [B', 1, H, W] in pixels
+    encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
+    references: int = 0  # edit training: condition images per row (R)
+
+    def apply(self, fn):
+        """A copy with fn applied to every tensor (pin, move to the device)."""
+        names = ("embeds", "embed_rows", "images", "image_rows", "masks")
+        return dataclasses.replace(self, **{n: fn(getattr(self, n)) for n in names if getattr(self, n) is not None})
+
+
+def gather_inputs(batch, dataset, caches, caption_dropout, rng):
+    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout. Edit
+    training: each row's condition images are looked up from its target's latent key, so they cannot part."""
+    slots = dataset.slots(batch["indices"])
+    texts = drop_captions([dataset.prompt_key(s) for s in slots], len(batch["indices"]), caption_dropout, rng)
+    embeds, embed_rows = caches.prompts.gather_unique(texts)
+    if caches.latents is None:
+        cond = batch.get("cond_pixels")
+        images = batch["pixel_values"] if cond is None else torch.cat([batch["pixel_values"], cond])
+        return StepInputs(embeds, embed_rows, images, torch.arange(len(images)), batch.get("masks"), encoded=False,
+                          references=len(images) // len(slots) - 1)
+    keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
+    references = [dataset.condition_keys(k) for k in keys]  # [B'][R]
+    keys += [refs[r] for r in range(len(references[0])) for refs in references]  # reference-major, as collate
+    latents, image_rows = caches.latents.gather_unique(keys)
+    masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None
+    return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True, references=len(references[0]))
+
+
+def model_inputs(inputs, run, generator, offload, latent_sampling):
+    """Device side of a step: StepInputs already on the device -> latents [B', 4C, h, w], prompt embeddings
+    [B', L, D], loss mask [B', 1, h, w] or None, condition latents (R of [B', 4C, h, w]: the posterior mean, as the
+    pipeline encodes references). Uncached pixels are encoded here; `generator` draws posterior samples."""
+    embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # expanded on the device
+    rows = len(inputs.embed_rows)
+    if inputs.encoded:
+        params = inputs.images[inputs.image_rows]
+        mask = None if inputs.masks is None else inputs.masks[inputs.image_rows[:rows]]
+    else:
+        with torch.no_grad(), on_device(run.vae, inputs.images.device, offload):
+            params = encode_images(run.vae, inputs.images, *run.latent_stats, latent_sampling)
+        mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])
+    params = params.float()  # float32: the step casts at the transformer
+    means = params if params.ndim == 4 else params[:, 0]  # references: the posterior mean
+    references = [means[rows * r: rows * (r + 1)] for r in range(1, 1 + inputs.references)]
+    return draw_latents(params[:rows], generator), embeds, mask, references
+
+
+def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sampling):
+    """Forward and backward of one micro-batch (queued, not waited for) -> (detached loss, latent size). Noise,
+    timesteps and posterior draws come from a generator seeded by (seed, micro-step, process): a resumed run
+    draws the same."""
+    generator = torch.Generator(accelerator.device).manual_seed(
+        seed_for("step", run.data.seed, micro, accelerator.process_index))
+    latents, embeds, mask, references = model_inputs(inputs, run, generator, offload, latent_sampling)
+    loss = flow_matching_step(run.transformer, latents, embeds, num_instance, run.sigmas, run.step_config, generator,
+                              mask, references)
+    accelerator.backward(loss)
+    return loss.detach(), list(latents.shape[-2:])
+
+
+def optimizer_step(args, accelerator, run):
+    accelerator.clip_grad_norm_(run.params, args.max_grad_norm)
+    run.optimizer.step()
+    run.lr_scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.ema is not None:
+        run.ema.update(run.named_params)
+
+
+def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
+    """One line per optimizer step; the same numbers go to the progress bar and the trackers."""
+    logs = {"loss": loss.item(), "lr": run.lr_scheduler.get_last_lr()[0], "step_seconds": seconds, "epoch": epoch}
+    line = f"step {global_step}/{args.max_train_steps} loss {logs['loss']:.4f} lr {logs['lr']:.2e} {seconds:.2f} s/step"
+    if torch.cuda.is_available():
+        logs["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        line += f" peak {logs['peak_gpu_gib']:.1f} GiB"
+    bar.update(1)
+    bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
+    logger.info(line)
+    accelerator.log(logs, step=global_step)
+
+
+def train(args, accelerator, run, global_step):
+    """The loop: one flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of epoch
+    m // len(sampler), so a resumed run skips exactly the batches already trained."""
+    data, accum = run.data, args.gradient_accumulation_steps
+    batches_per_epoch, micro = len(data.sampler), global_step * accum
+    accelerator.step = micro  # accelerate's accumulation counter: sync on every accum-th micro-step
+    data.sampler.set_epoch(*divmod(micro, batches_per_epoch))
+    prefetcher = Prefetcher(data.loader, micro, lambda m, batch: gather_inputs(
+        batch, data.dataset, run.caches, args.caption_dropout,
+        random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index))), accelerator.device)
+    stop, finite = StopRequest(), torch.ones((), dtype=torch.bool, device=accelerator.device)
+    bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
+    # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
+    sample_log = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
+    sample_log.parent.mkdir(parents=True, exist_ok=True)
+    run.transformer.train()
+    tic = time.perf_counter()
+    with sample_log.open("a", buffering=1) as sample_log, contextlib.ExitStack() as cleanup:
+        cleanup.callback(stop.restore)  # sample_log is line-buffered: readable while training runs
+        for micro, batch, inputs in prefetcher:
+            epoch, signum = batch["epoch"], 0
+            with accelerator.accumulate(run.transformer):
+                loss, latent_hw = micro_step(accelerator, run, inputs, len(batch["indices"]), micro, args.offload,
+                                             args.latent_sampling)
+                prefetcher.prefetch()  # the next step's host work, while the GPU runs this one
+                finite &= torch.isfinite(loss)
+                if accelerator.sync_gradients:
+                    signum, all_finite = stop.agreed(accelerator, finite)
+                    if not all_finite:
+                        raise TrainingStopped(nonfinite_message(args, global_step + 1, batch["indices"]))
+                    optimizer_step(args, accelerator, run)
+            sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
+                                         "latent_hw": latent_hw}) + "\n")
+            if accelerator.sync_gradients:
+                global_step += 1
+                log_step(args, accelerator, run, bar, global_step, loss, epoch, time.perf_counter() - tic)
+                tic = time.perf_counter()
+                after_optimizer_step(args, accelerator, run, global_step, signum)
+            if (micro + 1) % batches_per_epoch == 0:
+                after_epoch(args, accelerator, run, global_step, epoch)
+            if global_step >= args.max_train_steps:
+                break
+    bar.close()
+    return global_step
+
+
+def after_optimizer_step(args, accelerator, run, global_step, signum):
+    """Checkpoint every --checkpointing_steps (and on a stop signal), validate every --validation_steps."""
+    if global_step % args.checkpointing_steps == 0 or signum:
+        save_checkpoint(args, accelerator, run, global_step)
+    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # the same images
+    if (args.validation_prompt and args.num_validation_images and args.validation_steps
+            and global_step % args.validation_steps == 0 and not final_follows and validates_here(accelerator)):
+        run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
+    if signum:
+        raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
+                              "with the same command plus --resume_from_checkpoint latest", 128 + signum)
+
+
+def after_epoch(args, accelerator, run, global_step, epoch):
+    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless the final images follow or
+    --validation_steps just validated the same weights."""
+    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference
+    just_validated = args.validation_steps and global_step % args.validation_steps == 0  # the same weights
+    if (args.validation_prompt and args.num_validation_images and (epoch + 1) % args.validation_epochs == 0
+            and not final_follows and not just_validated and validates_here(accelerator)):
+        run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
+
+
+def nonfinite_message(args, step, indices):
+    found = list_checkpoints(args.output_dir)
+    return (f"the loss became NaN or infinite at step {step} (samples {indices}); stopped without applying that "
+            f"update and without writing a final LoRA. Last good checkpoint: {found[-1] if found else 'none'}. "
+            "Try a lower --learning_rate, --max_grad_norm, or --mixed_precision bf16 instead of fp16")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 6: validation and outputs (finish)
+
+
+def validates_here(accelerator):
+    """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
+    return accelerator.is_main_process or is_fsdp(accelerator)
+
+
+@torch.no_grad()
+def run_validation(args, accelerator, run, prompt, tag, step):
+    """Generate validation images with the transformer being trained, without moving, casting or hooking it; the
+    first time, also the base model's (adapters disabled, same noise), the progress sheet's first column.
+
+    Saves PNGs under <output_dir>/validation/, updates its progress sheet and sends the images to the trackers.
+    Returns their paths."""
+    import diffusers
+
+    # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
+    model = run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer)
+    was_training = model.training
+    model.eval()
+    family = run.data.family
+    extra = {"is_distilled": family.distilled} if family.pipeline == "Flux2KleinPipeline" else {}
+    pipeline = getattr(diffusers, family.pipeline)(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run.noise_scheduler.config), vae=run.vae,
+        text_encoder=None, tokenizer=None, transformer=model, **extra)
+    pipeline.set_progress_bar_config(disable=True)
+    embeds = {"prompt_embeds": run.caches.prompts[prompt].to(accelerator.device, run.weight_dtype)}
+    if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
+        embeds["negative_prompt_embeds"] = run.caches.prompts[""].to(accelerator.device, run.weight_dtype)
+    folder = Path(args.output_dir, "validation")
+    base, condition = None, None
+    inputs = {"height": args.resolution, "width": args.resolution}
+    if args.validation_image:  # edit mode: the pipeline appends the condition's tokens, as training did
+        image = ImageRecord("", (0, 0), path=args.validation_image).load()
+        condition, (height, width) = fit_to_bucket(image, run.data.dataset.buckets)
+        inputs = {"image": [condition], "height": height, "width": width}
+    stale = condition_changed(folder, condition)  # the base images were made for another condition (or none)
+    with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
+        if base_images_missing(accelerator, folder, args.num_validation_images, stale):
+            accelerator.unwrap_model(run.transformer).disable_adapters()
+            try:
+                base = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
+            finally:
+                accelerator.unwrap_model(run.transformer).enable_adapters()
+        averaged = run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext()
+        with averaged:
+            images = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
+    model.train(was_training)
+    if not accelerator.is_main_process:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    if condition is not None:
+        condition.save(folder / "condition.png")
+    elif stale:
+        (folder / "condition.png").unlink()
+    for name, batch in (("base", base or []), (tag, images)):
+        for i, image in enumerate(batch):
+            image.save(folder / f"{name}-{i}.png")
+    paths = [folder / f"{tag}-{i}.png" for i in range(len(images))]
+    sheet = update_progress_sheet(folder, 0, tag, step, len(images))
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
+    logger.info(f"validation images ({prompt!r}): {', '.join(map(str, paths))}; progress sheet {sheet}")
+    return paths
+
+
+def generate_images(args, pipeline, embeds, inputs, family, seed, device):
+    """--num_validation_images images; the same noise at every validation (and for the base model's). `inputs`:
+    height and width, and the condition image in edit mode."""
+    generator = torch.Generator(device).manual_seed(seed_for("validation", seed))
+    return [pipeline(**embeds, **inputs, generator=generator, num_inference_steps=args.validation_inference_steps,
+                     guidance_scale=guidance_scale(args, family)).images[0] for _ in range(args.num_validation_images)]
+
+
+def finish(args, accelerator, run):
+    """Save the LoRA (the EMA with --use_ema, raw weights beside it), the final validation images and the model
+    card. Writing is the main process's; gathering (FSDP) and the fingerprint involve every process."""
+    state = lora_state_dict(accelerator, run.transformer)
+    # processes must agree bit for bit; the fingerprint makes that checkable from the logs
+    fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items())))
+    logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)
+    dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
+    if accelerator.is_main_process:
+        if run.ema is None:
+            save_lora(accelerator, run.transformer, state, args.output_dir, dtype)
+        else:  # the average is the LoRA; the last raw weights go beside it
+            save_lora(accelerator, run.transformer, state, args.output_dir, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
+            with run.ema.applied(run.named_params):
+                save_lora(accelerator, run.transformer, lora_state_dict(accelerator, run.transformer),
+                          args.output_dir, dtype)
+        logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run.ema else ""))
+    prompt = args.validation_prompt or args.final_validation_prompt
+    paths = []
+    if prompt and not args.skip_final_inference and args.num_validation_images > 0 and validates_here(accelerator):
+        paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_model_card(args, paths, prompt, run.data.family, edit=bool(run.data.dataset.conditions))
+        if args.push_to_hub:
+            push_to_hub(args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+
+
+def main(argv=None):
+    umask()  # settled while no thread runs
+    quiet_library_imports()
+    args = parse_args(argv)
+    validate_args(args)
+    accelerator = setup_accelerator(args)
+    for note in surprising_values(args):
+        logger.warning(note)
+    weight_dtype = weight_dtype_of(accelerator)
+    try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
+        disk = open_cache(args)
+        data = prepare_data(args, accelerator, disk)
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, disk)
+        run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
+        global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
+        start_logging(args, accelerator, run, global_step)
+        train(args, accelerator, run, global_step)
+        finish(args, accelerator, run)
+    except torch.OutOfMemoryError:
+        raise TrainingStopped(OOM_ADVICE) from None
+    finally:
+        accelerator.end_training()
+
+
+# ================================================================================================================
+# Appendix: optional machinery
+# ================================================================================================================
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix A: the disk cache (store, leases, eviction, scan index, manifest)
+
+
+RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
+DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
+RECOMPUTE_ADVICE = ("rerunning the same command recomputes it (add --resume_from_checkpoint latest to keep the steps "
+                    "done; a --from_manifest run cannot recompute: rerun the command that wrote its manifest first)")
 class DiskStore:
     """A persistent, content-addressed mapping: key -> <folder>/<digest[:2]>/<digest>.safetensors.
 
@@ -1457,18 +2734,25 @@ class CacheFolder:
                 self.unwritable(e)
 
 
-@functools.cache
-def umask():
-    """The process's umask (reading it means setting it: done once, before any thread starts)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+class ScanIndex:
+    """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
+    time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
+    `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
 
+    def __init__(self, files=None):
+        self.files, self.hits, self.decoded = dict(files or {}), 0, 0
 
-def follow_umask(path):
-    """Give a written file the ordinary mode 0o666 & ~umask: safetensors >= 0.8 writes 0600 files, which another
-    user or container cannot read when the LoRA is copied into a shared model folder."""
-    os.chmod(path, 0o666 & ~umask())
+    def lookup(self, name, stat):
+        entry = self.files.get(name)
+        if isinstance(entry, list) and len(entry) == 5 and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+            return tuple(entry[2:4]), entry[4]
+        return None
+
+    def keep(self, found, scanned_at):
+        """Keep the entries of `found` ({name: (stat, size, sha256)}), dropping files no longer there; a file changed
+        within RACY_SECONDS of the scan is left out (a same-size edit in the same tick would look unchanged)."""
+        self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
+                      if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
 
 
 def write_json_atomic(path, data):
@@ -1533,883 +2817,6 @@ def human_bytes(n):
         if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-
-
-def read_manifest(path):
-    """A dataset manifest (JSON) -> dict; UsageError naming the file when it is not one."""
-    try:
-        manifest = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--from_manifest {path}: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
-        raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
-    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity", "latent_identity"),
-                "instances": (), "classes": (), "entries": (), "cache": ()}
-    missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
-               if part not in manifest or (key and key not in manifest[part])]
-    if missing:
-        raise UsageError(f"--from_manifest {path}: incomplete, {', '.join(missing)} missing")
-    return manifest
-
-
-def build_manifest(data, model, instances, classes, prompt_entries, latent_entries, cache):
-    """The dataset manifest: the settings that shaped the data, the model identity, every source image (name, size,
-    caption, SHA-256) and every cache entry training reads. prompt_entries: [(text, entry)]; latent_entries:
-    [((kind, image name, bucket, resized, top, left, flip), entry)]."""
-    fields = ("kind", "image", "bucket", "resized", "top", "left", "flip")
-    return {"format": MANIFEST_FORMAT, "version": 1, "cache": str(cache), "data": data, "model": model,
-            "instances": [manifest_record(r) for r in instances], "classes": [manifest_record(r) for r in classes],
-            "entries": {"prompts": [{"text": text, "entry": entry} for text, entry in prompt_entries],
-                        "latents": [{**dict(zip(fields, key)), "entry": entry} for key, entry in latent_entries]}}
-
-
-def manifest_record(record):
-    row = {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
-    return {**row, "conditions": [manifest_record(c) for c in record.conditions]} if record.conditions else row
-
-
-def manifest_records(rows):
-    """Manifest images -> ImageRecords without a file: enough for keys and sizes, never for pixels."""
-    return [ImageRecord(name=r["name"], size=tuple(r["size"]), caption=r["caption"], sha256=r["sha256"],
-                        conditions=tuple(manifest_records(r.get("conditions", [])))) for r in rows]
-
-
-def draw_latents(params, generator):
-    """Cached posterior -> training latents. params: [B, C, h, w] (mode: the mean, used as is) or
-    [B, 2, C, h, w] (sample: mean and std, drawn z = mean + std * eps from `generator`)."""
-    if params.ndim == 4:
-        return params
-    mean, std = params.unbind(1)
-    eps = torch.randn(mean.shape, generator=generator, device=generator.device).to(mean)
-    return mean + std * eps
-
-
-class LoraEMA:
-    """Exponential moving average of the trainable (LoRA) parameters, kept in float32 on `device` (the CPU by
-    default, so it costs no GPU memory). It starts at the weights of the first optimizer step (not the random
-    init) and warms up: decay_t = min(decay, (1 + t) / (10 + t)), so early steps are not swamped."""
-
-    def __init__(self, named_params, decay, device="cpu"):
-        self.decay, self.device, self.step = decay, torch.device(device), 0
-        self.shadow = {n: p.detach().to(self.device, torch.float32, copy=True) for n, p in named_params.items()}
-
-    @torch.no_grad()
-    def update(self, named_params):
-        self.step += 1
-        decay = 0.0 if self.step == 1 else min(self.decay, (1 + self.step) / (10 + self.step))
-        for name, param in named_params.items():
-            self.shadow[name].mul_(decay).add_(param.detach().to(self.device, torch.float32), alpha=1 - decay)
-
-    def state_dict(self):
-        return {"step": self.step, "shadow": self.shadow}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
-        self.shadow = {n: v.to(self.device, torch.float32) for n, v in state["shadow"].items()}
-
-    @contextlib.contextmanager
-    def applied(self, named_params):
-        """Temporarily put the averaged weights into the model (validation, saving); the raw ones come back."""
-        raw = {n: p.detach().clone() for n, p in named_params.items()}
-        with torch.no_grad():
-            for name, param in named_params.items():
-                param.copy_(self.shadow[name])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, param in named_params.items():
-                    param.copy_(raw[name])
-
-
-def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight, mask=None):
-    """Weighted MSE per sample; the first `num_instance` rows are instance samples, the rest class samples.
-
-    pred, target: [B, L, C] packed tokens; weighting: [B]; mask: [B, L, 1] token weights in [0, 1] or None.
-    A masked sample's loss is its mean over the mask, so its scale does not depend on the mask's area.
-    Returns instance loss + prior_loss_weight * class loss.
-    """
-    err = weighting.float().view(-1, 1, 1) * (pred.float() - target.float()) ** 2
-    if mask is None:
-        per_sample = err.flatten(1).mean(1)
-    else:
-        mask = mask.float()
-        per_sample = (err * mask).flatten(1).sum(1) / (mask.flatten(1).sum(1) * err.shape[-1]).clamp_min(1e-8)
-    loss = per_sample[:num_instance].mean()
-    if num_instance < per_sample.shape[0]:
-        loss = loss + prior_loss_weight * per_sample[num_instance:].mean()
-    return loss
-
-
-def sample_sigmas(scheduler_sigmas, batch_size, weighting_scheme, logit_mean, logit_std, mode_scale, generator):
-    """Draw one training sigma per sample from the timestep density (diffusers' SD3/FLUX recipe) -> [B].
-
-    scheduler_sigmas: [T] the training schedule (timestep / 1000 of the untouched scheduler, highest first)."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-
-    u = compute_density_for_timestep_sampling(weighting_scheme, batch_size, logit_mean, logit_std, mode_scale,
-                                              device=generator.device, generator=generator)
-    num_timesteps = scheduler_sigmas.shape[0]
-    index = (u * num_timesteps).long().clamp(0, num_timesteps - 1)
-    return scheduler_sigmas.to(u.device)[index]
-
-
-def shift_sigmas(sigmas, shift):
-    """FLUX's time shift: sigma -> shift * sigma / (1 + (shift - 1) * sigma). It is the scheduler's exponential
-    shift exp(mu) / (exp(mu) + 1 / sigma - 1) with shift = exp(mu): it moves noise levels up, keeping 0 and 1."""
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
-
-
-def timestep_shift_for(mode, image_tokens, num_steps):
-    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) latent tokens: None for none; for auto the
-    FLUX.2 pipelines' exp(compute_empirical_mu(image_tokens, num_steps)), what they sample that size with at
-    `num_steps` steps; else the number itself."""
-    if mode == "none":
-        return None
-    if mode == "auto":
-        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # [klein]'s is a copy of it
-
-        return math.exp(compute_empirical_mu(image_tokens, num_steps))
-    return float(mode)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Pure helpers: LoRA targets
-
-
-def lora_target_modules(spec, num_single_layers, block_linears):
-    """--lora_layers -> PEFT target_modules. spec: comma-separated presets and module names (PEFT matches a name
-    as the whole module name or a dotted suffix); num_single_layers: from the transformer's config;
-    block_linears: full names of the linear layers inside its blocks (for 'all-linear')."""
-    targets = []
-    for entry in (t.strip() for t in (spec or "default").split(",")):
-        if entry in ("attention", "default"):
-            targets += ATTENTION_LORA_TARGETS
-        if entry == "default":  # single-stream blocks: the fused QKV+MLP input and the output projection.
-            # Their `attn.to_out` is named per block: in double-stream blocks that name is a ModuleList
-            targets += ["to_qkv_mlp_proj", *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(num_single_layers))]
-        elif entry == "all-linear":
-            targets += block_linears
-        elif entry and entry != "attention":
-            targets.append(entry)
-    return list(dict.fromkeys(targets))
-
-
-def unusable_lora_targets(targets, kinds):
-    """PEFT target names it cannot adapt -> {name: why}. kinds: {module name: class name}. A name must match (as PEFT
-    matches: the whole name or a dotted suffix) linear layers and nothing else: PEFT refuses anything else it
-    matches, e.g. `to_out`, which is a ModuleList in the double-stream blocks, and only once the model is loaded."""
-    problems = {}
-    for target in targets:
-        matched = [n for n in kinds if n == target or n.endswith("." + target)]
-        others = [n for n in matched if kinds[n] != "Linear"]
-        if len(others) == len(matched):
-            problems[target] = "no linear layer of the transformer has that name"
-        elif others:
-            problems[target] = (f"also names {others[0]} ({kinds[others[0]]}), which LoRA cannot adapt; name the linear "
-                                "layers more exactly (e.g. attn.to_out.0, single_transformer_blocks.0.attn.to_out)")
-    return problems
-
-
-def block_linear_names(model):
-    """Full names of the linear layers inside the transformer's double- and single-stream blocks (not the
-    embedders, the shared modulation, norm_out or proj_out)."""
-    return [n for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and re.match(r"(single_)?transformer_blocks\.\d+\.", n)]
-
-
-def adapted_modules(model):
-    """Names of the modules that carry a LoRA adapter."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
-
-
-def describe_lora(modules, num_params, rank):
-    """'LoRA rank R on M modules (D double-stream, S single-stream blocks), P M trainable parameters'."""
-    blocks = collections.defaultdict(set)
-    for name in modules:
-        kind, block = (name.split(".") + [""])[:2]
-        if kind in ("transformer_blocks", "single_transformer_blocks"):
-            blocks[kind].add(block)
-        else:
-            blocks["other"].add(name)
-    other = f", {len(blocks['other'])} outside them" if blocks["other"] else ""
-    return (f"LoRA rank {rank} on {len(modules)} modules ({len(blocks['transformer_blocks'])} double-stream, "
-            f"{len(blocks['single_transformer_blocks'])} single-stream blocks{other}), {num_params / 1e6:.3g} M "
-            "trainable parameters")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Pure helpers: block swapping
-
-
-class SwapSchedule:
-    """--blocks_to_swap N: which of the transformer's blocks have their frozen weights on the device, driven by the
-    events of a pass. Blocks are numbered in execution order (double-stream, then single-stream); the last N swap.
-    Each event returns actions for the mover: ("load", i) starts copying block i in (asynchronously, on a side
-    stream), ("wait", i) holds compute until block i is in, ("evict", i) drops block i's device copy (the frozen
-    weights never change, so nothing is copied back).
-
-    Forward: block i+1 is copied while block i computes. Backward runs the blocks in reverse: the block the forward
-    ended with stays for it, and block i-1 is copied while block i's backward (with gradient checkpointing, its
-    recomputation included) runs. The first swapped block stays between passes, the next forward starts with it.
-    So at most two swapped blocks are on the device at once: a peak N - 2 blocks below keeping all of them."""
-
-    def __init__(self, num_blocks, blocks_to_swap):
-        self.swapped = range(num_blocks - blocks_to_swap, num_blocks)
-        self.resident = set()  # swapped blocks on the device or on their way there
-        self.backward_block = None  # whose backward runs now: a forward of this block is its recomputation
-        self.peak = 0
-
-    def _bring(self, i, wait):
-        actions = []
-        if i in self.swapped and i not in self.resident:
-            self.resident.add(i)
-            self.peak = max(self.peak, len(self.resident))
-            actions.append(("load", i))
-        if wait and i in self.swapped:
-            actions.append(("wait", i))
-        return actions
-
-    def _drop(self, blocks):
-        gone = sorted(blocks & self.resident)
-        self.resident -= set(gone)
-        return [("evict", i) for i in gone]
-
-    def begin_pass(self):
-        """The transformer's forward starts (a training step or a sampling step)."""
-        self.backward_block = None
-        first = self.swapped.start
-        return self._drop(self.resident - {first}) + self._bring(first, wait=False)
-
-    def before_block(self, i):
-        if i == self.backward_block:  # gradient checkpointing recomputes block i inside its backward
-            return self._bring(i, wait=True)
-        return self._bring(i, wait=True) + self._bring(i + 1, wait=False)
-
-    def after_block(self, i, training):
-        if i == self.backward_block or i not in self.swapped:
-            return []
-        if training and i == self.swapped[-1]:  # the backward pass starts with this block
-            return []
-        return self._drop({i})
-
-    def before_backward(self, i):
-        """Block i's backward is about to run, so every later block's backward has finished."""
-        self.backward_block = i
-        done = {j for j in self.resident if j > i and j != self.swapped.start}
-        return self._drop(done) + self._bring(i, wait=True) + self._bring(i - 1, wait=False)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# FLUX.2 model pieces
-
-
-@dataclass
-class StepConfig:
-    """Settings of one training step that do not change during a run."""
-
-    weighting_scheme: str
-    logit_mean: float
-    logit_std: float
-    mode_scale: float
-    guidance_scale: float | None  # None for checkpoints without a guidance embedding
-    prior_loss_weight: float
-    timestep_shift: str | float = "none"  # --timestep_shift
-    shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift auto matches
-
-
-def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
-    """[B, 3, H, W] in [-1, 1] -> the VAE posterior, patchified and normalised as FLUX.2 trains on it:
-    mode: its mean [B, 4C, H/16, W/16]; sample: mean and std [B, 2, 4C, H/16, W/16] for draw_latents."""
-    from diffusers import Flux2Pipeline
-
-    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist  # diagonal Gaussian, [B, C, H/8, W/8]
-    mean = Flux2Pipeline._patchify_latents(posterior.mean)  # 2x2 patches into channels
-    mean = (mean - latent_mean.to(mean)) / latent_std.to(mean)
-    if sampling == "mode":
-        return mean
-    std = Flux2Pipeline._patchify_latents(posterior.std) / latent_std.to(mean)
-    return torch.stack([mean, std], dim=1)
-
-
-def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
-    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
-    encodes them ([dev]: Mistral chat with FLUX.2's system message; [klein]: Qwen3 chat)."""
-    import diffusers
-
-    kwargs = dict(text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts),
-                  max_sequence_length=max_sequence_length, hidden_states_layers=list(out_layers))
-    if family.pipeline == "Flux2KleinPipeline":
-        return diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(**kwargs)
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-    return diffusers.Flux2Pipeline._get_mistral_3_small_prompt_embeds(system_message=SYSTEM_MESSAGE, **kwargs)
-
-
-def reference_tokens(conditions, dtype):
-    """Edit training: condition latents, a list of R [B, C, h, w], -> (tokens [B, R*h*w, C] in `dtype`, image ids
-    [B, R*h*w, 4] int64), packed and numbered as Flux2Pipeline.prepare_image_latents does: reference r at time
-    coordinate 10 + 10 r, each one's rows and columns from 0, concatenated in reference order."""
-    from diffusers import Flux2Pipeline
-
-    bsz = conditions[0].shape[0]
-    tokens = torch.cat([Flux2Pipeline._pack_latents(c) for c in conditions], dim=1).to(dtype)
-    ids = Flux2Pipeline._prepare_image_ids([c[:1] for c in conditions]).to(conditions[0].device)
-    return tokens, ids.repeat(bsz, 1, 1)
-
-
-def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None,
-                       conditions=()):
-    """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's dtype;
-    mask: [B, 1, h, w] or None; conditions (edit training): R clean condition latents [B, C, h', w'], whose tokens
-    follow the noisy target's in the sequence as in Flux2Pipeline (the loss covers the target's); returns a scalar."""
-    from diffusers import Flux2Pipeline
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    bsz = latents.shape[0]
-    latents = latents.float()  # the path and its target in float32; only the transformer's input is cast
-    noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(latents.device)
-    sigma = sample_sigmas(sigmas_table, bsz, cfg.weighting_scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, generator)
-    shift = timestep_shift_for(cfg.timestep_shift, latents.shape[-2] * latents.shape[-1], cfg.shift_steps)
-    sigma = (sigma if shift is None else shift_sigmas(sigma, shift)).to(latents.device)
-    s = sigma.view(-1, 1, 1, 1)
-    noisy = (1.0 - s) * latents + s * noise  # the flow-matching path from data (s=0) to noise (s=1)
-    packed = Flux2Pipeline._pack_latents(noisy).to(prompt_embeds.dtype)  # [B, C, h, w] -> [B, h*w, C]
-    img_ids = Flux2Pipeline._prepare_latent_ids(latents).to(latents.device)  # [B, h*w, 4]
-    hidden = packed
-    if conditions:
-        tokens, ids = reference_tokens(conditions, prompt_embeds.dtype)
-        hidden, img_ids = torch.cat([packed, tokens], dim=1), torch.cat([img_ids, ids], dim=1)
-    guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
-    pred = transformer(
-        hidden_states=hidden,
-        timestep=sigma,  # the transformer takes timestep / 1000 == sigma
-        guidance=guidance,
-        encoder_hidden_states=prompt_embeds,
-        txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device),  # [B, L, 4]
-        img_ids=img_ids,
-        return_dict=False,
-    )[0][:, : packed.shape[1]]  # the target's tokens: the references' predictions are not trained
-    target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction, float32
-    weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
-    mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
-    return flow_matching_loss(pred, target, weighting, num_instance, cfg.prior_loss_weight, mask)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stages: what they share
-
-
-@dataclass(frozen=True)  # a misspelt field is an error, not a new attribute
-class Data:
-    """What prepare_data settles before any weights load."""
-
-    family: Family
-    checkpoint: Path | None  # the checkpoint to resume from
-    seed: int
-    dataset: "DreamBoothDataset"
-    sampler: BucketBatchSampler
-    loader: torch.utils.data.DataLoader
-
-
-@dataclass(frozen=True)
-class Caches:
-    """Precomputed inputs, on the CPU or on disk (never the GPU): prompt embeddings always; latents and loss masks
-    with --cache_latents."""
-
-    prompts: SampleCache
-    latents: SampleCache | None = None
-    masks: SampleCache | None = None
-
-
-@dataclass(frozen=True)
-class Run:
-    """What training carries from stage to stage, built once by setup_training. The loop changes the objects
-    (weights, optimizer state), never the fields; its counters (step, micro-step, epoch) stay local to train()."""
-
-    data: Data
-    caches: Caches
-    weight_dtype: torch.dtype
-    vae: torch.nn.Module | None  # None when nothing needs it (all latents cached, no validation)
-    latent_stats: tuple | None  # the VAE's batch-norm mean and std, [1, 4C, 1, 1] each
-    transformer: torch.nn.Module  # as accelerate prepared it (wrapped under DDP/FSDP)
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
-    noise_scheduler: object  # FlowMatchEulerDiscreteScheduler; validation builds its pipeline from its config
-    sigmas: torch.Tensor  # [T] training sigmas, highest first
-    named_params: dict  # trainable (LoRA) parameters by name
-    ema: LoraEMA | None
-    step_config: StepConfig
-
-    @property
-    def params(self):
-        return list(self.named_params.values())
-
-
-class StopRequest:
-    """SIGTERM/SIGINT (preemption, Ctrl-C) ask the loop to stop after the optimizer step in flight; a second
-    signal stops at once."""
-
-    def __init__(self):
-        self.signum = 0
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def restore(self):
-        """Back to the usual handlers: after the loop a signal must interrupt (final validation, upload)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving a checkpoint "
-              "(signal again to stop at once)", file=sys.stderr, flush=True)
-
-    def agreed(self, accelerator, finite):
-        """(signal number or 0, whether every process's loss was finite), agreed across processes so all stop
-        together. The one host-device sync of an optimizer step."""
-        flags = torch.stack([torch.tensor(self.signum, device=finite.device), (~finite).long()])
-        if accelerator.num_processes > 1:
-            flags = accelerator.reduce(flags, reduction="max")
-        signum, bad = flags.tolist()
-        return signum, not bad
-
-
-class PrecomputeStop(StopRequest):
-    """StopRequest during precompute: the batch being encoded is finished and written, then every process stops."""
-
-    def _handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping once the entries being written are complete "
-              "(signal again to stop at once)", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stage 1: data (prepare_data)
-
-
-def quiet_library_imports():
-    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
-    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
-    a plain run never uses. Their loggers keep errors only."""
-    import logging
-
-    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def setup_accelerator(args):
-    import diffusers
-    import transformers
-    from accelerate.utils import is_tensorboard_available, is_wandb_available
-
-    wanted = {"all": ["tensorboard", "wandb"], "none": []}.get(args.report_to, args.report_to.split(","))
-    available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
-    trackers = [t for t in wanted if available.get(t, True)]
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
-        log_with=trackers or None,
-        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))),
-    )
-    import logging
-
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    for t in set(wanted) - set(trackers):
-        logger.warning(f"--report_to {t}: not installed, not reporting to it")
-    transformers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.set_verbosity_error()
-    if args.allow_tf32 and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-    return accelerator
-
-
-def weight_dtype_of(accelerator):
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
-
-
-def scan_folder(folder, disk, read_captions=True):
-    """scan_image_folder with the disk cache's index of that folder (unchanged files are not decoded again)."""
-    index = disk.read_scan_index(folder) if disk is not None and Path(folder).is_dir() else ScanIndex()
-    tic = time.perf_counter()
-    records = scan_image_folder(folder, read_captions, index, progress=PartialState().is_local_main_process)
-    if disk is not None:
-        disk.write_scan_index(folder, index)
-    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
-                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
-    return records
-
-
-def load_instance_images(args, disk=None):
-    if args.dataset_name:
-        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
-                               args.cache_dir, args.cond_image_column)
-    records = scan_folder(args.instance_data_dir, disk)
-    if not records:
-        raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
-    if args.cond_data_dir:
-        conditions = scan_folder(args.cond_data_dir, disk, read_captions=False)
-        records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
-    return records
-
-
-def component_config(args, subfolder):
-    """<subfolder>/config.json of the checkpoint (for a Hub id, that small file alone is fetched) -> dict."""
-    root = Path(args.pretrained_model_name_or_path)
-    try:
-        if root.is_dir():
-            path = root / subfolder / "config.json"
-        else:
-            from huggingface_hub import hf_hub_download
-
-            path = hf_hub_download(args.pretrained_model_name_or_path, f"{subfolder}/config.json",
-                                   revision=args.revision, cache_dir=args.cache_dir)
-        return json.loads(Path(path).read_text())
-    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
-                         f"{subfolder} config ({e})") from None
-
-
-def check_model_fit(args):
-    """The flags that must fit this checkpoint, from its config files (no weights are read): the text-encoder layers
-    exist and stack to the width the transformer takes; every --lora_layers entry is a preset or names linear layers
-    of the transformer (matched as PEFT does: the whole name or a dotted suffix)."""
-    from accelerate import init_empty_weights
-    from diffusers import Flux2Transformer2DModel
-
-    config = component_config(args, "transformer")
-    # the remote encoder serves [dev]'s default layers; a --from_manifest run uses no text encoder (its manifest's
-    # prompt identity pins the layers), so it may not even have one
-    if not (args.remote_text_encoder or args.from_manifest):
-        text = component_config(args, "text_encoder")
-        text = text.get("text_config", text)  # [dev]'s Mistral 3 nests its language model's config
-        try:
-            depth, width, joint = text["num_hidden_layers"], text["hidden_size"], config["joint_attention_dim"]
-        except (KeyError, TypeError) as e:
-            raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: its text_encoder "
-                             f"or transformer config lacks {e}") from None
-        layers = args.text_encoder_out_layers
-        if max(layers) > depth:
-            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder has layers 0 "
-                             f"to {depth} (0: its embeddings)")
-        if len(layers) * width != joint:
-            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: {len(layers)} layers of width "
-                             f"{width} make {len(layers) * width} features; this transformer takes {joint} "
-                             f"({joint // width} layers)")
-    with init_empty_weights():
-        model = Flux2Transformer2DModel.from_config(config)
-    blocks = len(transformer_blocks(model))
-    if args.blocks_to_swap > blocks:
-        raise UsageError(f"--blocks_to_swap {args.blocks_to_swap}: this transformer has {blocks} blocks "
-                         f"({model.config.num_layers} double-stream, {model.config.num_single_layers} single-stream)")
-    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
-    targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
-    problems = unusable_lora_targets(targets, kinds)
-    if problems:
-        valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n) for n, k in kinds.items() if k == "Linear"})
-        raise UsageError(f"--lora_layers {'; '.join(f'{t}: {why}' for t, why in problems.items())}; presets: "
-                         f"{', '.join(LORA_PRESETS)}; valid names include {', '.join(valid[:16])}")
-
-
-def resolve_buckets(args):
-    if args.aspect_ratio_buckets:
-        return parse_buckets(args.aspect_ratio_buckets)
-    if args.use_aspect_ratio_buckets:
-        return bucket_ladder(args.resolution)
-    return [(args.resolution, args.resolution)]
-
-
-def agree_seed(args, checkpoint, accelerator):
-    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
-    seed = args.seed
-    if checkpoint is not None:
-        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
-        if seed is not None and seed != saved:
-            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
-                           "continue the original one exactly")
-        seed = saved if seed is None else seed
-    if seed is None:
-        seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
-        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
-    return seed
-
-
-def detect_family(args):
-    """The checkpoint's family from its model_index.json (a small file; no weights are read)."""
-    root = Path(args.pretrained_model_name_or_path)
-    try:
-        if root.is_dir():
-            index = root / "model_index.json"
-        else:
-            from huggingface_hub import hf_hub_download
-
-            index = hf_hub_download(args.pretrained_model_name_or_path, "model_index.json", revision=args.revision,
-                                    cache_dir=args.cache_dir)
-        config = json.loads(Path(index).read_text())
-    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
-                         f"model_index.json ({e})") from None
-    if config.get("_class_name") not in FAMILIES:
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
-                         f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
-    name, text_encoder = FAMILIES[config["_class_name"]]
-    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
-
-
-def pipeline_default(family, method, parameter):
-    """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
-    import diffusers
-
-    return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
-
-
-def default_sampling_steps(family):
-    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
-    return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
-
-
-def resolve_family_defaults(args, family):
-    """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
-    if args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
-        raise UsageError(f"--remote_text_encoder serves FLUX.2 [dev] embeddings only, not {family.name}")
-    layers = list(pipeline_default(family, "encode_prompt", "text_encoder_out_layers"))
-    if args.text_encoder_out_layers is None:
-        args.text_encoder_out_layers = layers
-    elif list(args.text_encoder_out_layers) != layers:
-        logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
-                       f"default {layers}")
-    if args.validation_inference_steps is None:
-        args.validation_inference_steps = default_sampling_steps(family)
-    if args.validation_guidance_scale is None:
-        args.validation_guidance_scale = 1.0 if family.distilled else pipeline_default(family, "__call__", "guidance_scale")
-    logger.info(f"{family.name}{' (distilled)' if family.distilled else ''}: text-encoder layers "
-                f"{args.text_encoder_out_layers}, validation with {args.validation_inference_steps} steps")
-
-
-def load_pipeline_tokenizer(args):
-    """The FLUX.2 tokenizer without torchvision: the Hub's PixtralProcessor folder holds a plain fast tokenizer."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path, subfolder="tokenizer",
-                                              revision=args.revision, cache_dir=args.cache_dir)
-    if not tokenizer.chat_template:
-        raise UsageError(f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
-                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
-    return tokenizer
-
-
-def generate_class_images(args, accelerator, seed, existing, family):
-    """Fill --class_data_dir up to --num_class_images with images of the base model (each process a share)."""
-    import diffusers
-
-    taken = {p.name for p in Path(args.class_data_dir).iterdir()}
-    missing = args.num_class_images - existing
-    names = [n for n in (f"class-{i:05d}.png" for i in range(len(taken) + missing)) if n not in taken][:missing]
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
-        args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-    # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
-    pipeline = getattr(diffusers, family.pipeline).from_pretrained(
-        args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
-        torch_dtype=dtype, cache_dir=args.cache_dir)
-    pipeline.tokenizer = load_pipeline_tokenizer(args)
-    sizes = {name: sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers()))
-             for name, c in pipeline.components.items() if isinstance(c, torch.nn.Module)}
-    free = free_gpu_bytes(accelerator.device)
-    placement = pipeline_placement(list(sizes.values()), free, args.offload)
-    if placement == "device":
-        pipeline.to(accelerator.device)
-    else:
-        getattr(pipeline, f"enable_{placement}_cpu_offload")(device=accelerator.device)
-        why = "--offload" if args.offload else f"does not fit {human_bytes(free)} free on the GPU"
-        logger.info(f"class images: the pipeline ({human_bytes(sum(sizes.values()))}, the largest model "
-                    f"{human_bytes(max(sizes.values()))}) {why}: {placement} CPU offload ("
-                    f"{'one model' if placement == 'model' else 'one layer'} on the GPU at a time)")
-    pipeline.set_progress_bar_config(disable=True)
-    mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
-    batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
-    logger.info(f"generating {missing} class images into {args.class_data_dir}")
-    for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
-        generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i)) for i, _ in batch]
-        steps = {"num_inference_steps": args.validation_inference_steps} if family.distilled else {}
-        images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution, **steps,
-                          generator=generators, guidance_scale=guidance_scale(args, family),
-                          max_sequence_length=args.max_sequence_length,
-                          text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
-        for (_, name), image in zip(batch, images):
-            image.save(Path(args.class_data_dir, name))  # names not yet taken: existing images are never replaced
-    del pipeline
-    accelerator.wait_for_everyone()
-
-
-def free_gpu_bytes(device):
-    """Free memory on a CUDA device (None on any other)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-
-
-def pipeline_placement(component_bytes, free_bytes, offload):
-    """Where class-image generation puts the pipeline: "device" (all of it on the GPU), "model" (diffusers' model CPU
-    offload: one model on the GPU at a time) or "sequential" (one layer at a time: slow, but fits anything). Without a
-    GPU (free_bytes None) it stays where it is. A fifth more plus 2 GiB is left for activations: e.g. [dev]'s 112 GB
-    pipeline on an 80 GB card gets model offload (its largest model, the 64 GB transformer, fits); on 24 GB,
-    sequential."""
-    if free_bytes is None:
-        return "device"
-
-    def fits(n):
-        return n * 1.2 + 2 * 2**30 <= free_bytes
-
-    if not offload and fits(sum(component_bytes)):
-        return "device"
-    return "model" if fits(max(component_bytes, default=0)) else "sequential"
-
-
-def guidance_scale(args, family):
-    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
-    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
-
-
-def load_class_images(args, accelerator, seed, family, disk=None):
-    if not args.with_prior_preservation:
-        return []
-    Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
-    with scan_order(accelerator, disk):
-        records = scan_folder(args.class_data_dir, disk, read_captions=False)
-    if len(records) < args.num_class_images:
-        generate_class_images(args, accelerator, seed, len(records), family)
-        with scan_order(accelerator, disk):
-            records = scan_folder(args.class_data_dir, disk, read_captions=False)
-    return records
-
-
-def scan_order(accelerator, disk):
-    """With the disk cache, each machine's first process scans first and the others find its index warm."""
-    return accelerator.local_main_process_first() if disk is not None else contextlib.nullcontext()
-
-
-def build_data(args, instances, classes, seed, accelerator, warn=True):
-    """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
-    buckets = resolve_buckets(args)
-    dataset = DreamBoothDataset(instances, args.instance_prompt, buckets, repeats=args.repeats, classes=classes,
-                                class_prompt=args.class_prompt, seed=seed, center_crop=args.center_crop,
-                                random_flip=args.random_flip, with_pixels=not args.cache_latents,
-                                fixed_crops=args.cache_latents, with_masks=args.masked_loss)
-    sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
-                                 num_replicas=accelerator.num_processes, rank=accelerator.process_index)
-    small = [r.name for r, b in zip(instances, dataset.image_buckets)
-             if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]]
-    if small and warn and accelerator.is_main_process:
-        logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
-                       f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
-    if len(sampler) == 0:
-        sizes = {(*dataset.buckets[b], f"{r} references") if r else dataset.buckets[b]: n
-                 for (b, r), n in sorted(collections.Counter(dataset.sample_buckets()).items())}
-        raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
-                         f"{sizes} over {accelerator.num_processes} process(es); lower --train_batch_size, raise --repeats, "
-                         "or use fewer buckets")
-    # One iterator for the whole run (the sampler is a flat stream of epochs), so workers start once. Own
-    # generator: iter() draws a worker seed, which must not consume the global RNG (LoRA init and dropout).
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                         num_workers=loader_workers(args.dataloader_num_workers, args.cache_latents,
-                                                                    int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
-                                         generator=torch.Generator().manual_seed(seed))
-    return dataset, sampler, loader
-
-
-def loader_workers(requested, cache_latents, local_processes):
-    """DataLoader workers: as requested; by default none with --cache_latents (a batch is a list of indices, all
-    inputs come from the caches), else a share of this machine's cores so decoding overlaps training."""
-    if requested is not None:
-        return requested
-    if cache_latents:
-        return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // local_processes - 1))
-
-
-def prepare_data(args, accelerator, disk=None):
-    """Everything that can fail on the user's input, before any weights load: flags that depend on the model
-    family, images (or the --from_manifest records), the resume point and seed, the batch size, --lora_layers;
-    then class images and the data."""
-    manifest = read_manifest(args.from_manifest) if args.from_manifest else None
-    if manifest is None:
-        with scan_order(accelerator, disk):
-            instances = load_instance_images(args, disk)
-        uncaptioned = [r.name for r in instances if not r.caption]
-        if uncaptioned and not args.instance_prompt:
-            source = (f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption"
-                      if args.dataset_name else f"--instance_data_dir {args.instance_data_dir}: {len(uncaptioned)} "
-                      "image(s) have no .txt caption")
-            raise UsageError(f"{source} ({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
-                             "--instance_prompt for them")
-    else:
-        instances, manifest_classes = apply_manifest(args, manifest)
-    checkpoint = find_resume_checkpoint(args)
-    seed = agree_seed(args, checkpoint, accelerator)
-    set_seed(seed)  # LoRA init and dropout draw from the global generators
-    build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
-               warn=False)  # the batch-size check, before class images are generated
-    family = detect_family(args)  # the model's small JSON files only
-    if manifest is not None:
-        check_manifest_model(args, manifest, family)
-    resolve_family_defaults(args, family)
-    check_model_fit(args)
-    if args.fsdp_text_encoder and (accelerator.num_processes < 2 or args.remote_text_encoder):
-        raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
-                         "without --remote_text_encoder")
-    if args.use_ema and is_fsdp(accelerator):
-        raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
-    classes = load_class_images(args, accelerator, seed, family, disk) if manifest is None else manifest_classes
-    data = Data(family, checkpoint, seed, *build_data(args, instances, classes, seed, accelerator))
-    check_edit_validation(args, data.dataset)
-    return data
-
-
-def check_edit_validation(args, dataset):
-    """--validation_image must be one the pipeline takes; an edit run validating without one says what it gets."""
-    if args.validation_image:
-        problem = validation_image_problem(inspect_image(args.validation_image)[0], dataset.buckets)
-        if problem:
-            raise UsageError(f"--validation_image {args.validation_image}: {problem}")
-    elif dataset.conditions and validation_prompts(args):
-        logger.warning("edit training validates without a condition image: give --validation_image to see the LoRA "
-                       "edit it (the validation images are generated from the prompt alone)")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stage 2: precompute (prompt embeddings, latents)
-
-
-def validation_prompts(args):
-    """Prompts whose embeddings the run needs after the text encoder is gone."""
-    return [p for p in dict.fromkeys([args.validation_prompt, args.final_validation_prompt]) if p]
-
-
-def share_entries(cache, keys, accelerator, per_round=16):
-    """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]).
-
-    Entries on a disk that every process sees are shared once everyone has written. Otherwise (in memory, a folder
-    local to each machine, or one that could not be written) a few entries are sent per round, so no process ever
-    pickles the whole cache into one buffer."""
-    if accelerator.num_processes == 1:
-        return
-    accelerator.wait_for_everyone()
-    from accelerate.utils import gather_object
-
-    store = cache.store
-    unseen = {k for k in keys if not (store.visible(k) if isinstance(store, DiskStore) else k in store)}
-    if not any(gather_object([len(unseen)])):
-        return
-    shares = [keys[r::accelerator.num_processes] for r in range(accelerator.num_processes)]
-    mine = shares[accelerator.process_index]
-    for start in range(0, max(map(len, shares)), per_round):
-        for key, value in gather_object([(k, cache[k]) for k in mine[start:start + per_round]]):
-            if key in unseen:
-                cache.put(key, value)
 
 
 def component_folder(args, subfolder):
@@ -2488,269 +2895,6 @@ def open_stores(args, dataset, identity, disk):
     return SampleCache(prompts), SampleCache(latents) if args.cache_latents else None
 
 
-def needed_prompts(args, dataset, family):
-    """Every text whose embedding the run reads: training slots, validation prompts, and the empty prompt for
-    dropped captions and the negative prompt of [klein] validation with CFG."""
-    keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
-    cfg = (family.pipeline == "Flux2KleinPipeline" and not family.distilled and validation_prompts(args)
-           and args.validation_guidance_scale > 1)
-    return keys + ([""] if args.caption_dropout > 0 or cfg else [])
-
-
-def prompt_encoder(args, accelerator, family, weight_dtype):
-    """-> a function texts -> embeddings [B, L, D]: the remote endpoint, or the text encoder loaded here (sharded
-    with --fsdp_text_encoder); dropping the function frees it."""
-    if args.remote_text_encoder:
-        url, token = args.remote_text_encoder_url, hub_token(args)
-        return lambda texts: torch.cat([remote_prompt_embeds(url, text, token) for text in texts])
-    import transformers
-
-    logger.info("loading the text encoder", main_process_only=False)
-    tokenizer = load_pipeline_tokenizer(args)
-    text_encoder = getattr(transformers, family.text_encoder).from_pretrained(
-        args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
-        torch_dtype=weight_dtype, cache_dir=args.cache_dir).eval()
-    if args.fsdp_text_encoder:
-        shard_text_encoder(text_encoder, accelerator)
-    else:
-        text_encoder.to(accelerator.device)
-    return functools.partial(encode_prompts, family, text_encoder, tokenizer,
-                             max_sequence_length=args.max_sequence_length, out_layers=args.text_encoder_out_layers)
-
-
-@torch.no_grad()
-def precompute_prompts(args, accelerator, dataset, weight_dtype, family, cache=None, plan=None):
-    """Encode every prompt not cached yet, once (training slots and validation) into `cache` (default: a new one in
-    memory); the text encoder is loaded only if something is missing, and freed afterwards. `plan` (a
-    PrecomputePlan) counts the work and stops every process between batches on SIGTERM/SIGINT."""
-    cache = SampleCache() if cache is None else cache
-    keys = needed_prompts(args, dataset, family)
-    todo = cache.todo(keys)
-    accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
-    world, size = accelerator.num_processes, 1 if args.remote_text_encoder else args.train_batch_size
-    mine = todo[accelerator.process_index::world]  # each process encodes its share
-    # every process runs as many rounds as the largest share: the stop check and FSDP's forwards are collectives
-    rounds = math.ceil(math.ceil(len(todo) / world) / size)
-    sharded = args.fsdp_text_encoder and bool(todo)  # every process joins every sharded forward pass
-    encode = prompt_encoder(args, accelerator, family, weight_dtype) if mine or sharded else None
-    bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
-    for i in range(0, rounds * size, size):
-        if plan is not None:
-            plan.check(accelerator)
-        texts = mine[i:i + size]
-        if texts or sharded:
-            embeds = encode(texts or todo[:1])  # todo[:1]: a stand-in keeping shards in step
-            for text, embed in zip(texts, embeds):
-                cache.put(text, embed[None])  # [1, L, D]
-            if plan is not None:
-                plan.written += len(texts)
-        bar.update(len(texts))
-    bar.close()
-    if encode is not None:
-        from diffusers.training_utils import free_memory
-
-        del encode
-        free_memory()
-    logger.info(f"encoded {len(mine)} of {len(todo)} missing prompts ({len(set(keys))} unique)", main_process_only=False)
-    share_entries(cache, todo, accelerator)
-    return cache
-
-
-def shard_text_encoder(text_encoder, accelerator):
-    """--fsdp_text_encoder: FSDP2-shard the text encoder over the processes (each holds 1/N of its weights, e.g.
-    ~12 GB of [dev]'s 48 GB on 4 GPUs); every decoder layer is a unit, gathered only while it runs. Every process
-    must then run the same number of forward passes, which precompute_prompts ensures."""
-    from torch.distributed.fsdp import fully_shard
-
-    layers = [m for m in text_encoder.modules() if type(m).__name__.endswith("DecoderLayer")]
-    for layer in layers:
-        fully_shard(layer)
-    fully_shard(text_encoder)
-    logger.info(f"text encoder sharded over {accelerator.num_processes} processes ({len(layers)} layers)")
-
-
-def hub_token(args):
-    from huggingface_hub import get_token
-
-    return args.hub_token or get_token()
-
-
-def remote_prompt_embeds(url, prompt, token):
-    """[dev] embedding [1, L, D] of one prompt from the remote text encoder. The reply is decoded with
-    torch.load(weights_only=True): tensors only, so a hostile or broken server cannot run code here."""
-    import io
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(url, data=json.dumps({"prompt": prompt}).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            content = response.read()
-    except urllib.error.HTTPError as e:
-        raise TrainingStopped(f"--remote_text_encoder: {url} answered HTTP {e.code} {e.reason}") from None
-    except urllib.error.URLError as e:
-        raise TrainingStopped(f"--remote_text_encoder: cannot reach {url} ({e.reason})") from None
-    try:
-        embeds = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - not a tensor-only payload: refuse whatever it is
-        raise TrainingStopped(f"--remote_text_encoder: {url} did not send a tensor ({type(e).__name__}: {e})") from None
-    if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3 or embeds.shape[0] != 1:
-        raise TrainingStopped(f"--remote_text_encoder: {url} sent {type(embeds).__name__} "
-                              f"{getattr(embeds, 'shape', '')}, expected a [1, L, D] tensor")
-    return embeds
-
-
-def load_vae(args, accelerator, weight_dtype):
-    from diffusers import AutoencoderKLFlux2
-
-    logger.info("loading the VAE", main_process_only=False)
-    vae = AutoencoderKLFlux2.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae", revision=args.revision,
-                                             variant=args.variant, cache_dir=args.cache_dir, torch_dtype=weight_dtype)
-    vae.requires_grad_(False).eval()
-    # FLUX.2 normalises patchified latents with the VAE's batch-norm running statistics: [1, 4C, 1, 1]
-    mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
-    return vae.to("cpu" if args.offload else accelerator.device), mean, std
-
-
-@contextlib.contextmanager
-def on_device(module, device, offload):
-    """--offload: `module` lives on the CPU and comes to `device` only while it runs (cost: one host-device
-    copy of its weights each time, about 0.2 GB for the FLUX.2 VAE)."""
-    if not offload or module is None:
-        yield module
-        return
-    module.to(device)
-    try:
-        yield module
-    finally:
-        module.to("cpu")
-
-
-def latent_batches(keys, batch_size):
-    """VAE batches of latent keys: grouped by bucket (key[2]; one shape per batch), then cut to batch_size."""
-    by_shape = {}
-    for key in keys:
-        by_shape.setdefault(key[2], []).append(key)
-    return [group[i:i + batch_size] for group in by_shape.values() for i in range(0, len(group), batch_size)]
-
-
-@torch.no_grad()
-def prepare_latents(args, accelerator, dataset, weight_dtype, cache=None, plan=None):
-    """With --cache_latents, encode every (image, bucket, crop, flip) not cached yet, once, into `cache` (default: a
-    new one in memory). Loads the VAE only if something needs it (missing entries, uncached training, validation).
-    `plan` as in precompute_prompts. -> (cache or None, vae or None, stats)."""
-    todo, mine, world = [], [], accelerator.num_processes
-    if args.cache_latents:
-        cache = SampleCache() if cache is None else cache
-        todo = cache.todo(dataset.cached_latent_keys())
-        accelerator.wait_for_everyone()
-        mine = todo[accelerator.process_index::world]  # each process encodes its share
-    if args.cache_latents and not todo and not validation_prompts(args):
-        logger.info("all latents cached; the VAE is not loaded")
-        return cache, None, None
-    vae, latent_mean, latent_std = load_vae(args, accelerator, weight_dtype)
-    if not args.cache_latents:
-        return None, vae, (latent_mean, latent_std)
-    batches = latent_batches(mine, args.train_batch_size)
-    # as many rounds on every process as the longest share has batches: the stop check is a collective
-    rounds = max(len(latent_batches(todo[r::world], args.train_batch_size)) for r in range(world))
-    bar = tqdm(total=len(mine), desc="Encoding images", unit="image", disable=not accelerator.is_local_main_process)
-    for r in range(rounds):
-        if plan is not None:
-            plan.check(accelerator)
-        if r >= len(batches):
-            continue
-        with on_device(vae, accelerator.device, args.offload):
-            params = encode_images(vae, torch.stack([dataset.pixels(k) for k in batches[r]]), latent_mean, latent_std,
-                                   args.latent_sampling)
-        for key, value in zip(batches[r], params):
-            cache.put(key, value[None])  # [1, 4C, h, w], or [1, 2, 4C, h, w] with --latent_sampling sample
-        if plan is not None:
-            plan.written += len(batches[r])
-        bar.update(len(batches[r]))
-    bar.close()
-    logger.info(f"encoded {len(mine)} of {len(todo)} missing images", main_process_only=False)
-    share_entries(cache, todo, accelerator)
-    if not validation_prompts(args):
-        vae = None  # nothing else needs it
-    return cache, vae, (latent_mean, latent_std)
-
-
-def prepare_masks(dataset, latents):
-    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
-    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
-    cache = SampleCache()
-    for key in dict.fromkeys(dataset.cached_latent_keys()):
-        cache.put(key, reduce_mask(dataset.mask(key)[None], latents[key].shape[-2:]))
-    return cache
-
-
-def open_cache(args):
-    """The disk cache folder (--precompute_cache_dir, by default per user), or None for 'none' (in memory)."""
-    root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
-    if root is None:
-        return None
-    disk = CacheFolder(root, int(args.precompute_cache_max_gb * 1e9))
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        disk.unwritable(e)
-    return disk
-
-
-@dataclass
-class PrecomputePlan:
-    """The entries a run reads and how far precompute got: what its lease, interrupt message, cache log line and
-    manifest are made of. Paths are relative to the cache folder (empty without one)."""
-
-    prompt_paths: dict  # text -> entry
-    latent_paths: dict  # latent key -> entry
-    missing: set  # entries not cached when precompute started
-    needed: int
-    cached: int
-    written: int = 0  # entries this process has written since
-    stop: object = None  # a PrecomputeStop while precompute runs
-    persistent: bool = True
-
-    def check(self, accelerator):
-        """Called by every process before each batch (a collective): when any process was signalled, all stop."""
-        flags = torch.tensor([[self.stop.signum if self.stop else 0, self.written]], device=accelerator.device)
-        if accelerator.num_processes > 1:
-            flags = accelerator.gather(flags)  # [processes, 2]
-        signum, written = int(flags[:, 0].max()), int(flags[:, 1].sum())
-        if signum:
-            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
-                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
-                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
-            logger.warning(message, main_process_only=False)
-            raise TrainingStopped(message, 128 + signum)
-
-
-def plan_precompute(args, accelerator, dataset, family, prompts, latents, disk):
-    """List the entries the run will read and lease them (each machine's first process) before anyone looks at
-    them, so no other run's eviction removes what this one has found; then count what is cached. With
-    --from_manifest a missing entry is an error: nothing could compute it."""
-    prompt_keys = list(dict.fromkeys(needed_prompts(args, dataset, family)))
-    latent_keys = list(dict.fromkeys(dataset.cached_latent_keys())) if latents is not None else []
-    prompt_paths, latent_paths = {}, {}
-    if disk is not None:
-        prompt_paths = {k: disk.relative(prompts.store.path(k)) for k in prompt_keys}
-        latent_paths = {k: disk.relative(latents.store.path(k)) for k in latent_keys}
-        if accelerator.is_local_main_process:
-            disk.take_lease([*prompt_paths.values(), *latent_paths.values()])
-    accelerator.wait_for_everyone()
-    todo_prompts, todo_latents = prompts.todo(prompt_keys), latents.todo(latent_keys) if latents else []
-    if args.from_manifest and (todo_prompts or todo_latents):
-        raise UsageError(missing_entries_message(args, disk, dataset, todo_prompts, todo_latents,
-                                                 len(prompt_keys) + len(latent_keys)))
-    missing = {prompt_paths.get(k) for k in todo_prompts} | {latent_paths.get(k) for k in todo_latents}
-    needed = len(prompt_keys) + len(latent_keys)
-    return PrecomputePlan(prompt_paths, latent_paths, missing - {None}, needed,
-                          needed - len(todo_prompts) - len(todo_latents), persistent=disk is not None)
-
-
 def settle_cache(accelerator, disk, plan):
     """After precompute: each machine's first process deletes least-recently-used entries beyond the bound (never
     one a live run uses), and the main process logs one line: where the cache is, what this run reused and wrote,
@@ -2795,6 +2939,66 @@ def report_memory_copies(caches, processes):
                        "each process reads the entries of its batch")
     else:
         logger.info(note)
+
+
+MANIFEST_NAME = "dataset_manifest.json"
+MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
+# the flags that shaped a manifest's cache entries: --from_manifest takes them from it
+MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution",
+                       "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
+def validate_manifest_args(args):
+    """--from_manifest: the manifest and the disk cache replace the data flags; checked before anything loads."""
+    for flag in ("instance_data_dir", "dataset_name", "class_data_dir", "cond_data_dir"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--from_manifest replaces --{flag}: the manifest names the data, the cache holds it")
+    if not args.cache_latents:
+        raise UsageError("--from_manifest needs --cache_latents (without the images, latents can only come from the cache)")
+    if resolve_cache_dir(args.precompute_cache_dir, os.environ) is None:
+        raise UsageError("--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
+    if args.masked_loss:
+        raise UsageError("--from_manifest cannot train with --masked_loss: masks are made from the source images")
+    if read_manifest(args.from_manifest)["model"]["latent_identity"] is None:
+        raise UsageError(f"--from_manifest {args.from_manifest} was written by a run without --cache_latents: the cache "
+                         "holds no latents of its images")
+
+
+def read_manifest(path):
+    """A dataset manifest (JSON) -> dict; UsageError naming the file when it is not one."""
+    try:
+        manifest = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--from_manifest {path}: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
+        raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
+    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity", "latent_identity"),
+                "instances": (), "classes": (), "entries": (), "cache": ()}
+    missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
+               if part not in manifest or (key and key not in manifest[part])]
+    if missing:
+        raise UsageError(f"--from_manifest {path}: incomplete, {', '.join(missing)} missing")
+    return manifest
+
+
+def build_manifest(data, model, instances, classes, prompt_entries, latent_entries, cache):
+    """The dataset manifest: the settings that shaped the data, the model identity, every source image (name, size,
+    caption, SHA-256) and every cache entry training reads. prompt_entries: [(text, entry)]; latent_entries:
+    [((kind, image name, bucket, resized, top, left, flip), entry)]."""
+    fields = ("kind", "image", "bucket", "resized", "top", "left", "flip")
+    return {"format": MANIFEST_FORMAT, "version": 1, "cache": str(cache), "data": data, "model": model,
+            "instances": [manifest_record(r) for r in instances], "classes": [manifest_record(r) for r in classes],
+            "entries": {"prompts": [{"text": text, "entry": entry} for text, entry in prompt_entries],
+                        "latents": [{**dict(zip(fields, key)), "entry": entry} for key, entry in latent_entries]}}
+
+
+def manifest_record(record):
+    row = {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
+    return {**row, "conditions": [manifest_record(c) for c in record.conditions]} if record.conditions else row
+
+
+def manifest_records(rows):
+    """Manifest images -> ImageRecords without a file: enough for keys and sizes, never for pixels."""
+    return [ImageRecord(name=r["name"], size=tuple(r["size"]), caption=r["caption"], sha256=r["sha256"],
+                        conditions=tuple(manifest_records(r.get("conditions", [])))) for r in rows]
 
 
 def write_manifest(args, accelerator, dataset, family, identity, plan, disk):
@@ -2854,143 +3058,83 @@ def missing_entries_message(args, disk, dataset, prompts, latents, needed):
             f"manifest was written with --precompute_cache_dir {cache}. Train once with the images to fill the cache")
 
 
-def precompute(args, accelerator, data, weight_dtype, disk=None):
-    """Prompt embeddings (always) and latents (--cache_latents) -> Caches, the VAE if still needed, its stats.
-    SIGTERM/SIGINT stop every process once the batch being written is complete. With the disk cache the run leases
-    its entries first and leaves the cache within its bound and a dataset manifest behind."""
-    dataset, family = data.dataset, data.family
-    identity = cache_identity(args, weight_dtype, family) if disk is not None else None
-    prompt_cache, latent_cache = open_stores(args, dataset, identity, disk)
-    plan = plan_precompute(args, accelerator, dataset, family, prompt_cache, latent_cache, disk)
-    plan.stop = PrecomputeStop()
-    try:
-        prompts = precompute_prompts(args, accelerator, dataset, weight_dtype, family, prompt_cache, plan)
-        latents, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype, latent_cache, plan)
-        plan.check(accelerator)  # a signal during the last batch still stops before training
-    finally:
-        plan.stop.restore()
-    masks = prepare_masks(dataset, latents) if latents is not None and args.masked_loss else None
-    caches = Caches(prompts, latents, masks)
-    if disk is not None:
-        settle_cache(accelerator, disk, plan)
-        write_manifest(args, accelerator, dataset, family, identity, plan, disk)
-    else:
-        report_memory_copies(caches, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
-    return caches, vae, latent_stats
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Stage 3: model and optimizer
+# Appendix B: block swapping
 
 
-def load_transformer_with_lora(args, accelerator, weight_dtype):
-    """Frozen transformer in the training dtype with float32 LoRA adapters on --lora_layers."""
-    return prepare_transformer(args, accelerator, load_transformer(args, weight_dtype, empty=loads_from_rank_0(
-        accelerator, args.bnb_quantization_config_path)))
-
-
-def loads_from_rank_0(accelerator, quantized):
-    """Under FSDP with accelerate's cpu_ram_efficient_loading, only the first process reads the weights: accelerate
-    broadcasts them while it shards (its LoRA initialisation too), so the others build an empty model and a node
-    holds one copy of [dev]'s 64 GB in host memory, not one per process. Quantised weights: accelerate loads them on
-    every process."""
-    plugin = accelerator.state.fsdp_plugin if is_fsdp(accelerator) else None
-    return bool(plugin and plugin.cpu_ram_efficient_loading and not quantized and not accelerator.is_main_process)
-
-
-def load_transformer(args, weight_dtype, empty=False):
-    """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU); empty: its shapes
-    only, on the meta device."""
-    from diffusers import Flux2Transformer2DModel
-
-    if empty:
-        from accelerate import init_empty_weights
-
-        logger.info(f"process {PartialState().process_index}: an empty transformer; its weights come from process 0 "
-                    "as FSDP shards (cpu_ram_efficient_loading)", main_process_only=False)
-
-        with init_empty_weights():
-            config = Flux2Transformer2DModel.load_config(args.pretrained_model_name_or_path, subfolder="transformer",
-                                                         revision=args.revision, cache_dir=args.cache_dir)
-            return Flux2Transformer2DModel.from_config(config).to(weight_dtype)
-    quantization = None
-    if args.bnb_quantization_config_path:  # QLoRA: the frozen base in 4 or 8 bits, LoRA on top in float32
-        from diffusers import BitsAndBytesConfig
-
-        config = read_bnb_config(args.bnb_quantization_config_path)
-        if config.get("load_in_4bit"):
-            config.setdefault("bnb_4bit_compute_dtype", weight_dtype)
-        quantization = BitsAndBytesConfig(**config)
-    transformer = Flux2Transformer2DModel.from_pretrained(args.pretrained_model_name_or_path, subfolder="transformer",
-                                                          revision=args.revision, variant=args.variant,
-                                                          torch_dtype=weight_dtype, cache_dir=args.cache_dir,
-                                                          quantization_config=quantization)
-    return transformer
-
-
-def prepare_transformer(args, accelerator, transformer):
-    """A loaded transformer -> frozen, on the device, with float32 LoRA adapters on --lora_layers and the speed and
-    memory options applied. benchmarks/gpu_step.py calls it on real-shaped random transformers."""
-    from peft import LoraConfig
-
-    transformer.requires_grad_(False)
-    # The whole model goes to the device now, unless part of it must never be there at once: swapped blocks (placed
-    # below, once their LoRA exists) and FSDP (which moves and shards one wrapped block at a time, so no GPU holds
-    # more than its shards plus one block). Quantised weights are on the GPU already.
-    place_later = args.blocks_to_swap > 0 or is_fsdp(accelerator)
-    if args.bnb_quantization_config_path:
-        from peft import prepare_model_for_kbit_training
-
-        transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
-    elif not place_later:
-        transformer.to(accelerator.device)
-    if args.do_fp8_training:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
-        convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
-                                   module_filter_fn=lambda m, name: name != "proj_out" and (
-                                       not isinstance(m, torch.nn.Linear) or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    targets = lora_target_modules(args.lora_layers, transformer.config.num_single_layers, block_linear_names(transformer))
-    add_lora(transformer, LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                     init_lora_weights="gaussian", target_modules=targets))
-    logger.info(describe_lora(adapted_modules(transformer), sum(p.numel() for p in transformer.parameters()
-                                                                if p.requires_grad), args.rank))
-    if is_fsdp(accelerator) and transformer.device.type == "meta":  # lean loading: accelerate hands the optimizer
-        transformer.to_empty(device="cpu")  # the sharded parameters by data pointer, 0 for all meta tensors
-    if args.blocks_to_swap:
-        transformer.block_swapper = BlockSwapper(transformer, args.blocks_to_swap, accelerator.device)
-        logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "
-                    f"{len(transformer_blocks(transformer))} blocks stay in pinned host memory; at most 2 of them "
-                    "are on the GPU at once")
-        if not args.bnb_quantization_config_path:  # quantised weights are on the GPU already
-            transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
-    if args.attention_backend != "native":
-        transformer.set_attention_backend(args.attention_backend)
-    if args.compile:
-        compile_blocks(transformer)
-    return transformer
-
-
-def compile_blocks(transformer):
-    """--compile: regional compilation. Each repeated block's forward is compiled; the copies of a block class share
-    one compiled graph (their weights are graph inputs), so compiling costs seconds per class instead of minutes
-    for the whole model, and LoRA, gradient checkpointing and module hooks stay outside it. Shapes: the first
-    bucket compiles static shapes; a second shape recompiles once with dynamic shapes, which then serve every
-    bucket (at most two compiles per block class and grad mode, whatever the ladder). The LoRA layers inside a
-    block are compiled with it; gradient checkpointing and module hooks wrap the block from outside."""
-    blocks = transformer_blocks(transformer)
-    for block in blocks:
-        block.forward = torch.compile(block.forward, fullgraph=True)
-    logger.info(f"--compile: {len(blocks)} blocks compile at their first use (the first step and the first "
-                "validation are slower; a second bucket shape compiles once more)")
+def check_block_swap(args, cuda, fsdp):
+    """--blocks_to_swap refusals that need no model (the block count is checked against the config later)."""
+    if not cuda:
+        raise UsageError("--blocks_to_swap needs a CUDA GPU: it moves blocks between pinned host memory and the GPU")
+    if fsdp:
+        raise UsageError("--blocks_to_swap does not work under FSDP, which already splits every block over the "
+                         "GPUs; use one or the other")
+    if not args.gradient_checkpointing:
+        raise UsageError("--blocks_to_swap needs --gradient_checkpointing: without it autograd keeps every block's "
+                         "weights for the backward pass, so swapped blocks could not leave the GPU")
 
 
 def transformer_blocks(transformer):
     """The repeated blocks in execution order: double-stream, then single-stream."""
     return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+
+class SwapSchedule:
+    """--blocks_to_swap N: which of the transformer's blocks have their frozen weights on the device, driven by the
+    events of a pass. Blocks are numbered in execution order (double-stream, then single-stream); the last N swap.
+    Each event returns actions for the mover: ("load", i) starts copying block i in (asynchronously, on a side
+    stream), ("wait", i) holds compute until block i is in, ("evict", i) drops block i's device copy (the frozen
+    weights never change, so nothing is copied back).
+
+    Forward: block i+1 is copied while block i computes. Backward runs the blocks in reverse: the block the forward
+    ended with stays for it, and block i-1 is copied while block i's backward (with gradient checkpointing, its
+    recomputation included) runs. The first swapped block stays between passes, the next forward starts with it.
+    So at most two swapped blocks are on the device at once: a peak N - 2 blocks below keeping all of them."""
+
+    def __init__(self, num_blocks, blocks_to_swap):
+        self.swapped = range(num_blocks - blocks_to_swap, num_blocks)
+        self.resident = set()  # swapped blocks on the device or on their way there
+        self.backward_block = None  # whose backward runs now: a forward of this block is its recomputation
+        self.peak = 0
+
+    def _bring(self, i, wait):
+        actions = []
+        if i in self.swapped and i not in self.resident:
+            self.resident.add(i)
+            self.peak = max(self.peak, len(self.resident))
+            actions.append(("load", i))
+        if wait and i in self.swapped:
+            actions.append(("wait", i))
+        return actions
+
+    def _drop(self, blocks):
+        gone = sorted(blocks & self.resident)
+        self.resident -= set(gone)
+        return [("evict", i) for i in gone]
+
+    def begin_pass(self):
+        """The transformer's forward starts (a training step or a sampling step)."""
+        self.backward_block = None
+        first = self.swapped.start
+        return self._drop(self.resident - {first}) + self._bring(first, wait=False)
+
+    def before_block(self, i):
+        if i == self.backward_block:  # gradient checkpointing recomputes block i inside its backward
+            return self._bring(i, wait=True)
+        return self._bring(i, wait=True) + self._bring(i + 1, wait=False)
+
+    def after_block(self, i, training):
+        if i == self.backward_block or i not in self.swapped:
+            return []
+        if training and i == self.swapped[-1]:  # the backward pass starts with this block
+            return []
+        return self._drop({i})
+
+    def before_backward(self, i):
+        """Block i's backward is about to run, so every later block's backward has finished."""
+        self.backward_block = i
+        done = {j for j in self.resident if j > i and j != self.swapped.start}
+        return self._drop(done) + self._bring(i, wait=True) + self._bring(i - 1, wait=False)
 
 
 class BlockSwapper:
@@ -3082,680 +3226,158 @@ class _BeforeBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def add_lora(transformer, lora_config):
-    """Attach the adapter and keep its parameters in float32 whatever the base dtype (fp16/bf16 updates of
-    small LoRA deltas lose precision; the frozen base stays in the low-precision dtype)."""
-    transformer.add_adapter(lora_config)
-    for param in transformer.parameters():
-        if param.requires_grad:
-            param.data = param.data.float()
-    return transformer
-
-
-def setup_optimizer(args, params, accelerator):
-    lr = args.learning_rate
-    if args.scale_lr:
-        lr *= args.gradient_accumulation_steps * args.train_batch_size * accelerator.num_processes
-    if args.optimizer == "prodigy":
-        if args.use_8bit_adam:
-            logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
-        import prodigyopt  # present: validate_args checked
-
-        return prodigyopt.Prodigy(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), beta3=args.prodigy_beta3,
-                                  weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
-                                  decouple=args.prodigy_decouple, use_bias_correction=args.prodigy_use_bias_correction,
-                                  safeguard_warmup=args.prodigy_safeguard_warmup)
-    hyper = dict(lr=lr, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
-    if args.use_8bit_adam:
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, **hyper)
-    # fused: one kernel for all LoRA tensors instead of several per tensor. Not under FSDP, whose sharded
-    # (DTensor) parameters it has not been verified with here.
-    fused = accelerator.device.type == "cuda" and not is_fsdp(accelerator)
-    return torch.optim.AdamW(params, **hyper, fused=fused or None)
-
-
-def is_fsdp(accelerator):
-    from accelerate.utils import DistributedType
-
-    return accelerator.distributed_type == DistributedType.FSDP
-
-
-def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype):
-    """Transformer with LoRA, optimizer, LR schedule (built once max_train_steps is known) and noise schedule."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.optimization import get_scheduler
-
-    transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
-    noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-        args.pretrained_model_name_or_path, subfolder="scheduler", revision=args.revision, cache_dir=args.cache_dir)
-    if args.max_train_steps is None:
-        args.max_train_steps = args.num_train_epochs * math.ceil(len(data.sampler) / args.gradient_accumulation_steps)
-    optimizer = setup_optimizer(args, [p for p in transformer.parameters() if p.requires_grad], accelerator)
-    # stepped once per optimizer step by the loop, so not passed to prepare() (which would step it per process)
-    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
-                                 num_training_steps=args.max_train_steps, num_cycles=args.lr_num_cycles, power=args.lr_power)
-    transformer, optimizer = accelerator.prepare(transformer, optimizer)
-    named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
-    guidance = args.guidance_scale if accelerator.unwrap_model(transformer).config.guidance_embeds else None
-    return Run(data=data, caches=caches, weight_dtype=weight_dtype, vae=vae, latent_stats=latent_stats,
-               transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
-               sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
-               ema=LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None,
-               step_config=StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
-                                      args.prior_loss_weight, args.timestep_shift, default_sampling_steps(data.family)))
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Stage 4: checkpoints
+# Appendix C: edit (image-to-image) geometry
 
 
-def list_checkpoints(output_dir):
-    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
-    found = []
-    for path in Path(output_dir).glob("checkpoint-*"):
-        m = CHECKPOINT_RE.match(path.name)
-        if m and path.is_dir():
-            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
-                found.append((int(m.group(1)), path))
-            else:
-                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
-    return [p for _, p in sorted(found)]
+REFERENCE_MAX_PIXELS = 1024 * 1024  # the FLUX.2 pipelines shrink larger reference images to this area
+def check_edit_flags(args):
+    """Edit training: each data source has its own condition flag; prior preservation is refused."""
+    if args.cond_data_dir and not args.instance_data_dir:
+        raise UsageError("--cond_data_dir pairs with --instance_data_dir; with --dataset_name use --cond_image_column")
+    if args.cond_image_column and not args.dataset_name:
+        raise UsageError("--cond_image_column is a column of --dataset_name; with --instance_data_dir use --cond_data_dir")
+    if (args.cond_data_dir and args.instance_data_dir and Path(args.cond_data_dir).resolve() ==
+            Path(args.instance_data_dir).resolve()) or (args.cond_image_column and args.cond_image_column == args.image_column):
+        raise UsageError("the condition images are the targets (--cond_data_dir is --instance_data_dir, or "
+                         "--cond_image_column is --image_column): the LoRA would learn to copy its input")
+    if (args.cond_data_dir or args.cond_image_column) and args.with_prior_preservation:
+        raise UsageError("--with_prior_preservation does not combine with edit training (--cond_data_dir, "
+                         "--cond_image_column): its class images are text-to-image samples without a condition image, "
+                         "and a batch cannot mix rows with and without reference tokens (every row of a batch has the "
+                         "same token count). Regularise an edit LoRA with edit pairs of the class instead")
 
 
-def checkpoint_problem(folder):
-    """Why checkpoint `folder` cannot be resumed from (None: it can): a file missing or unreadable, JSON that does not
-    parse, a tensor file cut short, or a tensor its JSON names that the tensor file lacks. Headers only: a checkpoint
-    is checked in milliseconds, before any model loads. Whether its tensors fit the model is load_checkpoint's test."""
-    folder = Path(folder)
+def pair_conditions(targets, conditions, target_folder, cond_folder):
+    """Edit training from folders: attach to each target x.* the condition image of the same stem. A target without a
+    condition, a condition without a target, or a stem with two condition files is refused, all of them listed."""
+    by_stem = {}
+    for record in conditions:
+        by_stem.setdefault(Path(record.name).stem, []).append(record)
+    stems = {Path(r.name).stem for r in targets}
+    problems = [f"{target_folder}/{r.name}: no condition image {Path(r.name).stem}.* in {cond_folder}"
+                for r in targets if Path(r.name).stem not in by_stem]
+    problems += [f"{cond_folder}/{r.name}: no target image {Path(r.name).stem}.* in {target_folder}"
+                 for r in conditions if Path(r.name).stem not in stems]
+    problems += [f"{cond_folder}: {', '.join(r.name for r in found)} are the same stem's condition; keep one"
+                 for found in by_stem.values() if len(found) > 1]
+    if problems:
+        raise UsageError(f"--cond_data_dir: {len(problems)} image(s) without a partner (edit training pairs "
+                         f"x.* of --instance_data_dir with x.* of --cond_data_dir):\n  " + "\n  ".join(problems))
+    return [dataclasses.replace(r, conditions=tuple(by_stem[Path(r.name).stem])) for r in targets]
 
-    def tensor_names(skeleton):
-        if isinstance(skeleton, dict):
-            return [skeleton["__tensor__"]] if "__tensor__" in skeleton else [
-                n for _, v in skeleton["__items__"] for n in tensor_names(v)]
-        return [n for v in skeleton for n in tensor_names(v)] if isinstance(skeleton, list) else []
 
-    name = TRAINER_STATE_NAME
-    try:
-        state = json.loads((folder / name).read_text())
-        if not (isinstance(state, dict) and isinstance(state.get("global_step"), int) and state["global_step"] >= 0
-                and isinstance(state.get("seed"), int)):
-            return f"{name} has no global_step and seed"
-        for stem in ("training", *sorted(p.stem for p in folder.glob("rng-*.json"))):
-            name = f"{stem}.json"
-            skeleton = json.loads((folder / name).read_text())
-            name = f"{stem}.safetensors"
-            header = safetensors_header(folder / name)
-            missing = [n for n in tensor_names(skeleton) if n not in header]
-            if missing:
-                return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
-            if stem == "training" and isinstance(skeleton, dict) and "lora" not in dict(skeleton.get("__items__", [])):
-                name = LORA_WEIGHTS_NAME  # written before the raw adapter moved into training.json: the LoRA file
-                safetensors_header(folder / name)
-    except FileNotFoundError:
-        return f"{name} is missing"
-    except OSError as e:
-        return f"{name} cannot be read ({e.strerror or e})"
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-        return f"{name} is damaged ({type(e).__name__}: {e})"
+def reference_size(bucket):
+    """(h, w) of the condition images of a target in `bucket`: the bucket itself, or, above 1024^2 pixels, what the
+    FLUX.2 pipelines make of a reference that large (Flux2ImageProcessor._resize_to_target_area to 1024^2 pixels,
+    sides floored to multiples of 16), so training sees references at the size inference gives them."""
+    h, w = bucket
+    if h * w <= REFERENCE_MAX_PIXELS:
+        return tuple(bucket)
+    scale = math.sqrt(REFERENCE_MAX_PIXELS / (h * w))
+    return int(h * scale) // 16 * 16, int(w * scale) // 16 * 16
+
+
+def follow_crop(transform, cond_size, bucket, cond_bucket=None):
+    """The crop of a condition image that matches its target's crop `transform` ((resized_hw, top, left) of
+    draw_crop in `bucket`): the condition resized to cover `cond_bucket` (default: the target's bucket) and cropped at
+    the same relative place. A condition of the target's size in the target's bucket gets exactly the target's
+    transform, so pixel-aligned pairs (relighting, retouching) stay aligned token for token."""
+    (rh, rw), top, left = transform
+    cond_bucket = bucket if cond_bucket is None else cond_bucket
+    (ch, cw), _, _ = draw_crop(cond_size, cond_bucket, True, None)
+
+    def place(offset, full, side, new, new_side):
+        return (new - new_side) // 2 if full == side else round(offset * (new - new_side) / (full - side))
+    return (ch, cw), place(top, rh, bucket[0], ch, cond_bucket[0]), place(left, rw, bucket[1], cw, cond_bucket[1])
+
+
+def validation_image_problem(size, buckets):
+    """Why the FLUX.2 pipelines would refuse --validation_image (of `size`, (w, h)) once fitted into its bucket
+    (Flux2ImageProcessor.check_image_input: sides of 64 px or more, aspect at most 8:1), or None."""
+    h, w = reference_size(buckets[nearest_bucket(size[1], size[0], buckets)])
+    if min(h, w) < 64 or max(h, w) > 8 * min(h, w):
+        return (f"it is fitted into the bucket {h}x{w} (h x w) as training conditions are, and the FLUX.2 pipelines "
+                "take condition images of at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
     return None
 
 
-def find_resume_checkpoint(args):
-    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
-    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint == "latest":
-        found = list_checkpoints(args.output_dir)
-        if not found:
-            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
-            return None
-        for path in reversed(found):
-            problem = checkpoint_problem(path)
-            if problem is None:
-                return path
-            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
-        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
-                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
-                         "away to start from scratch")
-    path = Path(args.resume_from_checkpoint)
-    if not (path / TRAINER_STATE_NAME).is_file():
-        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
-    problem = checkpoint_problem(path)
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
-    return path
+def fit_to_bucket(image, buckets):
+    """--validation_image as training uses conditions -> (the RGB PIL image resized to cover reference_size of its
+    nearest bucket and centre-cropped to it, the bucket: the size of the edited image)."""
+    bucket = buckets[nearest_bucket(image.height, image.width, buckets)]
+    size = reference_size(bucket)
+    return transform_image(image, (*draw_crop(image.size, size, True, None), False), size), bucket
 
 
-def lora_state_dict(accelerator, transformer):
-    """The adapter's tensors, complete and on the CPU, keyed as diffusers' FLUX.2 LoRA loader expects (before its
-    "transformer." prefix). Under FSDP the parameters are shards: they are gathered, a collective every process
-    must join, and only the LoRA is gathered, never the frozen base."""
-    if is_fsdp(accelerator):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
-        state = {k.replace(".default.", "."): v for k, v in state.items()}  # peft's naming, without the adapter name
-    else:
-        from peft.utils import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(accelerator.unwrap_model(transformer))
-    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+def check_edit_validation(args, dataset):
+    """--validation_image must be one the pipeline takes; an edit run validating without one says what it gets."""
+    if args.validation_image:
+        problem = validation_image_problem(inspect_image(args.validation_image)[0], dataset.buckets)
+        if problem:
+            raise UsageError(f"--validation_image {args.validation_image}: {problem}")
+    elif dataset.conditions and validation_prompts(args):
+        logger.warning("edit training validates without a condition image: give --validation_image to see the LoRA "
+                       "edit it (the validation images are generated from the prompt alone)")
 
 
-def portable_lora(state, scale):
-    """Fold the LoRA scale (alpha / rank) into every lora_B, so the file means the same to every loader: diffusers
-    reads alpha from the file's metadata (written as alpha = rank, scale 1), while ComfyUI, the main consumer of
-    FLUX.2 LoRAs, reads alpha only from `.alpha` tensors and otherwise applies scale 1 too."""
-    return {k: v.float() * scale if ".lora_B." in k else v for k, v in state.items()}
-
-
-def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
-    """The adapter as diffusers' FLUX.2 LoRA file, its scale folded in (portable_lora), in `dtype` (default: its own)."""
+def reference_tokens(conditions, dtype):
+    """Edit training: condition latents, a list of R [B, C, h, w], -> (tokens [B, R*h*w, C] in `dtype`, image ids
+    [B, R*h*w, 4] int64), packed and numbered as Flux2Pipeline.prepare_image_latents does: reference r at time
+    coordinate 10 + 10 r, each one's rows and columns from 0, concatenated in reference order."""
     from diffusers import Flux2Pipeline
 
-    config = accelerator.unwrap_model(transformer).peft_config["default"].to_dict()
-    state = portable_lora(state, config["lora_alpha"] / config["r"])
-    config.update(lora_alpha=config["r"], alpha_pattern={})
-    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.to(dtype or state[k].dtype) for k, v in state.items()},
-                                    weight_name=weight_name, transformer_lora_adapter_metadata=config)
-    follow_umask(Path(folder, weight_name))
-
-
-def optimizer_state(accelerator, run):
-    """optimizer.state_dict(); under FSDP its states are shards, which safetensors cannot hold: the full state is
-    gathered (keyed by parameter name; LoRA states are small). A collective under FSDP."""
-    if not is_fsdp(accelerator):
-        return run.optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(run.transformer, run.optimizer, options=StateDictOptions(full_state_dict=True))
-
-
-def flatten_state(obj, tensors, path="t"):
-    """Nested state (dicts, lists, tensors, scalars) -> JSON-able skeleton; tensors go into `tensors` by path.
-    Checkpoints are safetensors + JSON, so resuming never unpickles anything."""
-    if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().to("cpu").contiguous()
-        return {"__tensor__": path}
-    if isinstance(obj, dict):  # items as pairs: optimizer state is keyed by int
-        return {"__items__": [[k, flatten_state(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
-
-
-def unflatten_state(obj, tensors):
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        return {k: unflatten_state(v, tensors) for k, v in obj["__items__"]}
-    if isinstance(obj, list):
-        return [unflatten_state(v, tensors) for v in obj]
-    return obj
-
-
-def write_state(folder, name, state):
-    """state -> <name>.json + <name>.safetensors."""
-    from safetensors.torch import save_file
-
-    tensors = {}
-    skeleton = flatten_state(state, tensors)
-    save_file(tensors, str(Path(folder, f"{name}.safetensors")))
-    follow_umask(Path(folder, f"{name}.safetensors"))
-    Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
-
-
-def read_state(folder, name):
-    from safetensors.torch import load_file
-
-    return unflatten_state(json.loads(Path(folder, f"{name}.json").read_text()),
-                           load_file(str(Path(folder, f"{name}.safetensors"))))
-
-
-def rng_state():
-    state = {"torch": torch.get_rng_state()}  # LoRA dropout draws from the global generators
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def save_checkpoint(args, accelerator, run, global_step):
-    """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part.
-
-    Holds the LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer,
-    LR schedule, grad scaler and each process's RNG state as safetensors + JSON, and trainer_state.json (written
-    last) with the step and seed."""
-    final = Path(args.output_dir, f"checkpoint-{global_step}")
-    partial = final.with_name(final.name + ".partial")
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    try:
-        write_state(partial, f"rng-{accelerator.process_index}", rng_state())
-        lora, optimizer = lora_state_dict(accelerator, run.transformer), optimizer_state(accelerator, run)  # collectives
-        if accelerator.is_main_process:
-            save_lora(accelerator, run.transformer, lora, partial)
-            scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-            ema = run.ema.state_dict() if run.ema is not None else None
-            write_state(partial, "training", {"lora": lora, "optimizer": optimizer, "ema": ema,  # raw: resumes bit for bit
-                                              "lr_scheduler": run.lr_scheduler.state_dict(), "scaler": scaler})
-    except OSError as e:  # disk full, quota, ...: never leave a half checkpoint that looks complete
-        shutil.rmtree(partial, ignore_errors=True)
-        found = list_checkpoints(args.output_dir)
-        raise TrainingStopped(f"could not write {final} ({e}); earlier checkpoints are intact "
-                              f"(latest: {found[-1] if found else 'none'})") from None
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run.data.seed}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        if args.checkpoints_total_limit is not None:
-            older = [c for c in list_checkpoints(args.output_dir) if c != final]
-            for old in older[: max(0, len(older) + 1 - args.checkpoints_total_limit)]:
-                shutil.rmtree(old)
-        logger.info(f"saved {final}")
-    accelerator.wait_for_everyone()
-
-
-def state_fit_problem(saved, expected):
-    """Saved tensors (name -> tensor) against what the model has (name -> shape, or None where the model cannot tell)
-    -> what differs, or None."""
-    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
-    resized = [f"{n} {tuple(saved[n].shape)} vs {tuple(expected[n])}" for n in sorted(set(saved) & set(expected))
-               if expected[n] is not None and tuple(saved[n].shape) != tuple(expected[n])]
-    parts = [f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
-             f"{len(unexpected)} it has and this model has not (e.g. {unexpected[0]})" if unexpected else "",
-             f"{len(resized)} of another shape (e.g. {resized[0]})" if resized else ""]
-    return "; ".join(filter(None, parts)) or None
-
-
-def load_checkpoint(checkpoint, accelerator, run):
-    """Restore what save_checkpoint wrote; returns the global step to continue from. A checkpoint whose tensors do
-    not fit this model and these flags (another --rank, --lora_layers or model) is refused before anything is
-    changed."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    training = read_state(checkpoint, "training")
-    lora = training.get("lora")  # checkpoints written before the LoRA file was portable: the file is the raw adapter
-    if lora is None:
-        lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
-    fsdp = is_fsdp(accelerator)
-    if fsdp:  # saved names -> this run's parameter names; FSDP2's DTensor.shape is the full shape, FSDP1's flat
-        from torch.distributed.tensor import DTensor  # shards have none: names only there
-
-        params = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n): p
-                  for n, p in run.transformer.named_parameters() if p.requires_grad}
-        names = {n.replace(".default.", "."): n for n in params}
-        expected = {k: params[n].shape if isinstance(params[n], DTensor) else None for k, n in names.items()}
-    else:
-        from peft.utils import get_peft_model_state_dict
-
-        expected = {k: v.shape for k, v in get_peft_model_state_dict(accelerator.unwrap_model(run.transformer)).items()}
-    problem = state_fit_problem(lora, expected)
-    if problem is None and run.ema is not None and training.get("ema") is not None:
-        ema_problem = state_fit_problem(training["ema"]["shadow"], {n: v.shape for n, v in run.ema.shadow.items()})
-        problem = ema_problem and f"its EMA: {ema_problem}"
-    saved_groups = [len(g["params"]) for g in training["optimizer"].get("param_groups", [])]
-    if problem is None and not fsdp and saved_groups != [len(g["params"]) for g in run.optimizer.param_groups]:
-        problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
-                         f"({problem}); was it trained with another --rank, --lora_layers or model?")
-    try:
-        if fsdp:  # every process passes the full tensors; torch keeps each process's shard
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
-
-            options = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(run.transformer, {names[k]: v for k, v in lora.items()}, options=options)
-            set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
-        else:
-            set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), lora, adapter_name="default")
-            run.optimizer.load_state_dict(training["optimizer"])
-        run.lr_scheduler.load_state_dict(training["lr_scheduler"])
-        if run.ema is not None and training.get("ema") is not None:
-            run.ema.load_state_dict(training["ema"])
-        if accelerator.scaler is not None and training["scaler"] is not None:
-            accelerator.scaler.load_state_dict(training["scaler"])
-    except torch.OutOfMemoryError:
-        raise
-    except (KeyError, ValueError, RuntimeError, TypeError) as e:  # e.g. another optimizer's state (AdamW vs Prodigy)
-        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its training state does not fit this run "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    rng_file = checkpoint / f"rng-{accelerator.process_index}.json"
-    if rng_file.is_file():
-        rng = read_state(checkpoint, f"rng-{accelerator.process_index}")
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    global_step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"]
-    logger.info(f"resumed from {checkpoint} at step {global_step}")
-    return global_step
+    bsz = conditions[0].shape[0]
+    tokens = torch.cat([Flux2Pipeline._pack_latents(c) for c in conditions], dim=1).to(dtype)
+    ids = Flux2Pipeline._prepare_image_ids([c[:1] for c in conditions]).to(conditions[0].device)
+    return tokens, ids.repeat(bsz, 1, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Stage 5: the loop
+# Appendix D: EMA of the LoRA
 
 
-def start_logging(args, accelerator, run, global_step):
-    """Start the trackers and say what the run is about to do."""
-    if accelerator.is_main_process:
-        accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
-    data, caches = run.data, run.caches
-    logger.info(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
-                f"mixed precision {accelerator.mixed_precision}")
-    logger.info(f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
-                f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
-                f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts"
-                + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
-                   f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
-                   ", images decoded in the main process"))
-    if data.dataset.conditions:
-        counts = sorted({len(ids) for ids in data.dataset.cond_ids})
-        logger.info(f"edit training: {len(data.dataset.conditions)} condition images for {len(data.dataset.instances)} "
-                    f"targets, {' or '.join(map(str, counts))} per target, their tokens after the target's (the loss "
-                    "covers the target's)")
+RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
+class LoraEMA:
+    """Exponential moving average of the trainable (LoRA) parameters, kept in float32 on `device` (the CPU by
+    default, so it costs no GPU memory). It starts at the weights of the first optimizer step (not the random
+    init) and warms up: decay_t = min(decay, (1 + t) / (10 + t)), so early steps are not swamped."""
 
+    def __init__(self, named_params, decay, device="cpu"):
+        self.decay, self.device, self.step = decay, torch.device(device), 0
+        self.shadow = {n: p.detach().to(self.device, torch.float32, copy=True) for n, p in named_params.items()}
 
-def tracker_config(args):
-    """Flags for the trackers: scalars only, and never the Hub token."""
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
-            if k != "hub_token" and v is not None}
+    @torch.no_grad()
+    def update(self, named_params):
+        self.step += 1
+        decay = 0.0 if self.step == 1 else min(self.decay, (1 + self.step) / (10 + self.step))
+        for name, param in named_params.items():
+            self.shadow[name].mul_(decay).add_(param.detach().to(self.device, torch.float32), alpha=1 - decay)
 
+    def state_dict(self):
+        return {"step": self.step, "shadow": self.shadow}
 
-@dataclass
-class StepInputs:
-    """A micro-batch's inputs as gathered on the host: each distinct cache entry once, plus which entry each row
-    takes (rows of a batch sharing a prompt move one embedding, 15.7 MB for [dev], not B of them). B' = 2B rows
-    with prior preservation: instance rows, then class rows."""
+    def load_state_dict(self, state):
+        self.step = state["step"]
+        self.shadow = {n: v.to(self.device, torch.float32) for n, v in state["shadow"].items()}
 
-    embeds: torch.Tensor  # [U, L, D] distinct prompt embeddings
-    embed_rows: torch.Tensor  # [B'] long, row -> embeds
-    # cached: [V, 4C, h, w] latents ([V, 2, 4C, h, w] mean and std); else pixels [B'(1 + R), 3, H, W]
-    images: torch.Tensor
-    image_rows: torch.Tensor  # [B'(1 + R)] long, row -> images: the B' targets, then R references of B' rows each
-    masks: torch.Tensor | None  # loss masks beside `images`: [V, 1, h, w] cached, [B', 1, H, W] in pixels
-    encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
-    references: int = 0  # edit training: condition images per row (R)
-
-    def apply(self, fn):
-        """A copy with fn applied to every tensor (pin, move to the device)."""
-        names = ("embeds", "embed_rows", "images", "image_rows", "masks")
-        return dataclasses.replace(self, **{n: fn(getattr(self, n)) for n in names if getattr(self, n) is not None})
-
-
-def gather_inputs(batch, dataset, caches, caption_dropout, rng):
-    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout. Edit
-    training: each row's condition images are looked up from its target's latent key, so they cannot part."""
-    slots = dataset.slots(batch["indices"])
-    texts = drop_captions([dataset.prompt_key(s) for s in slots], len(batch["indices"]), caption_dropout, rng)
-    embeds, embed_rows = caches.prompts.gather_unique(texts)
-    if caches.latents is None:
-        cond = batch.get("cond_pixels")
-        images = batch["pixel_values"] if cond is None else torch.cat([batch["pixel_values"], cond])
-        return StepInputs(embeds, embed_rows, images, torch.arange(len(images)), batch.get("masks"), encoded=False,
-                          references=len(images) // len(slots) - 1)
-    keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
-    references = [dataset.condition_keys(k) for k in keys]  # [B'][R]
-    keys += [refs[r] for r in range(len(references[0])) for refs in references]  # reference-major, as collate
-    latents, image_rows = caches.latents.gather_unique(keys)
-    masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None
-    return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True, references=len(references[0]))
-
-
-def model_inputs(inputs, run, generator, offload, latent_sampling):
-    """Device side of a step: StepInputs already on the device -> latents [B', 4C, h, w], prompt embeddings
-    [B', L, D], loss mask [B', 1, h, w] or None, condition latents (R of [B', 4C, h, w]: the posterior mean, as the
-    pipeline encodes references). Uncached pixels are encoded here; `generator` draws posterior samples."""
-    embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # expanded on the device
-    rows = len(inputs.embed_rows)
-    if inputs.encoded:
-        params = inputs.images[inputs.image_rows]
-        mask = None if inputs.masks is None else inputs.masks[inputs.image_rows[:rows]]
-    else:
-        with torch.no_grad(), on_device(run.vae, inputs.images.device, offload):
-            params = encode_images(run.vae, inputs.images, *run.latent_stats, latent_sampling)
-        mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])
-    params = params.float()  # float32: the step casts at the transformer
-    means = params if params.ndim == 4 else params[:, 0]  # references: the posterior mean
-    references = [means[rows * r: rows * (r + 1)] for r in range(1, 1 + inputs.references)]
-    return draw_latents(params[:rows], generator), embeds, mask, references
-
-
-class Prefetcher:
-    """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a
-    side stream while the current step computes. The loop calls prefetch() once the current step's GPU work is
-    queued and before anything that waits for the GPU (the loss check), so host work hides behind GPU work.
-    Yields (micro-step, batch, StepInputs on the device)."""
-
-    def __init__(self, loader, first_micro, prepare, device):
-        self.batches = enumerate(loader, start=first_micro)
-        self.prepare, self.device = prepare, device  # prepare(micro, batch) -> StepInputs on the host
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.ahead = None  # (micro, batch, inputs, copy-done event) of the next step
-
-    def prefetch(self):
-        if self.ahead is not None:
-            return
-        micro, batch = next(self.batches)
-        inputs = self.prepare(micro, batch)
-        if self.stream is None:
-            self.ahead = (micro, batch, inputs.apply(lambda t: t.to(self.device)), None)
-            return
-        with torch.cuda.stream(self.stream):  # pinned host memory: the copy is asynchronous
-            inputs = inputs.apply(lambda t: t.pin_memory().to(self.device, non_blocking=True))
-            done = torch.cuda.Event()
-            done.record()
-        self.ahead = (micro, batch, inputs, done)
-
-    def __iter__(self):
-        while True:
-            self.prefetch()
-            (micro, batch, inputs, done), self.ahead = self.ahead, None
-            if done is not None:
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(done)
-                inputs.apply(lambda t: t.record_stream(stream))  # made on the side stream, used on this one
-            yield micro, batch, inputs
-
-
-def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sampling):
-    """Forward and backward of one micro-batch (queued, not waited for) -> (detached loss, latent size). Noise,
-    timesteps and posterior draws come from a generator seeded by (seed, micro-step, process): a resumed run
-    draws the same."""
-    generator = torch.Generator(accelerator.device).manual_seed(
-        seed_for("step", run.data.seed, micro, accelerator.process_index))
-    latents, embeds, mask, references = model_inputs(inputs, run, generator, offload, latent_sampling)
-    loss = flow_matching_step(run.transformer, latents, embeds, num_instance, run.sigmas, run.step_config, generator,
-                              mask, references)
-    accelerator.backward(loss)
-    return loss.detach(), list(latents.shape[-2:])
-
-
-def optimizer_step(args, accelerator, run):
-    accelerator.clip_grad_norm_(run.params, args.max_grad_norm)
-    run.optimizer.step()
-    run.lr_scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    if run.ema is not None:
-        run.ema.update(run.named_params)
-
-
-def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
-    """One line per optimizer step; the same numbers go to the progress bar and the trackers."""
-    logs = {"loss": loss.item(), "lr": run.lr_scheduler.get_last_lr()[0], "step_seconds": seconds, "epoch": epoch}
-    line = f"step {global_step}/{args.max_train_steps} loss {logs['loss']:.4f} lr {logs['lr']:.2e} {seconds:.2f} s/step"
-    if torch.cuda.is_available():
-        logs["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        line += f" peak {logs['peak_gpu_gib']:.1f} GiB"
-    bar.update(1)
-    bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
-    logger.info(line)
-    accelerator.log(logs, step=global_step)
-
-
-def train(args, accelerator, run, global_step):
-    """The loop: one flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of epoch
-    m // len(sampler), so a resumed run skips exactly the batches already trained."""
-    data, accum = run.data, args.gradient_accumulation_steps
-    batches_per_epoch, micro = len(data.sampler), global_step * accum
-    accelerator.step = micro  # accelerate's accumulation counter: sync on every accum-th micro-step
-    data.sampler.set_epoch(*divmod(micro, batches_per_epoch))
-    prefetcher = Prefetcher(data.loader, micro, lambda m, batch: gather_inputs(
-        batch, data.dataset, run.caches, args.caption_dropout,
-        random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index))), accelerator.device)
-    stop, finite = StopRequest(), torch.ones((), dtype=torch.bool, device=accelerator.device)
-    bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
-    # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
-    sample_log = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
-    sample_log.parent.mkdir(parents=True, exist_ok=True)
-    run.transformer.train()
-    tic = time.perf_counter()
-    with sample_log.open("a", buffering=1) as sample_log, contextlib.ExitStack() as cleanup:
-        cleanup.callback(stop.restore)  # sample_log is line-buffered: readable while training runs
-        for micro, batch, inputs in prefetcher:
-            epoch, signum = batch["epoch"], 0
-            with accelerator.accumulate(run.transformer):
-                loss, latent_hw = micro_step(accelerator, run, inputs, len(batch["indices"]), micro, args.offload,
-                                             args.latent_sampling)
-                prefetcher.prefetch()  # the next step's host work, while the GPU runs this one
-                finite &= torch.isfinite(loss)
-                if accelerator.sync_gradients:
-                    signum, all_finite = stop.agreed(accelerator, finite)
-                    if not all_finite:
-                        raise TrainingStopped(nonfinite_message(args, global_step + 1, batch["indices"]))
-                    optimizer_step(args, accelerator, run)
-            sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
-                                         "latent_hw": latent_hw}) + "\n")
-            if accelerator.sync_gradients:
-                global_step += 1
-                log_step(args, accelerator, run, bar, global_step, loss, epoch, time.perf_counter() - tic)
-                tic = time.perf_counter()
-                after_optimizer_step(args, accelerator, run, global_step, signum)
-            if (micro + 1) % batches_per_epoch == 0:
-                after_epoch(args, accelerator, run, global_step, epoch)
-            if global_step >= args.max_train_steps:
-                break
-    bar.close()
-    return global_step
-
-
-def after_optimizer_step(args, accelerator, run, global_step, signum):
-    """Checkpoint every --checkpointing_steps (and on a stop signal), validate every --validation_steps."""
-    if global_step % args.checkpointing_steps == 0 or signum:
-        save_checkpoint(args, accelerator, run, global_step)
-    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # the same images
-    if (args.validation_prompt and args.num_validation_images and args.validation_steps
-            and global_step % args.validation_steps == 0 and not final_follows and validates_here(accelerator)):
-        run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
-    if signum:
-        raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
-                              "with the same command plus --resume_from_checkpoint latest", 128 + signum)
-
-
-def after_epoch(args, accelerator, run, global_step, epoch):
-    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless the final images follow or
-    --validation_steps just validated the same weights."""
-    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference
-    just_validated = args.validation_steps and global_step % args.validation_steps == 0  # the same weights
-    if (args.validation_prompt and args.num_validation_images and (epoch + 1) % args.validation_epochs == 0
-            and not final_follows and not just_validated and validates_here(accelerator)):
-        run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
-
-
-def nonfinite_message(args, step, indices):
-    found = list_checkpoints(args.output_dir)
-    return (f"the loss became NaN or infinite at step {step} (samples {indices}); stopped without applying that "
-            f"update and without writing a final LoRA. Last good checkpoint: {found[-1] if found else 'none'}. "
-            "Try a lower --learning_rate, --max_grad_norm, or --mixed_precision bf16 instead of fp16")
+    @contextlib.contextmanager
+    def applied(self, named_params):
+        """Temporarily put the averaged weights into the model (validation, saving); the raw ones come back."""
+        raw = {n: p.detach().clone() for n, p in named_params.items()}
+        with torch.no_grad():
+            for name, param in named_params.items():
+                param.copy_(self.shadow[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in named_params.items():
+                    param.copy_(raw[name])
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Stage 6: validation and outputs
-
-
-def validates_here(accelerator):
-    """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
-    return accelerator.is_main_process or is_fsdp(accelerator)
-
-
-@torch.no_grad()
-def run_validation(args, accelerator, run, prompt, tag, step):
-    """Generate validation images with the transformer being trained, without moving, casting or hooking it; the
-    first time, also the base model's (adapters disabled, same noise), the progress sheet's first column.
-
-    Saves PNGs under <output_dir>/validation/, updates its progress sheet and sends the images to the trackers.
-    Returns their paths."""
-    import diffusers
-
-    # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
-    model = run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer)
-    was_training = model.training
-    model.eval()
-    family = run.data.family
-    extra = {"is_distilled": family.distilled} if family.pipeline == "Flux2KleinPipeline" else {}
-    pipeline = getattr(diffusers, family.pipeline)(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run.noise_scheduler.config), vae=run.vae,
-        text_encoder=None, tokenizer=None, transformer=model, **extra)
-    pipeline.set_progress_bar_config(disable=True)
-    embeds = {"prompt_embeds": run.caches.prompts[prompt].to(accelerator.device, run.weight_dtype)}
-    if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
-        embeds["negative_prompt_embeds"] = run.caches.prompts[""].to(accelerator.device, run.weight_dtype)
-    folder = Path(args.output_dir, "validation")
-    base, condition = None, None
-    inputs = {"height": args.resolution, "width": args.resolution}
-    if args.validation_image:  # edit mode: the pipeline appends the condition's tokens, as training did
-        image = ImageRecord("", (0, 0), path=args.validation_image).load()
-        condition, (height, width) = fit_to_bucket(image, run.data.dataset.buckets)
-        inputs = {"image": [condition], "height": height, "width": width}
-    stale = condition_changed(folder, condition)  # the base images were made for another condition (or none)
-    with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
-        if base_images_missing(accelerator, folder, args.num_validation_images, stale):
-            accelerator.unwrap_model(run.transformer).disable_adapters()
-            try:
-                base = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
-            finally:
-                accelerator.unwrap_model(run.transformer).enable_adapters()
-        averaged = run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext()
-        with averaged:
-            images = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
-    model.train(was_training)
-    if not accelerator.is_main_process:
-        return []
-    folder.mkdir(parents=True, exist_ok=True)
-    if condition is not None:
-        condition.save(folder / "condition.png")
-    elif stale:
-        (folder / "condition.png").unlink()
-    for name, batch in (("base", base or []), (tag, images)):
-        for i, image in enumerate(batch):
-            image.save(folder / f"{name}-{i}.png")
-    paths = [folder / f"{tag}-{i}.png" for i in range(len(images))]
-    sheet = update_progress_sheet(folder, 0, tag, step, len(images))
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
-    logger.info(f"validation images ({prompt!r}): {', '.join(map(str, paths))}; progress sheet {sheet}")
-    return paths
-
-
-def generate_images(args, pipeline, embeds, inputs, family, seed, device):
-    """--num_validation_images images; the same noise at every validation (and for the base model's). `inputs`:
-    height and width, and the condition image in edit mode."""
-    generator = torch.Generator(device).manual_seed(seed_for("validation", seed))
-    return [pipeline(**embeds, **inputs, generator=generator, num_inference_steps=args.validation_inference_steps,
-                     guidance_scale=guidance_scale(args, family)).images[0] for _ in range(args.num_validation_images)]
+# Appendix E: validation extras (progress sheet, model card, upload)
 
 
 def condition_changed(folder, condition):
@@ -3883,61 +3505,465 @@ def push_to_hub(args):
     logger.info(f"pushed to https://huggingface.co/{repo_id}")
 
 
-def finish(args, accelerator, run):
-    """Save the LoRA (the EMA with --use_ema, raw weights beside it), the final validation images and the model
-    card. Writing is the main process's; gathering (FSDP) and the fingerprint involve every process."""
-    state = lora_state_dict(accelerator, run.transformer)
-    # processes must agree bit for bit; the fingerprint makes that checkable from the logs
-    fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items())))
-    logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)
-    dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
-    if accelerator.is_main_process:
-        if run.ema is None:
-            save_lora(accelerator, run.transformer, state, args.output_dir, dtype)
-        else:  # the average is the LoRA; the last raw weights go beside it
-            save_lora(accelerator, run.transformer, state, args.output_dir, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
-            with run.ema.applied(run.named_params):
-                save_lora(accelerator, run.transformer, lora_state_dict(accelerator, run.transformer),
-                          args.output_dir, dtype)
-        logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run.ema else ""))
-    prompt = args.validation_prompt or args.final_validation_prompt
-    paths = []
-    if prompt and not args.skip_final_inference and args.num_validation_images > 0 and validates_here(accelerator):
-        paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_model_card(args, paths, prompt, run.data.family, edit=bool(run.data.dataset.conditions))
-        if args.push_to_hub:
-            push_to_hub(args)
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix F: pre-flight checks (model fit, attention backends, checkpoints, surprising values)
+
+
+def check_model_fit(args):
+    """The flags that must fit this checkpoint, from its config files (no weights are read): the text-encoder layers
+    exist and stack to the width the transformer takes; every --lora_layers entry is a preset or names linear layers
+    of the transformer (matched as PEFT does: the whole name or a dotted suffix)."""
+    from accelerate import init_empty_weights
+    from diffusers import Flux2Transformer2DModel
+
+    config = component_config(args, "transformer")
+    # the remote encoder serves [dev]'s default layers; a --from_manifest run uses no text encoder (its manifest's
+    # prompt identity pins the layers), so it may not even have one
+    if not (args.remote_text_encoder or args.from_manifest):
+        text = component_config(args, "text_encoder")
+        text = text.get("text_config", text)  # [dev]'s Mistral 3 nests its language model's config
+        try:
+            depth, width, joint = text["num_hidden_layers"], text["hidden_size"], config["joint_attention_dim"]
+        except (KeyError, TypeError) as e:
+            raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: its text_encoder "
+                             f"or transformer config lacks {e}") from None
+        layers = args.text_encoder_out_layers
+        if max(layers) > depth:
+            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder has layers 0 "
+                             f"to {depth} (0: its embeddings)")
+        if len(layers) * width != joint:
+            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: {len(layers)} layers of width "
+                             f"{width} make {len(layers) * width} features; this transformer takes {joint} "
+                             f"({joint // width} layers)")
+    with init_empty_weights():
+        model = Flux2Transformer2DModel.from_config(config)
+    blocks = len(transformer_blocks(model))
+    if args.blocks_to_swap > blocks:
+        raise UsageError(f"--blocks_to_swap {args.blocks_to_swap}: this transformer has {blocks} blocks "
+                         f"({model.config.num_layers} double-stream, {model.config.num_single_layers} single-stream)")
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
+    targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
+    problems = unusable_lora_targets(targets, kinds)
+    if problems:
+        valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n) for n, k in kinds.items() if k == "Linear"})
+        raise UsageError(f"--lora_layers {'; '.join(f'{t}: {why}' for t, why in problems.items())}; presets: "
+                         f"{', '.join(LORA_PRESETS)}; valid names include {', '.join(valid[:16])}")
+
+
+def unusable_lora_targets(targets, kinds):
+    """PEFT target names it cannot adapt -> {name: why}. kinds: {module name: class name}. A name must match (as PEFT
+    matches: the whole name or a dotted suffix) linear layers and nothing else: PEFT refuses anything else it
+    matches, e.g. `to_out`, which is a ModuleList in the double-stream blocks, and only once the model is loaded."""
+    problems = {}
+    for target in targets:
+        matched = [n for n in kinds if n == target or n.endswith("." + target)]
+        others = [n for n in matched if kinds[n] != "Linear"]
+        if len(others) == len(matched):
+            problems[target] = "no linear layer of the transformer has that name"
+        elif others:
+            problems[target] = (f"also names {others[0]} ({kinds[others[0]]}), which LoRA cannot adapt; name the linear "
+                                "layers more exactly (e.g. attn.to_out.0, single_transformer_blocks.0.attn.to_out)")
+    return problems
+
+
+def block_linear_names(model):
+    """Full names of the linear layers inside the transformer's double- and single-stream blocks (not the
+    embedders, the shared modulation, norm_out or proj_out)."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and re.match(r"(single_)?transformer_blocks\.\d+\.", n)]
+
+
+def adapted_modules(model):
+    """Names of the modules that carry a LoRA adapter."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def describe_lora(modules, num_params, rank):
+    """'LoRA rank R on M modules (D double-stream, S single-stream blocks), P M trainable parameters'."""
+    blocks = collections.defaultdict(set)
+    for name in modules:
+        kind, block = (name.split(".") + [""])[:2]
+        if kind in ("transformer_blocks", "single_transformer_blocks"):
+            blocks[kind].add(block)
+        else:
+            blocks["other"].add(name)
+    other = f", {len(blocks['other'])} outside them" if blocks["other"] else ""
+    return (f"LoRA rank {rank} on {len(modules)} modules ({len(blocks['transformer_blocks'])} double-stream, "
+            f"{len(blocks['single_transformer_blocks'])} single-stream blocks{other}), {num_params / 1e6:.3g} M "
+            "trainable parameters")
+
+
+# diffusers attention backends with a backward pass (sage and the NPU/XLA/AMD kernels are inference or other hardware)
+TRAINING_ATTENTION_BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math", "flex",
+                               "flash", "flash_hub", "_flash_3", "_flash_3_hub", "xformers")
+# Backends seen to break a FLUX.2 training step; refused with the evidence, so no run dies mid-way.
+BROKEN_ATTENTION_BACKENDS = {
+    "_native_cudnn": "crashed FLUX.2 [klein] 4B training steps with 'CUDA error: an illegal memory access' at 512 "
+                     "and 1024 px, eager and compiled (H100, torch 2.11 + CUDA 13.0, 2026-11-22); use native, which "
+                     "picks a working SDPA kernel itself",
+}
+def attention_backend_problem(name):
+    """Why --attention_backend `name` cannot train here (None: it can): unknown, inference-only, package missing
+    (diffusers' own requirement check), or a CUDA kernel without a CUDA GPU."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    if name not in TRAINING_ATTENTION_BACKENDS:
+        known = {b.value for b in AttentionBackendName}
+        return "no backward pass (inference only)" if name in known else "not a diffusers attention backend"
+    if name in BROKEN_ATTENTION_BACKENDS:
+        return BROKEN_ATTENTION_BACKENDS[name]
+    try:
+        _check_attention_backend_requirements(AttentionBackendName(name))
+    except (RuntimeError, ValueError, ImportError) as e:
+        return str(e)
+    if name == "flex" and not torch.cuda.is_available():
+        return "needs a CUDA GPU (FlexAttention has no backward pass on the CPU)"
+    if name not in ("native", "_native_math", "flex") and not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return None
+
+
+def check_attention_backend(name):
+    problem = attention_backend_problem(name)
+    if problem:
+        usable = [b for b in TRAINING_ATTENTION_BACKENDS if attention_backend_problem(b) is None]
+        raise UsageError(f"--attention_backend {name}: {problem}; usable here: {', '.join(usable)}")
+
+
+def checkpoint_problem(folder):
+    """Why checkpoint `folder` cannot be resumed from (None: it can): a file missing or unreadable, JSON that does not
+    parse, a tensor file cut short, or a tensor its JSON names that the tensor file lacks. Headers only: a checkpoint
+    is checked in milliseconds, before any model loads. Whether its tensors fit the model is load_checkpoint's test."""
+    folder = Path(folder)
+
+    def tensor_names(skeleton):
+        if isinstance(skeleton, dict):
+            return [skeleton["__tensor__"]] if "__tensor__" in skeleton else [
+                n for _, v in skeleton["__items__"] for n in tensor_names(v)]
+        return [n for v in skeleton for n in tensor_names(v)] if isinstance(skeleton, list) else []
+
+    name = TRAINER_STATE_NAME
+    try:
+        state = json.loads((folder / name).read_text())
+        if not (isinstance(state, dict) and isinstance(state.get("global_step"), int) and state["global_step"] >= 0
+                and isinstance(state.get("seed"), int)):
+            return f"{name} has no global_step and seed"
+        for stem in ("training", *sorted(p.stem for p in folder.glob("rng-*.json"))):
+            name = f"{stem}.json"
+            skeleton = json.loads((folder / name).read_text())
+            name = f"{stem}.safetensors"
+            header = safetensors_header(folder / name)
+            missing = [n for n in tensor_names(skeleton) if n not in header]
+            if missing:
+                return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
+            if stem == "training" and isinstance(skeleton, dict) and "lora" not in dict(skeleton.get("__items__", [])):
+                name = LORA_WEIGHTS_NAME  # written before the raw adapter moved into training.json: the LoRA file
+                safetensors_header(folder / name)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror or e})"
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        return f"{name} is damaged ({type(e).__name__}: {e})"
+    return None
+
+
+def state_fit_problem(saved, expected):
+    """Saved tensors (name -> tensor) against what the model has (name -> shape, or None where the model cannot tell)
+    -> what differs, or None."""
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    resized = [f"{n} {tuple(saved[n].shape)} vs {tuple(expected[n])}" for n in sorted(set(saved) & set(expected))
+               if expected[n] is not None and tuple(saved[n].shape) != tuple(expected[n])]
+    parts = [f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
+             f"{len(unexpected)} it has and this model has not (e.g. {unexpected[0]})" if unexpected else "",
+             f"{len(resized)} of another shape (e.g. {resized[0]})" if resized else ""]
+    return "; ".join(filter(None, parts)) or None
+
+
+def surprising_values(args):
+    """Legal values that are probably not what the user meant -> one warning line each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    warmup = args.lr_scheduler not in ("constant",)
+    notes = [
+        (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
+                                     "empty prompt, so the subject is barely tied to its prompt"),
+        (args.with_prior_preservation and args.prior_loss_weight == 0,
+         "--prior_loss_weight 0: the class images are encoded and trained on, but their loss counts for nothing"),
+        (not args.with_prior_preservation and (args.class_data_dir or args.class_prompt) is not None,
+         "--class_data_dir/--class_prompt without --with_prior_preservation: no class images are used"),
+        (args.max_sequence_length < 64, f"--max_sequence_length {args.max_sequence_length}: the chat template's system "
+                                        "message fills about 25 tokens first, so captions are cut short or away"),
+        (args.resolution > 2048, f"--resolution {args.resolution}: beyond FLUX.2's 4-megapixel range (2048^2)"),
+        (args.optimizer == "adamw" and args.learning_rate > 1e-2,
+         f"--learning_rate {args.learning_rate} with AdamW: LoRA runs use 1e-4 to 1e-3 and usually diverge above 1e-2"),
+        (args.optimizer == "prodigy" and args.learning_rate < 0.1,
+         f"--learning_rate {args.learning_rate} with Prodigy: its learning rate is a multiplier of the step it finds, "
+         "usually 1.0"),
+        (args.dataloader_num_workers is not None and args.dataloader_num_workers > cores,
+         f"--dataloader_num_workers {args.dataloader_num_workers}: more workers than this machine's {cores} cores"),
+        (args.max_train_steps is not None and args.checkpointing_steps > args.max_train_steps,
+         f"--checkpointing_steps {args.checkpointing_steps} > --max_train_steps {args.max_train_steps}: no checkpoint "
+         "is written before the end"),
+        (warmup and args.max_train_steps is not None and args.lr_warmup_steps >= args.max_train_steps,
+         f"--lr_warmup_steps {args.lr_warmup_steps} >= --max_train_steps {args.max_train_steps}: the learning rate "
+         "never reaches its peak"),
+        (args.validation_prompt is not None and args.num_validation_images == 0,
+         "--validation_prompt with --num_validation_images 0: no validation images are made"),
+        (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
+        (args.validation_image is not None and not (args.validation_prompt or args.final_validation_prompt),
+         "--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"),
+    ]
+    return [note for surprising, note in notes if surprising]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Main
+# Appendix G: distributed extras (shared entries, FSDP text encoder and loading, remote text encoder)
 
 
-def main(argv=None):
-    umask()  # settled while no thread runs
-    quiet_library_imports()
-    args = parse_args(argv)
-    validate_args(args)
-    accelerator = setup_accelerator(args)
-    for note in surprising_values(args):
-        logger.warning(note)
-    weight_dtype = weight_dtype_of(accelerator)
-    try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
-        disk = open_cache(args)
-        data = prepare_data(args, accelerator, disk)
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, disk)
-        run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
-        global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
-        start_logging(args, accelerator, run, global_step)
-        train(args, accelerator, run, global_step)
-        finish(args, accelerator, run)
-    except torch.OutOfMemoryError:
-        raise TrainingStopped(OOM_ADVICE) from None
-    finally:
-        accelerator.end_training()
+def share_entries(cache, keys, accelerator, per_round=16):
+    """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]).
+
+    Entries on a disk that every process sees are shared once everyone has written. Otherwise (in memory, a folder
+    local to each machine, or one that could not be written) a few entries are sent per round, so no process ever
+    pickles the whole cache into one buffer."""
+    if accelerator.num_processes == 1:
+        return
+    accelerator.wait_for_everyone()
+    from accelerate.utils import gather_object
+
+    store = cache.store
+    unseen = {k for k in keys if not (store.visible(k) if isinstance(store, DiskStore) else k in store)}
+    if not any(gather_object([len(unseen)])):
+        return
+    shares = [keys[r::accelerator.num_processes] for r in range(accelerator.num_processes)]
+    mine = shares[accelerator.process_index]
+    for start in range(0, max(map(len, shares)), per_round):
+        for key, value in gather_object([(k, cache[k]) for k in mine[start:start + per_round]]):
+            if key in unseen:
+                cache.put(key, value)
+
+
+def shard_text_encoder(text_encoder, accelerator):
+    """--fsdp_text_encoder: FSDP2-shard the text encoder over the processes (each holds 1/N of its weights, e.g.
+    ~12 GB of [dev]'s 48 GB on 4 GPUs); every decoder layer is a unit, gathered only while it runs. Every process
+    must then run the same number of forward passes, which precompute_prompts ensures."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = [m for m in text_encoder.modules() if type(m).__name__.endswith("DecoderLayer")]
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(text_encoder)
+    logger.info(f"text encoder sharded over {accelerator.num_processes} processes ({len(layers)} layers)")
+
+
+def loads_from_rank_0(accelerator, quantized):
+    """Under FSDP with accelerate's cpu_ram_efficient_loading, only the first process reads the weights: accelerate
+    broadcasts them while it shards (its LoRA initialisation too), so the others build an empty model and a node
+    holds one copy of [dev]'s 64 GB in host memory, not one per process. Quantised weights: accelerate loads them on
+    every process."""
+    plugin = accelerator.state.fsdp_plugin if is_fsdp(accelerator) else None
+    return bool(plugin and plugin.cpu_ram_efficient_loading and not quantized and not accelerator.is_main_process)
+
+
+def hub_token(args):
+    from huggingface_hub import get_token
+
+    return args.hub_token or get_token()
+
+
+def remote_prompt_embeds(url, prompt, token):
+    """[dev] embedding [1, L, D] of one prompt from the remote text encoder. The reply is decoded with
+    torch.load(weights_only=True): tensors only, so a hostile or broken server cannot run code here."""
+    import io
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps({"prompt": prompt}).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            content = response.read()
+    except urllib.error.HTTPError as e:
+        raise TrainingStopped(f"--remote_text_encoder: {url} answered HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise TrainingStopped(f"--remote_text_encoder: cannot reach {url} ({e.reason})") from None
+    try:
+        embeds = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - not a tensor-only payload: refuse whatever it is
+        raise TrainingStopped(f"--remote_text_encoder: {url} did not send a tensor ({type(e).__name__}: {e})") from None
+    if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3 or embeds.shape[0] != 1:
+        raise TrainingStopped(f"--remote_text_encoder: {url} sent {type(embeds).__name__} "
+                              f"{getattr(embeds, 'shape', '')}, expected a [1, L, D] tensor")
+    return embeds
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix H: class images
+
+
+def generate_class_images(args, accelerator, seed, existing, family):
+    """Fill --class_data_dir up to --num_class_images with images of the base model (each process a share)."""
+    import diffusers
+
+    taken = {p.name for p in Path(args.class_data_dir).iterdir()}
+    missing = args.num_class_images - existing
+    names = [n for n in (f"class-{i:05d}.png" for i in range(len(taken) + missing)) if n not in taken][:missing]
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
+        args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
+    pipeline = getattr(diffusers, family.pipeline).from_pretrained(
+        args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
+        torch_dtype=dtype, cache_dir=args.cache_dir)
+    pipeline.tokenizer = load_pipeline_tokenizer(args)
+    sizes = {name: sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers()))
+             for name, c in pipeline.components.items() if isinstance(c, torch.nn.Module)}
+    free = free_gpu_bytes(accelerator.device)
+    placement = pipeline_placement(list(sizes.values()), free, args.offload)
+    if placement == "device":
+        pipeline.to(accelerator.device)
+    else:
+        getattr(pipeline, f"enable_{placement}_cpu_offload")(device=accelerator.device)
+        why = "--offload" if args.offload else f"does not fit {human_bytes(free)} free on the GPU"
+        logger.info(f"class images: the pipeline ({human_bytes(sum(sizes.values()))}, the largest model "
+                    f"{human_bytes(max(sizes.values()))}) {why}: {placement} CPU offload ("
+                    f"{'one model' if placement == 'model' else 'one layer'} on the GPU at a time)")
+    pipeline.set_progress_bar_config(disable=True)
+    mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
+    batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
+    logger.info(f"generating {missing} class images into {args.class_data_dir}")
+    for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
+        generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i)) for i, _ in batch]
+        steps = {"num_inference_steps": args.validation_inference_steps} if family.distilled else {}
+        images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution, **steps,
+                          generator=generators, guidance_scale=guidance_scale(args, family),
+                          max_sequence_length=args.max_sequence_length,
+                          text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
+        for (_, name), image in zip(batch, images):
+            image.save(Path(args.class_data_dir, name))  # names not yet taken: existing images are never replaced
+    del pipeline
+    accelerator.wait_for_everyone()
+
+
+def free_gpu_bytes(device):
+    """Free memory on a CUDA device (None on any other)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def pipeline_placement(component_bytes, free_bytes, offload):
+    """Where class-image generation puts the pipeline: "device" (all of it on the GPU), "model" (diffusers' model CPU
+    offload: one model on the GPU at a time) or "sequential" (one layer at a time: slow, but fits anything). Without a
+    GPU (free_bytes None) it stays where it is. A fifth more plus 2 GiB is left for activations: e.g. [dev]'s 112 GB
+    pipeline on an 80 GB card gets model offload (its largest model, the 64 GB transformer, fits); on 24 GB,
+    sequential."""
+    if free_bytes is None:
+        return "device"
+
+    def fits(n):
+        return n * 1.2 + 2 * 2**30 <= free_bytes
+
+    if not offload and fits(sum(component_bytes)):
+        return "device"
+    return "model" if fits(max(component_bytes, default=0)) else "sequential"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix I: speed and memory levers, Hugging Face datasets
+
+
+def compile_blocks(transformer):
+    """--compile: regional compilation. Each repeated block's forward is compiled; the copies of a block class share
+    one compiled graph (their weights are graph inputs), so compiling costs seconds per class instead of minutes
+    for the whole model, and LoRA, gradient checkpointing and module hooks stay outside it. Shapes: the first
+    bucket compiles static shapes; a second shape recompiles once with dynamic shapes, which then serve every
+    bucket (at most two compiles per block class and grad mode, whatever the ladder). The LoRA layers inside a
+    block are compiled with it; gradient checkpointing and module hooks wrap the block from outside."""
+    blocks = transformer_blocks(transformer)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, fullgraph=True)
+    logger.info(f"--compile: {len(blocks)} blocks compile at their first use (the first step and the first "
+                "validation are slower; a second bucket shape compiles once more)")
+
+
+class Prefetcher:
+    """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a
+    side stream while the current step computes. The loop calls prefetch() once the current step's GPU work is
+    queued and before anything that waits for the GPU (the loss check), so host work hides behind GPU work.
+    Yields (micro-step, batch, StepInputs on the device)."""
+
+    def __init__(self, loader, first_micro, prepare, device):
+        self.batches = enumerate(loader, start=first_micro)
+        self.prepare, self.device = prepare, device  # prepare(micro, batch) -> StepInputs on the host
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead = None  # (micro, batch, inputs, copy-done event) of the next step
+
+    def prefetch(self):
+        if self.ahead is not None:
+            return
+        micro, batch = next(self.batches)
+        inputs = self.prepare(micro, batch)
+        if self.stream is None:
+            self.ahead = (micro, batch, inputs.apply(lambda t: t.to(self.device)), None)
+            return
+        with torch.cuda.stream(self.stream):  # pinned host memory: the copy is asynchronous
+            inputs = inputs.apply(lambda t: t.pin_memory().to(self.device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record()
+        self.ahead = (micro, batch, inputs, done)
+
+    def __iter__(self):
+        while True:
+            self.prefetch()
+            (micro, batch, inputs, done), self.ahead = self.ahead, None
+            if done is not None:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(done)
+                inputs.apply(lambda t: t.record_stream(stream))  # made on the side stream, used on this one
+            yield micro, batch, inputs
+
+
+def read_bnb_config(path):
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--bnb_quantization_config_path {path}: {e}") from None
+    if not isinstance(config, dict) or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
+        raise UsageError(f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or load_in_8bit")
+    return config
+
+
+def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
+    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
+    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references)."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
+    split = load_dataset(name, config, cache_dir=cache_dir)["train"]
+    for flag, column in (("--image_column", image_column), ("--caption_column", caption_column),
+                         ("--cond_image_column", cond_column)):
+        if column is not None and column not in split.column_names:
+            raise UsageError(f"{flag} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
+    captions = split[caption_column] if caption_column else [None] * len(split)
+    conditions = split[cond_column] if cond_column else [()] * len(split)
+    records, empty = [], []
+    for i, (image, caption, cond) in enumerate(zip(split[image_column], captions, conditions)):
+        cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
+        if cond_column and not cond:
+            empty.append(str(i))
+        if not all(isinstance(c, Image.Image) for c in cond):
+            raise UsageError(f"--cond_image_column {cond_column!r}: row {i} holds {type(cond[0]).__name__}, not images "
+                             f"(feature {split.features[cond_column]}); cast the column to datasets.Image() (in a "
+                             "metadata.jsonl, name it <something>_file_name)")
+        refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
+                     for j, c in enumerate(cond))
+        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), caption=(caption or "").strip() or None,
+                                   image=image, conditions=refs))
+    if empty:
+        raise UsageError(f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
+                         f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
+    return records
 
 
 if __name__ == "__main__":
