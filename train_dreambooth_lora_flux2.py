@@ -132,254 +132,159 @@ class TrainingStopped(Exception):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Flags
+# Flags: what each one accepts is its type=, checked as the command line is parsed
 
 
-def _bool(text):
-    if text.lower() in ("1", "true", "yes", "y"):
-        return True
-    if text.lower() in ("0", "false", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _timestep_shift(text):
-    if text in ("none", "auto"):
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected none, auto or a number > 0, got {text!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Accepts:
-    """What one flag accepts. `ok(value)` is False (or raises UsageError with its own message) for a bad value; None
-    means argparse's type and choices already say everything (switches, choices, free text). A flag not given (None)
-    is never checked. `path` rules test the file system; they run after every value rule."""
-
-    what: str
-    ok: object = None
-    path: bool = False
-
-
-def integer(low, high=None, multiple=1):
-    what = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-    return Accepts(what + (f", a multiple of {multiple}" if multiple > 1 else ""),
-                   lambda v: v >= low and (high is None or v <= high) and v % multiple == 0)
-
-
-def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
-    left, right = "(" if low_open else "[", ")" if high_open else "]"
-    what = ("a finite number" if (low, high) == (-math.inf, math.inf) else
-            f"a number > {low}" if high == math.inf and low_open else f"a number >= {low}" if high == math.inf
-            else f"a number in {left}{low}, {high}{right}")
-
-    def ok(v):
-        return math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-    return Accepts(what, ok)
-
-
-def _folder_can_be(path, writable=False):
-    """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
-    existing parent writable."""
-    path = Path(path).absolute()
-    if path.exists():
-        return path.is_dir() and (not writable or os.access(path, os.W_OK | os.X_OK))
-    parent = next(p for p in path.parents if p.exists())
-    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
-
-
-def _checkpoint_folder(value):
-    if value != "latest" and not Path(value).is_dir():
-        raise UsageError(f"--resume_from_checkpoint {value}: no such checkpoint folder (expected a checkpoint-N folder "
-                         "or 'latest')")
-    return True
-
-
-def _ema_device(value):
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        return False
-    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        raise UsageError(f"--ema_device {value}: no such CUDA device here; use cpu")
-    return device.type in ("cpu", "cuda")
-
-
-def _image_file(value):
-    try:
-        return inspect_image(value) is not None
-    except Exception:  # noqa: BLE001 - missing, unreadable, corrupt, a decompression bomb: not an image to use
-        return False
-
-
-SWITCH, CHOICE, TEXT = Accepts("on or off"), Accepts("one of its choices"), Accepts("any text")
-EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK), True)
-READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK), True)
-READABLE_IMAGE = Accepts("a readable image file", _image_file, True)
-# existing download and class folders may be read-only (a shared model cache, class images all there)
-FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be, True)
-OUTPUT_FOLDER = Accepts("a folder, existing or to be created, that this user can write",
-                        lambda v: _folder_can_be(v, writable=True), True)
-PROBABILITY = number(0, 1)
-BELOW_ONE = number(0, 1, high_open=True)
-POSITIVE = number(0, low_open=True)
-NON_NEGATIVE = number(0)
-TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 def _model_flags(p):
     g = p.add_argument_group("model")
-    g.add_argument("--pretrained_model_name_or_path", required=True, help="Hub id or local folder of a FLUX.2 checkpoint.")
-    g.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of the checkpoint.")
-    g.add_argument("--variant", default=None, help="Weights variant, e.g. fp16.")
-    g.add_argument("--cache_dir", default=None, help="Where downloaded models and datasets are stored.")
+    g.add_argument("--pretrained_model_name_or_path", required=True, type=Accepts("a local checkpoint folder or a Hub id (name or owner/name)", lambda v: Path(v).is_dir() or (not Path(v).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v) is not None)), help="The FLUX.2 [dev] or [klein] checkpoint (a diffusers folder); the family is read from its model_index.json.")
+    g.add_argument("--revision", help="Hub revision (branch, tag or commit) of the checkpoint; default: its main branch.")
+    g.add_argument("--variant", help="Weights variant of the checkpoint, e.g. fp16; default: the plain weights.")
+    g.add_argument("--cache_dir", type=FOLDER_TO_WRITE, help="Where downloaded models and datasets are stored; default: the Hugging Face cache.")
 
 
 def _data_flags(p):
     g = p.add_argument_group("data")
-    g.add_argument("--instance_data_dir", default=None, help="Folder of instance images; a same-stem .txt file holds an image's caption (UTF-8).")
-    g.add_argument("--dataset_name", default=None, help="HF `datasets` name or local folder, instead of --instance_data_dir.")
-    g.add_argument("--dataset_config_name", default=None, help="Config of --dataset_name.")
-    g.add_argument("--image_column", default="image", help="Image column of --dataset_name.")
-    g.add_argument("--caption_column", default=None, help="Caption column of --dataset_name (else --instance_prompt).")
-    g.add_argument("--cond_image_column", default=None, help="Edit training: the condition (reference) image column of --dataset_name; a list of images in a row gives several references. The target is --image_column.")
-    g.add_argument("--cond_data_dir", default=None, help="Edit training: folder of condition images; the condition of <instance_data_dir>/x.png is x.<any image extension> here.")
-    g.add_argument("--instance_prompt", default=None, help="Prompt for instance images without a caption, e.g. 'a photo of sks dog' (required unless --from_manifest, or captions cover every image).")
-    g.add_argument("--repeats", type=int, default=1, help="Samples per instance image in one epoch.")
-    g.add_argument("--with_prior_preservation", action="store_true", help="Add the prior-preservation loss on class images.")
-    g.add_argument("--class_data_dir", default=None, help="Folder of class images; missing ones are generated into it.")
-    g.add_argument("--class_prompt", default=None, help="Prompt of the class images, e.g. 'a photo of a dog'.")
-    g.add_argument("--num_class_images", type=int, default=100, help="Minimum number of class images; missing ones are generated.")
-    g.add_argument("--prior_loss_weight", type=float, default=1.0, help="Weight of the prior-preservation loss.")
-    g.add_argument("--sample_batch_size", type=int, default=4, help="Batch size for class-image generation.")
-    g.add_argument("--prior_generation_precision", choices=["fp32", "fp16", "bf16"], default=None, help="dtype for class-image generation (default bf16 on GPU, fp32 on CPU).")
-    g.add_argument("--resolution", type=int, default=512, help="Square training side in pixels (multiple of 16); also the pixel budget of automatic buckets.")
-    g.add_argument("--use_aspect_ratio_buckets", action="store_true", help="Use an automatic ladder of aspect-ratio buckets of about --resolution^2 pixels.")
-    g.add_argument("--aspect_ratio_buckets", default=None, help="Explicit buckets 'h1,w1;h2,w2;...' (sides multiples of 16).")
-    g.add_argument("--center_crop", action="store_true", help="Center crop after resizing (default: random crop).")
-    g.add_argument("--random_flip", action="store_true", help="Randomly flip images horizontally.")
-    g.add_argument("--max_sequence_length", type=int, default=512, help="Text tokens per prompt, system message included.")
-    g.add_argument("--text_encoder_out_layers", type=int, nargs="+", default=None, help="Text-encoder hidden layers stacked into the prompt embedding (default: the model family's, from its diffusers pipeline: [dev] 10 20 30, [klein] 9 18 27).")
-    g.add_argument("--dataloader_num_workers", type=int, default=None, help="DataLoader worker processes decoding images (0: the main process; default: none with --cache_latents, else a share of the cores, at most 8).")
+    g.add_argument("--instance_data_dir", type=EXISTING_FOLDER, help="Folder of the subject's images; a same-stem .txt file holds an image's caption (UTF-8), <stem>_mask.png its loss mask.")
+    g.add_argument("--dataset_name", help="A Hugging Face `datasets` name or local folder, instead of --instance_data_dir.")
+    g.add_argument("--dataset_config_name", help="Config of --dataset_name; default: its only one.")
+    g.add_argument("--image_column", default="image", help="Image column of --dataset_name (edit training: the target).")
+    g.add_argument("--caption_column", help="Caption column of --dataset_name; default: every row uses --instance_prompt.")
+    g.add_argument("--cond_image_column", help="Edit training: the condition image column of --dataset_name; a list of images in a row gives several references.")
+    g.add_argument("--cond_data_dir", type=EXISTING_FOLDER, help="Edit training: folder of condition images; the condition of <instance_data_dir>/x.png is x.<any image extension> here.")
+    g.add_argument("--instance_prompt", help="Prompt of the images without a caption, e.g. 'a photo of sks dog'; needed unless captions cover every image.")
+    g.add_argument("--repeats", type=integer(1), default=1, help="Samples per instance image in one epoch.")
+    g.add_argument("--with_prior_preservation", action="store_true", help="Also train on class images (--class_data_dir, --class_prompt) so the class keeps its look.")
+    g.add_argument("--class_data_dir", type=FOLDER_TO_WRITE, help="Folder of class images; missing ones are generated into it with the base model.")
+    g.add_argument("--class_prompt", help="Prompt of the class images, e.g. 'a photo of a dog'.")
+    g.add_argument("--num_class_images", type=integer(1), default=100, help="Class images wanted; missing ones are generated, every image in the folder is used.")
+    g.add_argument("--prior_loss_weight", type=NON_NEGATIVE, default=1.0, help="Weight of the class images' loss.")
+    g.add_argument("--sample_batch_size", type=integer(1), default=4, help="Batch size of class-image generation.")
+    g.add_argument("--prior_generation_precision", choices=["fp32", "fp16", "bf16"], help="dtype of class-image generation; default: bf16 on a GPU, fp32 on the CPU.")
+    # FLUX.2 samples up to 4 MP (2048^2); 4096 leaves room for buckets, beyond it one image is over 65k tokens
+    g.add_argument("--resolution", type=integer(16, 4096, multiple=16), default=512, help="Training side in pixels; also the pixel budget (side^2) of automatic buckets.")
+    g.add_argument("--use_aspect_ratio_buckets", action="store_true", help="Train each image in the bucket of its aspect ratio, from a ladder of about --resolution^2 pixels.")
+    g.add_argument("--aspect_ratio_buckets", type=Accepts("'h,w;h,w;...' with sides multiples of 16", lambda v: bool(parse_buckets(v))), help="Explicit buckets instead of the ladder.")
+    g.add_argument("--center_crop", action="store_true", help="Crop the centre of each resized image (default: a random crop, drawn afresh each epoch unless latents are cached).")
+    g.add_argument("--random_flip", action="store_true", help="Flip images horizontally at random, drawn at every use.")
+    g.add_argument("--max_sequence_length", type=integer(1), default=512, help="Text tokens per prompt, the chat template's system message included.")
+    # hidden_states[k] of the text encoder: 0 is the embeddings; the upper end is checked against the model's config
+    g.add_argument("--text_encoder_out_layers", type=integer(0), nargs="+", help="Text-encoder hidden layers stacked into the prompt embedding; default: the family's ([dev] 10 20 30, [klein] 9 18 27).")
+    g.add_argument("--dataloader_num_workers", type=integer(0), help="Processes decoding images; default: none with --cache_latents, else a share of the cores (at most 8).")
 
 
 def _caching_flags(p):
     g = p.add_argument_group("caching")
-    g.add_argument("--cache_latents", action="store_true", help="Encode every unique (image, crop) once before training, both orientations with --random_flip; frees the VAE unless validation needs it.")
-    g.add_argument("--precompute_cache_dir", default=None, help=f"Persistent content-addressed cache of prompt embeddings (and latents with --cache_latents); reruns encode only what changed. Default: $XDG_CACHE_HOME/{TRAINER_NAME} (else ~/.cache/...); 'none' keeps everything in memory.")
-    g.add_argument("--precompute_cache_max_gb", type=float, default=DEFAULT_CACHE_MAX_GB, help="Bound of the disk cache in GB (1e9 bytes): after precompute, least-recently-used entries no live run uses are deleted.")
-    g.add_argument("--from_manifest", default=None, help=f"Train from a {MANIFEST_NAME} and the disk cache alone: no image folders, no text encoder (needs --cache_latents).")
-    g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode", help="Train on the VAE posterior mean, or draw from the posterior at every use (cached: mean and std).")
+    g.add_argument("--cache_latents", action="store_true", help="Encode every (image, crop) once before training, both orientations with --random_flip; frees the VAE unless validation needs it.")
+    g.add_argument("--precompute_cache_dir", type=Accepts("none, or a folder (one that cannot be written warns and keeps entries in memory)"), help=f"Disk cache of prompt embeddings and cached latents, reused by later runs; default: $XDG_CACHE_HOME/{TRAINER_NAME}; 'none': in memory.")
+    g.add_argument("--precompute_cache_max_gb", type=NON_NEGATIVE, default=DEFAULT_CACHE_MAX_GB, help="Bound of the disk cache in GB: least-recently-used entries no live run uses are deleted after precompute.")
+    g.add_argument("--from_manifest", type=READABLE_FILE, help="Train from a dataset_manifest.json and the disk cache alone: no images, no text encoder (needs --cache_latents).")
+    g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode", help="Train on the VAE posterior's mean, or on a draw from it at every use.")
 
 
 def _training_quality_flags(p):
     g = p.add_argument_group("training quality")
-    g.add_argument("--caption_dropout", type=float, default=0.0, help="Probability of training an instance sample on the empty prompt (class samples never).")
-    g.add_argument("--use_ema", action="store_true", help="Keep an exponential moving average of the LoRA; it is validated and saved as the final LoRA.")
-    g.add_argument("--ema_decay", type=float, default=0.999, help="EMA decay, warmed up as min(decay, (1 + t) / (10 + t)).")
-    g.add_argument("--ema_device", default="cpu", help="Where the EMA lives (cpu: no GPU memory).")
+    g.add_argument("--caption_dropout", type=PROBABILITY, default=0.0, help="Probability of training an instance sample on the empty prompt (class samples never).")
+    g.add_argument("--use_ema", action="store_true", help="Keep an exponential moving average of the LoRA; it is validated and saved as the LoRA.")
+    g.add_argument("--ema_decay", type=BELOW_ONE, default=0.999, help="EMA decay, warmed up as min(decay, (1 + t) / (10 + t)).")
+    g.add_argument("--ema_device", type=Accepts("cpu, or a CUDA device of this machine (cuda, cuda:N)", _ema_device), default="cpu", help="Where the EMA lives (cpu: no GPU memory).")
     g.add_argument("--masked_loss", action="store_true", help="Weight the loss by a mask: <stem>_mask.png beside an image, else its alpha channel.")
 
 
 def _lora_flags(p):
     g = p.add_argument_group("LoRA")
-    g.add_argument("--rank", type=int, default=4, help="LoRA rank.")
-    g.add_argument("--lora_alpha", type=int, default=4, help="LoRA alpha; the update is scaled by alpha / rank.")
-    g.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
-    g.add_argument("--lora_layers", default="default", help="Comma-separated presets and transformer module names to adapt. Presets: 'attention' (to_k,to_q,to_v,to_out.0 of the double-stream blocks), 'default' (that plus every single-stream block's to_qkv_mlp_proj and attn.to_out), 'all-linear' (every linear layer inside the transformer blocks).")
+    g.add_argument("--rank", type=integer(1), default=4, help="LoRA rank.")
+    g.add_argument("--lora_alpha", type=integer(1), default=4, help="LoRA alpha: the update is scaled by alpha / rank (the saved file has the scale folded in).")
+    g.add_argument("--lora_dropout", type=BELOW_ONE, default=0.0, help="Dropout on the LoRA path.")
+    g.add_argument("--lora_layers", type=Accepts("presets and module names, comma-separated", lambda v: any(t.strip() for t in v.split(","))), default="default", help="What to adapt: 'attention' (the double-stream blocks' q, k, v and out projections), 'default' (that and each single-stream block's fused input and output projections), 'all-linear' (every linear layer of the blocks), module names.")
 
 
 def _optimisation_flags(p):
     g = p.add_argument_group("optimisation")
-    g.add_argument("--learning_rate", type=float, default=1e-4, help="Peak learning rate.")
+    g.add_argument("--learning_rate", type=POSITIVE, default=1e-4, help="Peak learning rate.")
     g.add_argument("--scale_lr", action="store_true", help="Multiply the learning rate by batch size x accumulation x processes.")
-    g.add_argument("--lr_scheduler", default="constant", choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"])
-    g.add_argument("--lr_warmup_steps", type=int, default=500, help="Warm-up, in optimizer steps.")
-    g.add_argument("--lr_num_cycles", type=int, default=1, help="Hard restarts of cosine_with_restarts.")
-    g.add_argument("--lr_power", type=float, default=1.0, help="Power of the polynomial schedule.")
-    g.add_argument("--optimizer", type=str.lower, default="adamw", choices=["adamw", "prodigy"])
-    g.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes 8-bit AdamW (with --optimizer adamw).")
-    g.add_argument("--adam_beta1", type=float, default=0.9)
-    g.add_argument("--adam_beta2", type=float, default=0.999)
-    g.add_argument("--adam_weight_decay", type=float, default=1e-4)
-    g.add_argument("--adam_epsilon", type=float, default=1e-8)
-    g.add_argument("--prodigy_beta3", type=float, default=None)
-    g.add_argument("--prodigy_decouple", type=_bool, default=True)
-    g.add_argument("--prodigy_use_bias_correction", type=_bool, default=True)
-    g.add_argument("--prodigy_safeguard_warmup", type=_bool, default=True)
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient clipping norm.")
-    g.add_argument("--train_batch_size", type=int, default=4, help="Instance samples per batch and process.")
-    g.add_argument("--num_train_epochs", type=int, default=1)
-    g.add_argument("--max_train_steps", type=int, default=None, help="Optimizer steps; overrides --num_train_epochs.")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    g.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory, slower.")
-    g.add_argument("--weighting_scheme", default="none", choices=["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"])
-    g.add_argument("--timestep_shift", type=_timestep_shift, default="none", help="Shift of the training noise levels: none (the diffusers example's), auto (each batch shifted as the family's pipeline samples its image size at the family's default step count), or a number > 0 (a fixed shift; 1 is none).")
-    g.add_argument("--logit_mean", type=float, default=0.0)
-    g.add_argument("--logit_std", type=float, default=1.0)
-    g.add_argument("--mode_scale", type=float, default=1.29)
-    g.add_argument("--guidance_scale", type=float, default=3.5, help="Guidance embedding value of FLUX.2 [dev] in training and validation ([klein] has no guidance embedding).")
-    g.add_argument("--seed", type=int, default=None, help="Seed of everything random; drawn and logged when absent.")
-    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None, help="Overrides the accelerate config.")
-    g.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
+    g.add_argument("--lr_scheduler", default="constant", choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"], help="Learning-rate schedule over the optimizer steps.")
+    g.add_argument("--lr_warmup_steps", type=integer(0), default=500, help="Warm-up, in optimizer steps (not with 'constant').")
+    g.add_argument("--lr_num_cycles", type=integer(1), default=1, help="Hard restarts of cosine_with_restarts.")
+    g.add_argument("--lr_power", type=POSITIVE, default=1.0, help="Power of the polynomial schedule.")
+    g.add_argument("--optimizer", type=str.lower, default="adamw", choices=["adamw", "prodigy"], help="AdamW, or Prodigy (needs the prodigyopt package; its learning rate is a multiplier, usually 1.0).")
+    g.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW (with --optimizer adamw).")
+    g.add_argument("--adam_beta1", type=BELOW_ONE, default=0.9, help="First-moment decay of AdamW and Prodigy.")
+    g.add_argument("--adam_beta2", type=BELOW_ONE, default=0.999, help="Second-moment decay of AdamW and Prodigy.")
+    g.add_argument("--adam_weight_decay", type=NON_NEGATIVE, default=1e-4, help="Decoupled weight decay of the LoRA weights.")
+    g.add_argument("--adam_epsilon", type=POSITIVE, default=1e-8, help="Denominator epsilon of AdamW and Prodigy.")
+    g.add_argument("--prodigy_beta3", type=BELOW_ONE, help="Prodigy's step-size decay; default: sqrt(--adam_beta2).")
+    g.add_argument("--prodigy_decouple", type=BOOL, default=True, help="Prodigy: decoupled weight decay.")
+    g.add_argument("--prodigy_use_bias_correction", type=BOOL, default=True, help="Prodigy: Adam's bias correction.")
+    g.add_argument("--prodigy_safeguard_warmup", type=BOOL, default=True, help="Prodigy: keep the step size from growing during warm-up.")
+    g.add_argument("--max_grad_norm", type=POSITIVE, default=1.0, help="Gradient clipping norm.")
+    g.add_argument("--train_batch_size", type=integer(1), default=4, help="Instance samples per batch and process (prior preservation adds as many class samples).")
+    g.add_argument("--num_train_epochs", type=integer(1), default=1, help="Epochs to train when --max_train_steps is not given.")
+    g.add_argument("--max_train_steps", type=integer(1), help="Optimizer steps; default: --num_train_epochs epochs' worth.")
+    g.add_argument("--gradient_accumulation_steps", type=integer(1), default=1, help="Batches per optimizer step.")
+    g.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in the backward pass: far less memory, about a third slower.")
+    g.add_argument("--weighting_scheme", default="none", choices=["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"], help="Density of the training noise levels and their loss weighting (diffusers' SD3/FLUX recipe).")
+    g.add_argument("--timestep_shift", type=Accepts("none, auto or a number > 0", lambda v: v in ("none", "auto") or (math.isfinite(v) and v > 0), shift), default="none", help="Shift of the training noise levels: none (the diffusers example's), auto (as the family's pipeline samples each image size), or a fixed shift.")
+    g.add_argument("--logit_mean", type=number(), default=0.0, help="Mean of the logit_normal density.")
+    g.add_argument("--logit_std", type=POSITIVE, default=1.0, help="Standard deviation of the logit_normal density.")
+    # the mode density maps u in [0, 1] onto [0, 1] monotonically only for -1 <= scale <= 1 / (pi / 2 - 1) = 1.75
+    g.add_argument("--mode_scale", type=number(-1, 1.75), default=1.29, help="Scale of the mode density.")
+    g.add_argument("--guidance_scale", type=NON_NEGATIVE, default=3.5, help="FLUX.2 [dev]'s guidance embedding in training and validation ([klein] has none).")
+    g.add_argument("--seed", type=integer(0, 2**32 - 1), help="Seed of everything random; default: drawn and logged (a resume takes the checkpoint's).")  # numpy's legacy seeding takes 32 bits
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Training dtype of the frozen weights; default: the accelerate config's.")
+    g.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere and newer GPUs.")
 
 
 def _speed_flags(p):
     g = p.add_argument_group("speed")
-    g.add_argument("--compile", action="store_true", help="torch.compile the transformer's repeated blocks (regional compilation: a one-off compile of tens of seconds per block class and shape, then faster steps).")
-    g.add_argument("--attention_backend", default="native", help=f"diffusers attention kernel for training and validation: {', '.join(TRAINING_ATTENTION_BACKENDS)} (only those with a backward pass; a backend whose package or GPU is missing is refused).")
+    g.add_argument("--compile", action="store_true", help="torch.compile the transformer's blocks: a one-off compile of tens of seconds, then faster steps.")
+    g.add_argument("--attention_backend", type=Accepts(f"a diffusers attention backend with a backward pass that works here: {', '.join(b for b in TRAINING_ATTENTION_BACKENDS if b not in BROKEN_ATTENTION_BACKENDS)}", lambda v: v == "native" or check_attention_backend(v) is None), default="native", help="Attention kernel of training and validation (one whose package or GPU is missing is refused).")
 
 
 def _memory_flags(p):
     g = p.add_argument_group("memory")
     g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it encodes or decodes.")
-    g.add_argument("--bnb_quantization_config_path", default=None, help="JSON of a bitsandbytes config (e.g. {\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}): quantised frozen transformer (QLoRA). CUDA only.")
-    g.add_argument("--blocks_to_swap", type=int, default=0, help="Keep the frozen weights of the transformer's last N blocks in pinned host memory and copy each to the GPU just before it runs, forward and backward, overlapped with the previous block's compute (at most 2 on the GPU at once). Needs CUDA and --gradient_checkpointing; not under FSDP. [dev] has 56 blocks, [klein] 4B 25, 9B 32.")
-    g.add_argument("--do_fp8_training", action="store_true", help="torchao float8 training of the transformer's linear layers. CUDA, compute capability >= 8.9.")
-    g.add_argument("--remote_text_encoder", action="store_true", help="[dev]: compute prompt embeddings with the Hugging Face remote text encoder instead of loading the 24B model (uses your Hub login).")
-    g.add_argument("--fsdp_text_encoder", action="store_true", help="Shard the text encoder over the processes with FSDP while prompts are encoded (each holds 1/N of it).")
-    g.add_argument("--remote_text_encoder_url", default="https://remote-text-encoder-flux-2.huggingface.co/predict", help="Endpoint of --remote_text_encoder.")
+    g.add_argument("--bnb_quantization_config_path", type=READABLE_FILE, help="JSON of a bitsandbytes config, e.g. {\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}: a quantised frozen transformer (QLoRA; CUDA).")
+    g.add_argument("--blocks_to_swap", type=integer(0), default=0, help="Keep the frozen weights of the last N transformer blocks in host memory, each copied in just before it runs (CUDA, with --gradient_checkpointing).")
+    g.add_argument("--do_fp8_training", action="store_true", help="torchao float8 matmuls in the transformer's linear layers (CUDA, compute capability 8.9 or newer).")
+    g.add_argument("--remote_text_encoder", action="store_true", help="[dev]: prompt embeddings from the Hugging Face remote text encoder instead of loading the 24B model (uses your Hub login).")
+    g.add_argument("--fsdp_text_encoder", action="store_true", help="Shard the text encoder over the processes while prompts are encoded (each holds 1/N of it).")
+    g.add_argument("--remote_text_encoder_url", type=Accepts("an http(s) URL", lambda v: re.fullmatch(r"https?://[^/\s]+(/\S*)?", v) is not None), default="https://remote-text-encoder-flux-2.huggingface.co/predict", help="Endpoint of --remote_text_encoder.")
 
 
 def _checkpointing_and_outputs_flags(p):
     g = p.add_argument_group("checkpointing and outputs")
-    g.add_argument("--output_dir", default="flux2-dreambooth-lora")
+    g.add_argument("--output_dir", type=Accepts("a folder, existing or to be created, that this user can write", lambda v: _folder_can_be(v, writable=True)), default="flux2-dreambooth-lora", help="Where the LoRA, checkpoints, validation images and logs go.")
     g.add_argument("--overwrite_output_dir", action="store_true", help="Allow an --output_dir that already holds a finished LoRA.")
-    g.add_argument("--checkpointing_steps", type=int, default=500, help="Save a resumable checkpoint every N optimizer steps.")
-    g.add_argument("--checkpoints_total_limit", type=int, default=None, help="Keep at most N checkpoints.")
-    g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' in --output_dir.")
+    g.add_argument("--checkpointing_steps", type=integer(1), default=500, help="Save a resumable checkpoint every N optimizer steps.")
+    g.add_argument("--checkpoints_total_limit", type=integer(1), help="Keep the newest N checkpoints; default: all.")
+    g.add_argument("--resume_from_checkpoint", type=Accepts("a checkpoint folder, the name of one in --output_dir, or 'latest' (checked with --output_dir)"), help="A checkpoint folder, its name in --output_dir (checkpoint-N), or 'latest'.")
     g.add_argument("--upcast_before_saving", action="store_true", help="Save the LoRA in float32 instead of the training dtype.")
-    g.add_argument("--report_to", default="tensorboard", help="tensorboard, wandb, all or none.")
-    g.add_argument("--logging_dir", default="logs", help="Tracker folder, relative to --output_dir.")
+    g.add_argument("--report_to", type=Accepts(f"none, all, or trackers among {', '.join(TRACKERS)} (comma-separated)", lambda v: v in ("none", "all") or all(t in TRACKERS for t in v.split(","))), default="tensorboard", help="Trackers that receive the step figures and validation images; one not installed is skipped with a warning.")
+    g.add_argument("--logging_dir", type=Accepts("a folder, relative to --output_dir (checked with it)"), default="logs", help="Tracker and sample-log folder, relative to --output_dir.")
     g.add_argument("--push_to_hub", action="store_true", help="Upload the LoRA and model card; the only flag that uses the network.")
-    g.add_argument("--hub_model_id", default=None)
-    g.add_argument("--hub_token", default=None, help="Never logged or saved; prefer `hf auth login`.")
+    g.add_argument("--hub_model_id", help="Hub repository of --push_to_hub; default: the name of --output_dir.")
+    g.add_argument("--hub_token", help="Hub token of --push_to_hub; never logged or saved; prefer `hf auth login`.")
 
 
 def _validation_flags(p):
     g = p.add_argument_group("validation")
-    g.add_argument("--validation_prompt", default=None)
-    g.add_argument("--validation_image", default=None, help="Condition image that validation edits (with --validation_prompt, or --final_validation_prompt): the pipeline runs in edit mode, the image fitted into its bucket.")
-    g.add_argument("--validation_epochs", type=int, default=50, help="Validate every N epochs (the last epoch's are the final images).")
-    g.add_argument("--validation_steps", type=int, default=None, help="Also validate every N optimizer steps.")
-    g.add_argument("--num_validation_images", type=int, default=4)
-    g.add_argument("--validation_inference_steps", type=int, default=None, help="Denoising steps of validation images (default: the pipeline's; 4 for distilled [klein]).")
-    g.add_argument("--validation_guidance_scale", type=float, default=None, help="[klein] classifier-free guidance of validation images (default: the pipeline's; 1.0 when distilled). [dev] uses --guidance_scale.")
-    g.add_argument("--final_validation_prompt", default=None, help="Prompt of the final images when --validation_prompt is not given.")
-    g.add_argument("--skip_final_inference", action="store_true")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would print its 90-flag usage first)
-        raise UsageError(f"{message} (see --help)")
+    g.add_argument("--validation_prompt", help="Prompt of the images made during training (and at the end); default: none are made.")
+    g.add_argument("--validation_image", type=Accepts("a readable image file", _image_file), help="Edit training: the condition image validation edits, fitted into its bucket.")
+    g.add_argument("--validation_epochs", type=integer(1), default=50, help="Validate every N epochs.")
+    g.add_argument("--validation_steps", type=integer(1), help="Also validate every N optimizer steps; default: only by epochs.")
+    g.add_argument("--num_validation_images", type=integer(0), default=4, help="Images per validation, the same noise every time.")
+    g.add_argument("--validation_inference_steps", type=integer(1), help="Denoising steps of validation images; default: the pipeline's (4 for distilled [klein]).")
+    g.add_argument("--validation_guidance_scale", type=NON_NEGATIVE, help="[klein]: classifier-free guidance of validation images; default: the pipeline's (1.0 when distilled). [dev] uses --guidance_scale.")
+    g.add_argument("--final_validation_prompt", help="Prompt of the final images when --validation_prompt is not given.")
+    g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
 
 
 def build_parser():
     """Flags by group; names and meanings follow the diffusers example where it has them."""
-    p = _Parser(description="DreamBooth LoRA training for FLUX.2.")
+    p = _Parser(description="DreamBooth LoRA training for FLUX.2 [dev] and [klein] (README.md: commands per GPU size).",
+                usage="accelerate launch %(prog)s --pretrained_model_name_or_path MODEL --instance_data_dir DIR "
+                      "--instance_prompt TEXT [flags]", formatter_class=_HelpFormatter)
     for add_flags in (_model_flags, _data_flags, _caching_flags, _training_quality_flags, _lora_flags,
                       _optimisation_flags, _speed_flags, _memory_flags, _checkpointing_and_outputs_flags, _validation_flags):
         add_flags(p)
@@ -390,125 +295,55 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
-# Every flag of the parser and what it accepts, checked by validate_args before anything loads. tests/test_flags.py
-# fails for a flag missing here, and tries each numeric or path flag with values it must refuse.
-FLAG_RULES = {
-    "pretrained_model_name_or_path": Accepts("a local checkpoint folder or a Hub id (name or owner/name)", lambda v: (
-        Path(v).is_dir() or (not Path(v).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v) is not None)), True),
-    "revision": TEXT, "variant": TEXT, "cache_dir": FOLDER_TO_WRITE,
-    "instance_data_dir": EXISTING_FOLDER, "dataset_name": TEXT, "dataset_config_name": TEXT, "image_column": TEXT,
-    "caption_column": TEXT, "cond_image_column": TEXT, "cond_data_dir": EXISTING_FOLDER, "instance_prompt": TEXT, "repeats": integer(1), "with_prior_preservation": SWITCH,
-    "class_data_dir": FOLDER_TO_WRITE, "class_prompt": TEXT, "num_class_images": integer(1),
-    "prior_loss_weight": NON_NEGATIVE, "sample_batch_size": integer(1), "prior_generation_precision": CHOICE,
-    # FLUX.2 samples up to 4 MP (2048^2); 4096 leaves room for buckets, beyond it one image is over 65k tokens
-    "resolution": integer(16, 4096, multiple=16), "use_aspect_ratio_buckets": SWITCH,
-    "aspect_ratio_buckets": Accepts("'h,w;h,w;...' with sides multiples of 16", lambda v: bool(parse_buckets(v))),
-    "center_crop": SWITCH, "random_flip": SWITCH, "max_sequence_length": integer(1),
-    # hidden_states[k] of the text encoder: 0 is the embeddings; the upper end is checked against the model's config
-    "text_encoder_out_layers": Accepts("distinct integers >= 0 (at most the text encoder's depth: checked on its config)",
-                                       lambda layers: min(layers) >= 0 and len(set(layers)) == len(layers)),
-    "dataloader_num_workers": integer(0),
-    "cache_latents": SWITCH,
-    # never refused: a cache folder that cannot be written warns and keeps its entries in memory (open_cache)
-    "precompute_cache_dir": Accepts("none, or a folder; one that cannot be written or made warns, never stops a run"),
-    "precompute_cache_max_gb": NON_NEGATIVE, "from_manifest": READABLE_FILE, "latent_sampling": CHOICE,
-    "caption_dropout": PROBABILITY, "use_ema": SWITCH, "ema_decay": BELOW_ONE,
-    "ema_device": Accepts("cpu, or a CUDA device of this machine (cuda, cuda:N)", _ema_device), "masked_loss": SWITCH,
-    "rank": integer(1), "lora_alpha": integer(1), "lora_dropout": BELOW_ONE,
-    "lora_layers": Accepts("presets or module names, comma-separated", lambda v: any(t.strip() for t in v.split(","))),
-    "learning_rate": POSITIVE, "scale_lr": SWITCH, "lr_scheduler": CHOICE, "lr_warmup_steps": integer(0),
-    "lr_num_cycles": integer(1), "lr_power": POSITIVE, "optimizer": CHOICE, "use_8bit_adam": SWITCH,
-    "adam_beta1": BELOW_ONE, "adam_beta2": BELOW_ONE, "adam_weight_decay": NON_NEGATIVE, "adam_epsilon": POSITIVE,
-    "prodigy_beta3": BELOW_ONE, "prodigy_decouple": SWITCH, "prodigy_use_bias_correction": SWITCH,
-    "prodigy_safeguard_warmup": SWITCH, "max_grad_norm": POSITIVE, "train_batch_size": integer(1),
-    "num_train_epochs": integer(1), "max_train_steps": integer(1), "gradient_accumulation_steps": integer(1),
-    "gradient_checkpointing": SWITCH, "weighting_scheme": CHOICE, "timestep_shift": CHOICE,
-    "logit_mean": number(), "logit_std": POSITIVE,
-    # the mode density maps u in [0, 1] onto [0, 1] monotonically only for -1 <= scale <= 1 / (pi / 2 - 1) = 1.75
-    "mode_scale": number(-1, 1.75), "guidance_scale": NON_NEGATIVE,
-    "seed": integer(0, 2**32 - 1),  # numpy's legacy seeding (accelerate's set_seed) takes 32 bits
-    "mixed_precision": CHOICE, "allow_tf32": SWITCH, "compile": SWITCH,
-    "attention_backend": Accepts("a usable attention backend", lambda v: check_attention_backend(v) is None),
-    "offload": SWITCH, "bnb_quantization_config_path": READABLE_FILE, "do_fp8_training": SWITCH, "blocks_to_swap": integer(0),
-    "remote_text_encoder": SWITCH, "fsdp_text_encoder": SWITCH,
-    "remote_text_encoder_url": Accepts("an http(s) URL", lambda v: re.fullmatch(r"https?://[^/\s]+(/\S*)?", v) is not None),
-    "output_dir": OUTPUT_FOLDER, "overwrite_output_dir": SWITCH, "checkpointing_steps": integer(1),
-    "checkpoints_total_limit": integer(1),
-    "resume_from_checkpoint": Accepts("a checkpoint folder or 'latest'", _checkpoint_folder, True),
-    "upcast_before_saving": SWITCH,
-    "report_to": Accepts("none, all, or trackers among tensorboard, wandb, aim, trackio, comet_ml, mlflow, clearml, "
-                         "dvclive, swanlab (comma-separated)", lambda v: v in ("none", "all") or all(
-                             t in TRACKERS for t in v.split(","))),
-    "logging_dir": TEXT,  # checked with --output_dir, which it is relative to
-    "push_to_hub": SWITCH, "hub_model_id": TEXT, "hub_token": TEXT,
-    "validation_prompt": TEXT, "validation_image": READABLE_IMAGE, "validation_epochs": integer(1), "validation_steps": integer(1),
-    "num_validation_images": integer(0), "validation_inference_steps": integer(1),
-    "validation_guidance_scale": NON_NEGATIVE, "final_validation_prompt": TEXT, "skip_final_inference": SWITCH,
-}
-def check_flag_values(args):
-    """Every flag against FLAG_RULES: values first, then paths. Raises UsageError naming flag, value and rule."""
-    rules = sorted(FLAG_RULES.items(), key=lambda item: item[1].path)
-    for flag, rule in rules:
-        value = getattr(args, flag)
-        if rule.ok is None or value is None:
-            continue
-        try:
-            ok = rule.ok(value)
-        except UsageError:
-            raise
-        except (TypeError, ValueError, OSError):
-            ok = False
-        if not ok:
-            shown = " ".join(map(str, value)) if isinstance(value, list) else value
-            raise UsageError(f"--{flag} {shown}: expected {rule.what}")
-    logs = Path(args.output_dir, args.logging_dir)
-    if not _folder_can_be(logs):
-        raise UsageError(f"--logging_dir {args.logging_dir}: {logs} cannot be a folder (a file is in the way)")
-
-
 def validate_args(args):
-    """Fail fast, before anything heavy is loaded: each flag on its own (FLAG_RULES), then the flags together.
-    Raises UsageError naming the flag."""
-    check_flag_values(args)
+    """The checks that combine flags (each flag's own value was checked by its type), before anything heavy loads.
+    Raises UsageError naming the flags."""
+    def refuse(condition, message):
+        if condition:
+            raise UsageError(message)
+
+    cuda = torch.cuda.is_available()
+    layers = args.text_encoder_out_layers or []
+    refuse(len(set(layers)) != len(layers), f"--text_encoder_out_layers {' '.join(map(str, layers))}: expected distinct layers")
+    refuse(not _folder_can_be(Path(args.output_dir, args.logging_dir)),
+           f"--logging_dir {args.logging_dir}: {Path(args.output_dir, args.logging_dir)} cannot be a folder (a file is in the way)")
+    resume = args.resume_from_checkpoint
+    if resume not in (None, "latest") and not Path(resume).is_dir():  # a name in --output_dir, as the example takes it
+        refuse(not Path(args.output_dir, resume).is_dir(), f"--resume_from_checkpoint {resume}: no such checkpoint folder "
+               "(expected a checkpoint folder, the name of one in --output_dir, or 'latest')")
+        args.resume_from_checkpoint = str(Path(args.output_dir, resume))
     if args.from_manifest:
         validate_manifest_args(args)
-    elif (args.instance_data_dir is None) == (args.dataset_name is None):
-        raise UsageError("give exactly one of --instance_data_dir or --dataset_name")
-    elif not args.instance_prompt and args.dataset_name and not args.caption_column:
-        raise UsageError("--instance_prompt is required (unless --from_manifest, or captions cover every image)")
-    elif args.caption_column and not args.dataset_name:
-        raise UsageError("--caption_column is a column of --dataset_name; --instance_data_dir reads same-stem .txt "
-                         "captions")
+    else:
+        refuse((args.instance_data_dir is None) == (args.dataset_name is None), "give exactly one of --instance_data_dir or --dataset_name")
+        refuse(not args.instance_prompt and args.dataset_name and not args.caption_column,
+               "--instance_prompt is required (unless --from_manifest, or captions cover every image)")
+        refuse(args.caption_column and not args.dataset_name, "--caption_column is a column of --dataset_name; --instance_data_dir reads same-stem .txt captions")
+        refuse(args.with_prior_preservation and not args.class_prompt, "--with_prior_preservation needs --class_prompt")
+        refuse(args.with_prior_preservation and not args.class_data_dir,
+               "--with_prior_preservation needs --class_data_dir (missing class images are generated there)")
     check_edit_flags(args)
-    if args.with_prior_preservation and not args.from_manifest:
-        if not args.class_prompt:
-            raise UsageError("--with_prior_preservation needs --class_prompt")
-        if not args.class_data_dir:
-            raise UsageError("--with_prior_preservation needs --class_data_dir (missing class images are generated there)")
-    if args.do_fp8_training and args.bnb_quantization_config_path:
-        raise UsageError("--do_fp8_training and --bnb_quantization_config_path exclude each other")
-    if args.do_fp8_training and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-        raise UsageError("--do_fp8_training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)")
-    if args.remote_text_encoder and not hub_token(args):
-        raise UsageError("--remote_text_encoder needs a Hugging Face token: run `hf auth login` (or pass --hub_token)")
+    refuse(args.do_fp8_training and args.bnb_quantization_config_path, "--do_fp8_training and --bnb_quantization_config_path exclude each other")
+    refuse(args.do_fp8_training and not (cuda and torch.cuda.get_device_capability() >= (8, 9)),
+           "--do_fp8_training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)")
+    refuse(args.remote_text_encoder and not hub_token(args), "--remote_text_encoder needs a Hugging Face token: run `hf auth login` (or pass --hub_token)")
     if args.bnb_quantization_config_path:
         read_bnb_config(args.bnb_quantization_config_path)
-        if not torch.cuda.is_available():
-            raise UsageError("--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
-    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise UsageError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
-    if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        raise UsageError("--mixed_precision bf16 is not supported by this GPU; use fp16")
-    if (Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir
-            and args.resume_from_checkpoint is None):
-        raise UsageError(f"--output_dir {args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose "
-                         "another folder, pass --overwrite_output_dir, or --resume_from_checkpoint to continue it")
+        refuse(not cuda, "--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
+    refuse(args.mixed_precision == "fp16" and not cuda, "--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
+    refuse(args.mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported(), "--mixed_precision bf16 is not supported by this GPU; use fp16")
+    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir and args.resume_from_checkpoint is None,
+           f"--output_dir {args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose another folder, pass "
+           "--overwrite_output_dir, or --resume_from_checkpoint to continue it")
+    fsdp, processes = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true", int(os.environ.get("WORLD_SIZE", 1))
     if args.blocks_to_swap:
-        check_block_swap(args, torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true")
-    if args.optimizer == "prodigy" and importlib.util.find_spec("prodigyopt") is None:
-        raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
-    if args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")):
-        raise UsageError("--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
+        check_block_swap(args, cuda, fsdp)
+    refuse(args.fsdp_text_encoder and (processes < 2 or args.remote_text_encoder), "--fsdp_text_encoder shards the text "
+           "encoder over several processes: launch 2 or more, without --remote_text_encoder")
+    refuse(args.use_ema and fsdp, "--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
+    refuse(args.optimizer == "prodigy" and importlib.util.find_spec("prodigyopt") is None, "--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
+    refuse(args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")),
+           "--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -550,96 +385,6 @@ class ImageRecord:
         return None
 
 
-def to_rgb(image, background=NEUTRAL_GREY):
-    """Any Pillow mode -> 8-bit RGB: 16/32-bit grey scaled (not clipped) to 8 bits, palettes expanded, CMYK
-    converted, transparency composited on a neutral grey."""
-    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
-        array = np.asarray(image, dtype=np.float64)
-        scale = 257.0 if image.mode != "F" and array.max() > 255 else 1.0  # 16-bit data: 65535 -> 255
-        image = Image.fromarray(np.clip(array / scale, 0, 255).round().astype(np.uint8), "L")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def oriented_size(image):
-    """(width, height) as displayed: EXIF orientations 5-8 rotate by 90 degrees. Reads the header only."""
-    w, h = image.size
-    return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
-
-
-def inspect_image(path):
-    """Decode and hash one file -> ((width, height) as displayed, sha256). Decoding catches corrupt, truncated and
-    oversized files now rather than hours into training; JPEGs decode at 1/8 scale (every entropy-coded byte is
-    still read; the inverse DCT and colour conversion run on 1/64 of the pixels). Pillow and hashlib release the
-    GIL: threads scale."""
-    data = Path(path).read_bytes()
-    if not data:
-        raise ValueError("empty file")
-    with Image.open(io.BytesIO(data)) as im:  # over MAX_IMAGE_PIXELS: raises (scan_image_folder's filter)
-        size = oriented_size(im)
-        if im.format == "JPEG":
-            im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
-        im.load()
-    return size, hashlib.sha256(data).hexdigest()
-
-
-def scan_image_folder(folder, read_captions=True, index=None, workers=None, progress=False):
-    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
-
-    Every image is decoded and hashed once, so a corrupt, truncated, empty or oversized (decompression-bomb) file
-    is reported now, all of them in one message; files `index` (a ScanIndex, updated in place) knows unchanged are
-    neither decoded nor hashed again. The decoding is spread over `workers` threads (default: the cores); `progress`
-    shows a bar."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UsageError(f"{folder}: no such folder")
-    index = ScanIndex() if index is None else index
-    scanned_at = time.time()
-    records, bad, empty_captions, found = [], [], [], {}
-    candidates = [p for p in sorted(folder.iterdir())
-                  if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
-    stems = {p.stem for p in candidates}
-    masks = {p.stem[: -len("_mask")]: p for p in candidates if p.stem.endswith("_mask") and p.stem[: -len("_mask")] in stems}
-    mask_files = set(masks.values())
-    images = [p for p in candidates if p not in mask_files]  # x_mask.png beside x.png is x's mask, not an image
-    stats = {p: p.stat() for p in images}
-    known = {p: index.lookup(p.name, stats[p]) for p in images}
-    todo = [p for p in images if known[p] is None]
-    index.hits, index.decoded = len(images) - len(todo), len(todo)
-    # the filter is process-wide, so the threads see it; only this thread enters and leaves it
-    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        jobs = {p: pool.submit(inspect_image, p) for p in todo}
-        for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
-            try:
-                size, sha = known[path] or jobs[path].result()
-            except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
-                bad.append(f"{path}: {e}")
-                continue
-            found[path.name] = (stats[path], size, sha)
-            caption = None
-            txt = path.with_suffix(".txt")
-            if read_captions and txt.is_file():
-                try:
-                    caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
-                except UnicodeDecodeError as e:
-                    bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
-                if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
-                    empty_captions.append(txt.name)
-            mask = masks.get(path.stem)
-            records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
-                                       mask_path=str(mask) if mask else None, sha256=sha))
-    index.keep(found, scanned_at)
-    if bad:
-        raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
-    if empty_captions:
-        warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
-                      "those images use --instance_prompt", stacklevel=2)
-    return records
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Data: buckets, dataset, sampler and collate
 
@@ -648,22 +393,6 @@ def seed_for(*parts):
     """A 63-bit seed that is a pure function of `parts` (same on every process and Python run)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def parse_buckets(text):
-    """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
-    buckets = []
-    for pair in filter(None, (s.strip() for s in text.split(";"))):
-        m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
-        if not m:
-            raise UsageError(f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
-        h, w = int(m.group(1)), int(m.group(2))
-        if h <= 0 or w <= 0 or h % 16 or w % 16:
-            raise UsageError(f"--aspect_ratio_buckets {text}: sides must be positive multiples of 16, got {h},{w}")
-        buckets.append((h, w))
-    if not buckets:
-        raise UsageError(f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
-    return list(dict.fromkeys(buckets))
 
 
 def bucket_ladder(resolution, ratios=((1, 1), (4, 5), (5, 4), (3, 4), (4, 3), (2, 3), (3, 2), (9, 16), (16, 9), (1, 2), (2, 1))):
@@ -705,6 +434,13 @@ def image_to_tensor(image, transform, bucket):
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
+def sample_groups(instances, buckets, num_samples):
+    """(bucket id, condition images) of every sample (sample i shows instance image i % I), for the batch sampler: a
+    batch shares both, so its rows have the same number of target and reference tokens."""
+    groups = [(nearest_bucket(r.size[1], r.size[0], buckets), len(r.conditions)) for r in instances]
+    return [groups[i % len(instances)] for i in range(num_samples)]
+
+
 class DreamBoothDataset(torch.utils.data.Dataset):
     """Samples of a DreamBooth run. Items are dicts carrying their sample "index".
 
@@ -740,10 +476,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def sample_buckets(self):
-        """(bucket id, condition images) of every sample, for the batch sampler: a batch shares both, so its rows
-        have the same number of target and reference tokens."""
-        return [(self.image_buckets[i % len(self.instances)], len(self.cond_ids[i % len(self.instances)]))
-                for i in range(self.num_samples)]
+        return sample_groups(self.instances, self.buckets, self.num_samples)
 
     @property
     def num_slots(self):
@@ -896,11 +629,6 @@ def drop_captions(keys, num_instance, probability, rng):
     return ["" if i < num_instance and rng.random() < probability else k for i, k in enumerate(keys)]
 
 
-def reduce_mask(mask, latent_hw):
-    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
-    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
-
-
 class SampleCache:
     """Tensors stored once per content key (a caption; an image with its bucket, crop and flip), so repeats
     and shared captions share one entry. The dataset turns a batch's slots into keys; the cache turns keys
@@ -920,11 +648,6 @@ class SampleCache:
 
     def __getitem__(self, key):
         return self.store[key]
-
-    def gather(self, keys):
-        """-> one tensor, the entries of `keys` concatenated along dim 0."""
-        unique, rows = self.gather_unique(keys)
-        return unique[rows]
 
     def gather_unique(self, keys):
         """-> (each distinct entry of `keys` once, concatenated [U, ...]; rows [len(keys)] long, key i -> entry).
@@ -1110,6 +833,16 @@ def add_lora(transformer, lora_config):
     return transformer
 
 
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model inside the block: the LoRA layers pass their input through unchanged."""
+    model.disable_adapters()
+    try:
+        yield model
+    finally:
+        model.enable_adapters()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The recipe: what the stages share
 
@@ -1121,9 +854,10 @@ class Data:
     family: Family
     checkpoint: Path | None  # the checkpoint to resume from
     seed: int
-    dataset: "DreamBoothDataset"
+    dataset: DreamBoothDataset
     sampler: BucketBatchSampler
     loader: torch.utils.data.DataLoader
+    condition: tuple | None = None  # edit validation: (--validation_image fitted to its bucket, that bucket)
 
 
 @dataclass(frozen=True)
@@ -1155,67 +889,14 @@ class Run:
     ema: LoraEMA | None
     step_config: StepConfig
 
-    @property
-    def params(self):
-        return list(self.named_params.values())
-
-
-class StopRequest:
-    """SIGTERM/SIGINT (preemption, Ctrl-C) ask the loop to stop after the optimizer step in flight; a second
-    signal stops at once."""
-
-    def __init__(self):
-        self.signum = 0
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def restore(self):
-        """Back to the usual handlers: after the loop a signal must interrupt (final validation, upload)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving a checkpoint "
-              "(signal again to stop at once)", file=sys.stderr, flush=True)
-
-    def agreed(self, accelerator, finite):
-        """(signal number or 0, whether every process's loss was finite), agreed across processes so all stop
-        together. The one host-device sync of an optimizer step."""
-        flags = torch.stack([torch.tensor(self.signum, device=finite.device), (~finite).long()])
-        if accelerator.num_processes > 1:
-            flags = accelerator.reduce(flags, reduction="max")
-        signum, bad = flags.tolist()
-        return signum, not bad
-
-
-class PrecomputeStop(StopRequest):
-    """StopRequest during precompute: the batch being encoded is finished and written, then every process stops."""
-
-    def _handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping once the entries being written are complete "
-              "(signal again to stop at once)", file=sys.stderr, flush=True)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: data (prepare_data)
 
 
-def quiet_library_imports():
-    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
-    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
-    a plain run never uses. Their loggers keep errors only."""
+def setup_accelerator(args):
     import logging
 
-    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def setup_accelerator(args):
     import diffusers
     import transformers
     from accelerate.utils import is_tensorboard_available, is_wandb_available
@@ -1224,13 +905,9 @@ def setup_accelerator(args):
     available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
     trackers = [t for t in wanted if available.get(t, True)]
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
-        log_with=trackers or None,
-        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))),
-    )
-    import logging
-
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision,
+        log_with=trackers or None, project_config=ProjectConfiguration(
+            project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     for t in set(wanted) - set(trackers):
         logger.warning(f"--report_to {t}: not installed, not reporting to it")
@@ -1241,90 +918,48 @@ def setup_accelerator(args):
     return accelerator
 
 
-def weight_dtype_of(accelerator):
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
-
-
-def scan_folder(folder, disk, read_captions=True):
-    """scan_image_folder with the disk cache's index of that folder (unchanged files are not decoded again)."""
-    index = disk.read_scan_index(folder) if disk is not None and Path(folder).is_dir() else ScanIndex()
+def scan_folder(folder, cache, accelerator, read_captions=True):
+    """scan_image_folder with what earlier scans learnt (the disk cache's index: unchanged files are not decoded)."""
     tic = time.perf_counter()
-    records = scan_image_folder(folder, read_captions, index, progress=PartialState().is_local_main_process)
-    if disk is not None:
-        disk.write_scan_index(folder, index)
+    with cache.scan_index(folder, accelerator) as index:
+        records = scan_image_folder(folder, read_captions, index, progress=accelerator.is_local_main_process)
     logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
                 f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
     return records
 
 
-def load_instance_images(args, disk=None):
+def load_instance_images(args, cache, accelerator):
     if args.dataset_name:
         return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
                                args.cache_dir, args.cond_image_column)
-    records = scan_folder(args.instance_data_dir, disk)
+    records = scan_folder(args.instance_data_dir, cache, accelerator)
     if not records:
         raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
     if args.cond_data_dir:
-        conditions = scan_folder(args.cond_data_dir, disk, read_captions=False)
+        conditions = scan_folder(args.cond_data_dir, cache, accelerator, read_captions=False)
         records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
     return records
 
 
-def resolve_buckets(args):
-    if args.aspect_ratio_buckets:
-        return parse_buckets(args.aspect_ratio_buckets)
-    if args.use_aspect_ratio_buckets:
-        return bucket_ladder(args.resolution)
-    return [(args.resolution, args.resolution)]
-
-
-def agree_seed(args, checkpoint, accelerator):
-    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
-    seed = args.seed
-    if checkpoint is not None:
-        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
-        if seed is not None and seed != saved:
-            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
-                           "continue the original one exactly")
-        seed = saved if seed is None else seed
-    if seed is None:
-        seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
-        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
-    return seed
-
-
-def component_config(args, subfolder):
-    """<subfolder>/config.json of the checkpoint (for a Hub id, that small file alone is fetched) -> dict."""
-    root = Path(args.pretrained_model_name_or_path)
+def read_model_json(args, name, what):
+    """A small JSON file of the checkpoint (model_index.json, <component>/config.json; for a Hub id only that file
+    is fetched) -> dict; UsageError naming `what` when it cannot be read."""
     try:
-        if root.is_dir():
-            path = root / subfolder / "config.json"
+        if Path(args.pretrained_model_name_or_path).is_dir():
+            path = Path(args.pretrained_model_name_or_path, name)
         else:
             from huggingface_hub import hf_hub_download
 
-            path = hf_hub_download(args.pretrained_model_name_or_path, f"{subfolder}/config.json",
-                                   revision=args.revision, cache_dir=args.cache_dir)
+            path = hf_hub_download(args.pretrained_model_name_or_path, name, revision=args.revision, cache_dir=args.cache_dir)
         return json.loads(Path(path).read_text())
     except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
         raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
-                         f"{subfolder} config ({e})") from None
+                         f"{what} ({e})") from None
 
 
 def detect_family(args):
     """The checkpoint's family from its model_index.json (a small file; no weights are read)."""
-    root = Path(args.pretrained_model_name_or_path)
-    try:
-        if root.is_dir():
-            index = root / "model_index.json"
-        else:
-            from huggingface_hub import hf_hub_download
-
-            index = hf_hub_download(args.pretrained_model_name_or_path, "model_index.json", revision=args.revision,
-                                    cache_dir=args.cache_dir)
-        config = json.loads(Path(index).read_text())
-    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
-                         f"model_index.json ({e})") from None
+    config = read_model_json(args, "model_index.json", "model_index.json")
     if config.get("_class_name") not in FAMILIES:
         raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
                          f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
@@ -1379,72 +1014,65 @@ def guidance_scale(args, family):
     return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
 
 
-def load_class_images(args, accelerator, seed, family, disk=None):
-    if not args.with_prior_preservation:
-        return []
-    Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
-    with scan_order(accelerator, disk):
-        records = scan_folder(args.class_data_dir, disk, read_captions=False)
-    if len(records) < args.num_class_images:
-        generate_class_images(args, accelerator, seed, len(records), family)
-        with scan_order(accelerator, disk):
-            records = scan_folder(args.class_data_dir, disk, read_captions=False)
-    return records
+def resolve_buckets(args):
+    if args.aspect_ratio_buckets:
+        return parse_buckets(args.aspect_ratio_buckets)
+    return bucket_ladder(args.resolution) if args.use_aspect_ratio_buckets else [(args.resolution, args.resolution)]
 
 
-def scan_order(accelerator, disk):
-    """With the disk cache, each machine's first process scans first and the others find its index warm."""
-    return accelerator.local_main_process_first() if disk is not None else contextlib.nullcontext()
+def agree_seed(args, checkpoint, accelerator):
+    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
+    seed = args.seed
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
+        if seed is not None and seed != saved:
+            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
+                           "continue the original one exactly")
+        seed = saved if seed is None else seed
+    if seed is None:
+        seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
+        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
+    return seed
 
 
-def build_data(args, instances, classes, seed, accelerator, warn=True):
+def check_batches(batch_size, sampler, buckets):
+    """Refuse a batch size that leaves a process no full batch in an epoch (each batch holds one bucket)."""
+    if len(sampler) == 0:
+        sizes = {(*buckets[b], f"{r} references") if r else buckets[b]: len(members)
+                 for (b, r), members in sorted(sampler.by_bucket.items())}
+        raise UsageError(f"--train_batch_size {batch_size} leaves no full batch: samples per bucket (h, w) are {sizes} "
+                         f"over {sampler.num_replicas} process(es); lower --train_batch_size, raise --repeats, or use "
+                         "fewer buckets")
+
+
+def build_data(args, instances, classes, seed, accelerator):
     """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
-    buckets = resolve_buckets(args)
-    dataset = DreamBoothDataset(instances, args.instance_prompt, buckets, repeats=args.repeats, classes=classes,
-                                class_prompt=args.class_prompt, seed=seed, center_crop=args.center_crop,
+    dataset = DreamBoothDataset(instances, args.instance_prompt, resolve_buckets(args), repeats=args.repeats,
+                                classes=classes, class_prompt=args.class_prompt, seed=seed, center_crop=args.center_crop,
                                 random_flip=args.random_flip, with_pixels=not args.cache_latents,
                                 fixed_crops=args.cache_latents, with_masks=args.masked_loss)
     sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
     small = [r.name for r, b in zip(instances, dataset.image_buckets)
              if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]]
-    if small and warn and accelerator.is_main_process:
+    if small and accelerator.is_main_process:
         logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
                        f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
-    if len(sampler) == 0:
-        sizes = {(*dataset.buckets[b], f"{r} references") if r else dataset.buckets[b]: n
-                 for (b, r), n in sorted(collections.Counter(dataset.sample_buckets()).items())}
-        raise UsageError(f"--train_batch_size {args.train_batch_size} leaves no full batch: samples per bucket (h, w) are "
-                         f"{sizes} over {accelerator.num_processes} process(es); lower --train_batch_size, raise --repeats, "
-                         "or use fewer buckets")
+    check_batches(args.train_batch_size, sampler, dataset.buckets)
     # One iterator for the whole run (the sampler is a flat stream of epochs), so workers start once. Own
     # generator: iter() draws a worker seed, which must not consume the global RNG (LoRA init and dropout).
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                         num_workers=loader_workers(args.dataloader_num_workers, args.cache_latents,
-                                                                    int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
+    workers = loader_workers(args.dataloader_num_workers, args.cache_latents, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                                          generator=torch.Generator().manual_seed(seed))
     return dataset, sampler, loader
 
 
-def loader_workers(requested, cache_latents, local_processes):
-    """DataLoader workers: as requested; by default none with --cache_latents (a batch is a list of indices, all
-    inputs come from the caches), else a share of this machine's cores so decoding overlaps training."""
-    if requested is not None:
-        return requested
-    if cache_latents:
-        return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // local_processes - 1))
-
-
-def prepare_data(args, accelerator, disk=None):
-    """Everything that can fail on the user's input, before any weights load: flags that depend on the model
-    family, images (or the --from_manifest records), the resume point and seed, the batch size, --lora_layers;
-    then class images and the data."""
-    manifest = read_manifest(args.from_manifest) if args.from_manifest else None
-    if manifest is None:
-        with scan_order(accelerator, disk):
-            instances = load_instance_images(args, disk)
+def prepare_data(args, accelerator, cache):
+    """Everything that can fail on the user's input, before any weights load: the images (or the --from_manifest
+    records), the resume point and seed, flags that depend on the model family and must fit its configs; then
+    class images and the data."""
+    if cache.manifest is None:
+        instances = load_instance_images(args, cache, accelerator)
         uncaptioned = [r.name for r in instances if not r.caption]
         if uncaptioned and not args.instance_prompt:
             source = (f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption"
@@ -1453,30 +1081,57 @@ def prepare_data(args, accelerator, disk=None):
             raise UsageError(f"{source} ({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
                              "--instance_prompt for them")
     else:
-        instances, manifest_classes = apply_manifest(args, manifest)
+        instances, classes = apply_manifest(args, cache.manifest)
     checkpoint = find_resume_checkpoint(args)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
-    build_data(args, instances, [None] * args.num_class_images if args.with_prior_preservation else [], seed, accelerator,
-               warn=False)  # the batch-size check, before class images are generated
+    # the batch size, before the model's files are read and class images generated (more class images than asked
+    # for only add samples, so this bound holds)
+    buckets, classes_wanted = resolve_buckets(args), args.num_class_images if args.with_prior_preservation else 0
+    early = sample_groups(instances, buckets, max(len(instances) * args.repeats, classes_wanted))
+    check_batches(args.train_batch_size, BucketBatchSampler(early, args.train_batch_size, seed,
+                                                            num_replicas=accelerator.num_processes), buckets)
     family = detect_family(args)  # the model's small JSON files only
-    if manifest is not None:
-        check_manifest_model(args, manifest, family)
+    if cache.manifest is not None:
+        check_manifest_model(args, cache.manifest, family)
     resolve_family_defaults(args, family)
     check_model_fit(args)
-    if args.fsdp_text_encoder and (accelerator.num_processes < 2 or args.remote_text_encoder):
-        raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
-                         "without --remote_text_encoder")
-    if args.use_ema and is_fsdp(accelerator):
-        raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
-    classes = load_class_images(args, accelerator, seed, family, disk) if manifest is None else manifest_classes
-    data = Data(family, checkpoint, seed, *build_data(args, instances, classes, seed, accelerator))
-    check_edit_validation(args, data.dataset)
-    return data
+    if cache.manifest is None:
+        classes = load_class_images(args, accelerator, seed, family, cache) if args.with_prior_preservation else []
+    dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
+    return Data(family, checkpoint, seed, dataset, sampler, loader, edit_validation_condition(args, dataset))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 2: precompute (prompt embeddings, latents)
+
+
+class MemoryCache:
+    """--precompute_cache_dir none: the entries live in each process's memory, and a run holds and leaves nothing.
+    The core reaches a cache only through this interface, which the disk cache (Appendix A) implements too:
+    scan_index(folder, accelerator) (a context: what earlier scans learnt about a folder's files), stores() (the
+    prompt and latent mappings), hold() (before anyone looks at the entries) and settle() (after precompute)."""
+
+    persistent, manifest = False, None  # persistent: a stopped precompute keeps its entries
+
+    @contextlib.contextmanager
+    def scan_index(self, folder, accelerator):
+        yield ScanIndex()
+
+    def stores(self, args, dataset, family, weight_dtype):
+        return SampleCache(), SampleCache() if args.cache_latents else None
+
+    def hold(self, accelerator, dataset, needed):
+        pass
+
+    def settle(self, args, accelerator, data, caches):
+        report_memory_copies(caches, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+
+
+def open_cache(args):
+    """The run's cache: the disk cache (--precompute_cache_dir, by default per user) or, for 'none', memory."""
+    root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
+    return MemoryCache() if root is None else DiskCache.open(root, args)
 
 
 def validation_prompts(args):
@@ -1490,15 +1145,40 @@ def needed_prompts(args, dataset, family):
     keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
     cfg = (family.pipeline == "Flux2KleinPipeline" and not family.distilled and validation_prompts(args)
            and args.validation_guidance_scale > 1)
-    return keys + ([""] if args.caption_dropout > 0 or cfg else [])
+    return list(dict.fromkeys(keys + ([""] if args.caption_dropout > 0 or cfg else [])))
+
+
+def encode_missing(accelerator, cache, todo, batches, encode, progress, unit, lockstep=False):
+    """Encode the entries `todo` (missing on every process) into `cache`: each process its share todo[rank::world],
+    in batches(share); every process runs as many rounds as the longest share has batches, since the stop check is a
+    collective (with `lockstep` so is `encode`: a process out of work encodes a stand-in). Then the processes share
+    what they wrote. Callers list `todo` on every process, then wait for all, before anyone writes."""
+    world = accelerator.num_processes
+    shares = [batches(todo[r::world]) for r in range(world)]
+    mine = shares[accelerator.process_index]
+    bar = tqdm(total=sum(map(len, mine)), desc=f"Encoding {unit}s", unit=unit, disable=not accelerator.is_local_main_process)
+    for r in range(max(map(len, shares))):
+        progress.check(accelerator)
+        keys = mine[r] if r < len(mine) else []
+        if keys or (lockstep and todo):
+            for key, value in zip(keys, encode(keys or todo[:1])):  # todo[:1]: a stand-in keeping the shards in step
+                cache.put(key, value[None])  # [1, ...]
+            progress.written += len(keys)
+        bar.update(len(keys))
+    bar.close()
+    share_entries(cache, todo, accelerator)
+    return sum(map(len, mine))
+
+
+def chunks(keys, size):
+    return [keys[i:i + size] for i in range(0, len(keys), size)]
 
 
 def prompt_encoder(args, accelerator, family, weight_dtype):
-    """-> a function texts -> embeddings [B, L, D]: the remote endpoint, or the text encoder loaded here (sharded
-    with --fsdp_text_encoder); dropping the function frees it."""
+    """-> a function texts -> embeddings [B, L, D]: the text encoder loaded here (or the remote one, or sharded:
+    Appendix G); dropping the function frees it."""
     if args.remote_text_encoder:
-        url, token = args.remote_text_encoder_url, hub_token(args)
-        return lambda texts: torch.cat([remote_prompt_embeds(url, text, token) for text in texts])
+        return remote_encoder(args)
     import transformers
 
     logger.info("loading the text encoder", main_process_only=False)
@@ -1515,41 +1195,23 @@ def prompt_encoder(args, accelerator, family, weight_dtype):
 
 
 @torch.no_grad()
-def precompute_prompts(args, accelerator, dataset, weight_dtype, family, cache=None, plan=None):
-    """Encode every prompt not cached yet, once (training slots and validation) into `cache` (default: a new one in
-    memory); the text encoder is loaded only if something is missing, and freed afterwards. `plan` (a
-    PrecomputePlan) counts the work and stops every process between batches on SIGTERM/SIGINT."""
-    cache = SampleCache() if cache is None else cache
+def precompute_prompts(args, accelerator, dataset, weight_dtype, family, cache, progress):
+    """Encode every prompt the run reads and `cache` lacks, once; the text encoder is loaded only if something is
+    missing here (or it is sharded: every process joins every pass), and freed afterwards."""
     keys = needed_prompts(args, dataset, family)
     todo = cache.todo(keys)
     accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
-    world, size = accelerator.num_processes, 1 if args.remote_text_encoder else args.train_batch_size
-    mine = todo[accelerator.process_index::world]  # each process encodes its share
-    # every process runs as many rounds as the largest share: the stop check and FSDP's forwards are collectives
-    rounds = math.ceil(math.ceil(len(todo) / world) / size)
-    sharded = args.fsdp_text_encoder and bool(todo)  # every process joins every sharded forward pass
+    sharded = args.fsdp_text_encoder and bool(todo)
+    mine = todo[accelerator.process_index::accelerator.num_processes]
     encode = prompt_encoder(args, accelerator, family, weight_dtype) if mine or sharded else None
-    bar = tqdm(total=len(mine), desc="Encoding prompts", unit="prompt", disable=not accelerator.is_local_main_process)
-    for i in range(0, rounds * size, size):
-        if plan is not None:
-            plan.check(accelerator)
-        texts = mine[i:i + size]
-        if texts or sharded:
-            embeds = encode(texts or todo[:1])  # todo[:1]: a stand-in keeping shards in step
-            for text, embed in zip(texts, embeds):
-                cache.put(text, embed[None])  # [1, L, D]
-            if plan is not None:
-                plan.written += len(texts)
-        bar.update(len(texts))
-    bar.close()
+    size = 1 if args.remote_text_encoder else args.train_batch_size
+    done = encode_missing(accelerator, cache, todo, lambda keys: chunks(keys, size), encode, progress, "prompt", sharded)
+    logger.info(f"encoded {done} of {len(todo)} missing prompts ({len(keys)} unique)", main_process_only=False)
     if encode is not None:
         from diffusers.training_utils import free_memory
 
         del encode
         free_memory()
-    logger.info(f"encoded {len(mine)} of {len(todo)} missing prompts ({len(set(keys))} unique)", main_process_only=False)
-    share_entries(cache, todo, accelerator)
-    return cache
 
 
 def load_vae(args, accelerator, weight_dtype):
@@ -1565,165 +1227,55 @@ def load_vae(args, accelerator, weight_dtype):
     return vae.to("cpu" if args.offload else accelerator.device), mean, std
 
 
-@contextlib.contextmanager
-def on_device(module, device, offload):
-    """--offload: `module` lives on the CPU and comes to `device` only while it runs (cost: one host-device
-    copy of its weights each time, about 0.2 GB for the FLUX.2 VAE)."""
-    if not offload or module is None:
-        yield module
-        return
-    module.to(device)
-    try:
-        yield module
-    finally:
-        module.to("cpu")
-
-
 def latent_batches(keys, batch_size):
     """VAE batches of latent keys: grouped by bucket (key[2]; one shape per batch), then cut to batch_size."""
     by_shape = {}
     for key in keys:
         by_shape.setdefault(key[2], []).append(key)
-    return [group[i:i + batch_size] for group in by_shape.values() for i in range(0, len(group), batch_size)]
+    return [batch for group in by_shape.values() for batch in chunks(group, batch_size)]
 
 
 @torch.no_grad()
-def prepare_latents(args, accelerator, dataset, weight_dtype, cache=None, plan=None):
-    """With --cache_latents, encode every (image, bucket, crop, flip) not cached yet, once, into `cache` (default: a
-    new one in memory). Loads the VAE only if something needs it (missing entries, uncached training, validation).
-    `plan` as in precompute_prompts. -> (cache or None, vae or None, stats)."""
-    todo, mine, world = [], [], accelerator.num_processes
-    if args.cache_latents:
-        cache = SampleCache() if cache is None else cache
-        todo = cache.todo(dataset.cached_latent_keys())
-        accelerator.wait_for_everyone()
-        mine = todo[accelerator.process_index::world]  # each process encodes its share
+def prepare_latents(args, accelerator, dataset, weight_dtype, cache, progress):
+    """With --cache_latents, encode every (image, bucket, crop, flip) `cache` lacks, once. Loads the VAE only if
+    something needs it (missing entries, uncached training, validation) -> (the VAE or None, its statistics)."""
+    todo = cache.todo(dataset.cached_latent_keys()) if args.cache_latents else []
+    accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
     if args.cache_latents and not todo and not validation_prompts(args):
         logger.info("all latents cached; the VAE is not loaded")
-        return cache, None, None
-    vae, latent_mean, latent_std = load_vae(args, accelerator, weight_dtype)
-    if not args.cache_latents:
-        return None, vae, (latent_mean, latent_std)
-    batches = latent_batches(mine, args.train_batch_size)
-    # as many rounds on every process as the longest share has batches: the stop check is a collective
-    rounds = max(len(latent_batches(todo[r::world], args.train_batch_size)) for r in range(world))
-    bar = tqdm(total=len(mine), desc="Encoding images", unit="image", disable=not accelerator.is_local_main_process)
-    for r in range(rounds):
-        if plan is not None:
-            plan.check(accelerator)
-        if r >= len(batches):
-            continue
-        with on_device(vae, accelerator.device, args.offload):
-            params = encode_images(vae, torch.stack([dataset.pixels(k) for k in batches[r]]), latent_mean, latent_std,
-                                   args.latent_sampling)
-        for key, value in zip(batches[r], params):
-            cache.put(key, value[None])  # [1, 4C, h, w], or [1, 2, 4C, h, w] with --latent_sampling sample
-        if plan is not None:
-            plan.written += len(batches[r])
-        bar.update(len(batches[r]))
-    bar.close()
-    logger.info(f"encoded {len(mine)} of {len(todo)} missing images", main_process_only=False)
-    share_entries(cache, todo, accelerator)
-    if not validation_prompts(args):
-        vae = None  # nothing else needs it
-    return cache, vae, (latent_mean, latent_std)
+        return None, None
+    vae, mean, std = load_vae(args, accelerator, weight_dtype)
+    if args.cache_latents:
+        def encode(keys):
+            with on_device(vae, accelerator.device, args.offload):
+                return encode_images(vae, torch.stack([dataset.pixels(k) for k in keys]), mean, std, args.latent_sampling)
+
+        # [1, 4C, h, w] each, or [1, 2, 4C, h, w] with --latent_sampling sample
+        done = encode_missing(accelerator, cache, todo, lambda keys: latent_batches(keys, args.train_batch_size),
+                              encode, progress, "image")
+        logger.info(f"encoded {done} of {len(todo)} missing images", main_process_only=False)
+    return (vae if validation_prompts(args) or not args.cache_latents else None), (mean, std)
 
 
-def prepare_masks(dataset, latents):
-    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
-    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
-    cache = SampleCache()
-    for key in dict.fromkeys(dataset.cached_latent_keys()):
-        cache.put(key, reduce_mask(dataset.mask(key)[None], latents[key].shape[-2:]))
-    return cache
-
-
-def open_cache(args):
-    """The disk cache folder (--precompute_cache_dir, by default per user), or None for 'none' (in memory)."""
-    root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
-    if root is None:
-        return None
-    disk = CacheFolder(root, int(args.precompute_cache_max_gb * 1e9))
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        disk.unwritable(e)
-    return disk
-
-
-@dataclass
-class PrecomputePlan:
-    """The entries a run reads and how far precompute got: what its lease, interrupt message, cache log line and
-    manifest are made of. Paths are relative to the cache folder (empty without one)."""
-
-    prompt_paths: dict  # text -> entry
-    latent_paths: dict  # latent key -> entry
-    missing: set  # entries not cached when precompute started
-    needed: int
-    cached: int
-    written: int = 0  # entries this process has written since
-    stop: object = None  # a PrecomputeStop while precompute runs
-    persistent: bool = True
-
-    def check(self, accelerator):
-        """Called by every process before each batch (a collective): when any process was signalled, all stop."""
-        flags = torch.tensor([[self.stop.signum if self.stop else 0, self.written]], device=accelerator.device)
-        if accelerator.num_processes > 1:
-            flags = accelerator.gather(flags)  # [processes, 2]
-        signum, written = int(flags[:, 0].max()), int(flags[:, 1].sum())
-        if signum:
-            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
-                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
-                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
-            logger.warning(message, main_process_only=False)
-            raise TrainingStopped(message, 128 + signum)
-
-
-def plan_precompute(args, accelerator, dataset, family, prompts, latents, disk):
-    """List the entries the run will read and lease them (each machine's first process) before anyone looks at
-    them, so no other run's eviction removes what this one has found; then count what is cached. With
-    --from_manifest a missing entry is an error: nothing could compute it."""
-    prompt_keys = list(dict.fromkeys(needed_prompts(args, dataset, family)))
-    latent_keys = list(dict.fromkeys(dataset.cached_latent_keys())) if latents is not None else []
-    prompt_paths, latent_paths = {}, {}
-    if disk is not None:
-        prompt_paths = {k: disk.relative(prompts.store.path(k)) for k in prompt_keys}
-        latent_paths = {k: disk.relative(latents.store.path(k)) for k in latent_keys}
-        if accelerator.is_local_main_process:
-            disk.take_lease([*prompt_paths.values(), *latent_paths.values()])
-    accelerator.wait_for_everyone()
-    todo_prompts, todo_latents = prompts.todo(prompt_keys), latents.todo(latent_keys) if latents else []
-    if args.from_manifest and (todo_prompts or todo_latents):
-        raise UsageError(missing_entries_message(args, disk, dataset, todo_prompts, todo_latents,
-                                                 len(prompt_keys) + len(latent_keys)))
-    missing = {prompt_paths.get(k) for k in todo_prompts} | {latent_paths.get(k) for k in todo_latents}
-    needed = len(prompt_keys) + len(latent_keys)
-    return PrecomputePlan(prompt_paths, latent_paths, missing - {None}, needed,
-                          needed - len(todo_prompts) - len(todo_latents), persistent=disk is not None)
-
-
-def precompute(args, accelerator, data, weight_dtype, disk=None):
-    """Prompt embeddings (always) and latents (--cache_latents) -> Caches, the VAE if still needed, its stats.
-    SIGTERM/SIGINT stop every process once the batch being written is complete. With the disk cache the run leases
-    its entries first and leaves the cache within its bound and a dataset manifest behind."""
+def precompute(args, accelerator, data, weight_dtype, cache):
+    """Prompt embeddings (always) and latents (--cache_latents) into the run's cache -> (Caches, the VAE if still
+    needed, its statistics). A signal stops every process once the entries being written are complete."""
     dataset, family = data.dataset, data.family
-    identity = cache_identity(args, weight_dtype, family) if disk is not None else None
-    prompt_cache, latent_cache = open_stores(args, dataset, identity, disk)
-    plan = plan_precompute(args, accelerator, dataset, family, prompt_cache, latent_cache, disk)
-    plan.stop = PrecomputeStop()
-    try:
-        prompts = precompute_prompts(args, accelerator, dataset, weight_dtype, family, prompt_cache, plan)
-        latents, vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype, latent_cache, plan)
-        plan.check(accelerator)  # a signal during the last batch still stops before training
-    finally:
-        plan.stop.restore()
+    prompts, latents = cache.stores(args, dataset, family, weight_dtype)
+    needed = {"prompts": (prompts, needed_prompts(args, dataset, family))}
+    if latents is not None:
+        needed["latents"] = (latents, list(dict.fromkeys(dataset.cached_latent_keys())))
+    cache.hold(accelerator, dataset, needed)  # before anyone looks: no other run's eviction takes what this one found
+    total = sum(len(keys) for _, keys in needed.values())
+    missing = sum(len(store.todo(keys)) for store, keys in needed.values())
+    with StopRequest("once the entries being written are complete") as stop:
+        progress = Progress(total, total - missing, cache.persistent, stop)
+        precompute_prompts(args, accelerator, dataset, weight_dtype, family, prompts, progress)
+        vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype, latents, progress)
+        progress.check(accelerator)  # a signal during the last batch still stops before training
     masks = prepare_masks(dataset, latents) if latents is not None and args.masked_loss else None
     caches = Caches(prompts, latents, masks)
-    if disk is not None:
-        settle_cache(accelerator, disk, plan)
-        write_manifest(args, accelerator, dataset, family, identity, plan, disk)
-    else:
-        report_memory_copies(caches, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+    cache.settle(args, accelerator, data, caches)
     return caches, vae, latent_stats
 
 
@@ -1731,65 +1283,27 @@ def precompute(args, accelerator, data, weight_dtype, disk=None):
 # Stage 3: model and optimizer (setup_training)
 
 
-def load_transformer_with_lora(args, accelerator, weight_dtype):
-    """Frozen transformer in the training dtype with float32 LoRA adapters on --lora_layers."""
-    return prepare_transformer(args, accelerator, load_transformer(args, weight_dtype, empty=loads_from_rank_0(
-        accelerator, args.bnb_quantization_config_path)))
-
-
 def load_transformer(args, weight_dtype, empty=False):
     """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU); empty: its shapes
-    only, on the meta device."""
+    only, on the meta device (under FSDP's lean loading, Appendix G)."""
     from diffusers import Flux2Transformer2DModel
 
     if empty:
-        from accelerate import init_empty_weights
-
         logger.info(f"process {PartialState().process_index}: an empty transformer; its weights come from process 0 "
                     "as FSDP shards (cpu_ram_efficient_loading)", main_process_only=False)
-
-        with init_empty_weights():
-            config = Flux2Transformer2DModel.load_config(args.pretrained_model_name_or_path, subfolder="transformer",
-                                                         revision=args.revision, cache_dir=args.cache_dir)
-            return Flux2Transformer2DModel.from_config(config).to(weight_dtype)
-    quantization = None
-    if args.bnb_quantization_config_path:  # QLoRA: the frozen base in 4 or 8 bits, LoRA on top in float32
-        from diffusers import BitsAndBytesConfig
-
-        config = read_bnb_config(args.bnb_quantization_config_path)
-        if config.get("load_in_4bit"):
-            config.setdefault("bnb_4bit_compute_dtype", weight_dtype)
-        quantization = BitsAndBytesConfig(**config)
-    transformer = Flux2Transformer2DModel.from_pretrained(args.pretrained_model_name_or_path, subfolder="transformer",
-                                                          revision=args.revision, variant=args.variant,
-                                                          torch_dtype=weight_dtype, cache_dir=args.cache_dir,
-                                                          quantization_config=quantization)
-    return transformer
+        return empty_transformer(args).to(weight_dtype)
+    return Flux2Transformer2DModel.from_pretrained(args.pretrained_model_name_or_path, subfolder="transformer",
+                                                   revision=args.revision, variant=args.variant, torch_dtype=weight_dtype,
+                                                   cache_dir=args.cache_dir, quantization_config=quantization(args, weight_dtype))
 
 
 def prepare_transformer(args, accelerator, transformer):
-    """A loaded transformer -> frozen, on the device, with float32 LoRA adapters on --lora_layers and the speed and
-    memory options applied. benchmarks/gpu_step.py calls it on real-shaped random transformers."""
+    """A loaded transformer -> frozen, with float32 LoRA adapters on --lora_layers, on the device, with the memory
+    and speed options applied (Appendix I). benchmarks/gpu_step.py calls it on real-shaped random transformers."""
     from peft import LoraConfig
 
     transformer.requires_grad_(False)
-    # The whole model goes to the device now, unless part of it must never be there at once: swapped blocks (placed
-    # below, once their LoRA exists) and FSDP (which moves and shards one wrapped block at a time, so no GPU holds
-    # more than its shards plus one block). Quantised weights are on the GPU already.
-    place_later = args.blocks_to_swap > 0 or is_fsdp(accelerator)
-    if args.bnb_quantization_config_path:
-        from peft import prepare_model_for_kbit_training
-
-        transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
-    elif not place_later:
-        transformer.to(accelerator.device)
-    if args.do_fp8_training:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
-        convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
-                                   module_filter_fn=lambda m, name: name != "proj_out" and (
-                                       not isinstance(m, torch.nn.Linear) or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
+    transformer = before_lora(args, accelerator, transformer)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     targets = lora_target_modules(args.lora_layers, transformer.config.num_single_layers, block_linear_names(transformer))
@@ -1797,40 +1311,16 @@ def prepare_transformer(args, accelerator, transformer):
                                      init_lora_weights="gaussian", target_modules=targets))
     logger.info(describe_lora(adapted_modules(transformer), sum(p.numel() for p in transformer.parameters()
                                                                 if p.requires_grad), args.rank))
-    if is_fsdp(accelerator) and transformer.device.type == "meta":  # lean loading: accelerate hands the optimizer
-        transformer.to_empty(device="cpu")  # the sharded parameters by data pointer, 0 for all meta tensors
-    if args.blocks_to_swap:
-        transformer.block_swapper = BlockSwapper(transformer, args.blocks_to_swap, accelerator.device)
-        logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "
-                    f"{len(transformer_blocks(transformer))} blocks stay in pinned host memory; at most 2 of them "
-                    "are on the GPU at once")
-        if not args.bnb_quantization_config_path:  # quantised weights are on the GPU already
-            transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
-    if args.attention_backend != "native":
-        transformer.set_attention_backend(args.attention_backend)
-    if args.compile:
-        compile_blocks(transformer)
-    return transformer
+    return after_lora(args, accelerator, transformer)
 
 
 def setup_optimizer(args, params, accelerator):
     lr = args.learning_rate
     if args.scale_lr:
         lr *= args.gradient_accumulation_steps * args.train_batch_size * accelerator.num_processes
-    if args.optimizer == "prodigy":
-        if args.use_8bit_adam:
-            logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
-        import prodigyopt  # present: validate_args checked
-
-        return prodigyopt.Prodigy(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), beta3=args.prodigy_beta3,
-                                  weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
-                                  decouple=args.prodigy_decouple, use_bias_correction=args.prodigy_use_bias_correction,
-                                  safeguard_warmup=args.prodigy_safeguard_warmup)
     hyper = dict(lr=lr, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
-    if args.use_8bit_adam:
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, **hyper)
+    if args.optimizer == "prodigy" or args.use_8bit_adam:
+        return other_optimizer(args, params, hyper)
     # fused: one kernel for all LoRA tensors instead of several per tensor. Not under FSDP, whose sharded
     # (DTensor) parameters it has not been verified with here.
     fused = accelerator.device.type == "cuda" and not is_fsdp(accelerator)
@@ -1848,7 +1338,8 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.optimization import get_scheduler
 
-    transformer = load_transformer_with_lora(args, accelerator, weight_dtype)
+    empty = loads_from_rank_0(accelerator, args.bnb_quantization_config_path)
+    transformer = prepare_transformer(args, accelerator, load_transformer(args, weight_dtype, empty))
     noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
         args.pretrained_model_name_or_path, subfolder="scheduler", revision=args.revision, cache_dir=args.cache_dir)
     if args.max_train_steps is None:
@@ -1872,55 +1363,11 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
 # Stage 4: checkpoints
 
 
-def list_checkpoints(output_dir):
-    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
-    found = []
-    for path in Path(output_dir).glob("checkpoint-*"):
-        m = CHECKPOINT_RE.match(path.name)
-        if m and path.is_dir():
-            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
-                found.append((int(m.group(1)), path))
-            else:
-                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
-    return [p for _, p in sorted(found)]
-
-
-def find_resume_checkpoint(args):
-    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
-    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint == "latest":
-        found = list_checkpoints(args.output_dir)
-        if not found:
-            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
-            return None
-        for path in reversed(found):
-            problem = checkpoint_problem(path)
-            if problem is None:
-                return path
-            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
-        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
-                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
-                         "away to start from scratch")
-    path = Path(args.resume_from_checkpoint)
-    if not (path / TRAINER_STATE_NAME).is_file():
-        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
-    problem = checkpoint_problem(path)
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
-    return path
-
-
 def lora_state_dict(accelerator, transformer):
     """The adapter's tensors, complete and on the CPU, keyed as diffusers' FLUX.2 LoRA loader expects (before its
-    "transformer." prefix). Under FSDP the parameters are shards: they are gathered, a collective every process
-    must join, and only the LoRA is gathered, never the frozen base."""
+    "transformer." prefix); under FSDP gathered from the shards (a collective: Appendix G)."""
     if is_fsdp(accelerator):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
-        state = {k.replace(".default.", "."): v for k, v in state.items()}  # peft's naming, without the adapter name
+        state = fsdp_lora_state_dict(transformer)
     else:
         from peft.utils import get_peft_model_state_dict
 
@@ -1941,84 +1388,10 @@ def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=L
 
     config = accelerator.unwrap_model(transformer).peft_config["default"].to_dict()
     state = portable_lora(state, config["lora_alpha"] / config["r"])
-    config.update(lora_alpha=config["r"], alpha_pattern={})
+    config.update(lora_alpha=config["r"], alpha_pattern={}, target_modules=sorted(config["target_modules"]))
     Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.to(dtype or state[k].dtype) for k, v in state.items()},
                                     weight_name=weight_name, transformer_lora_adapter_metadata=config)
     follow_umask(Path(folder, weight_name))
-
-
-def optimizer_state(accelerator, run):
-    """optimizer.state_dict(); under FSDP its states are shards, which safetensors cannot hold: the full state is
-    gathered (keyed by parameter name; LoRA states are small). A collective under FSDP."""
-    if not is_fsdp(accelerator):
-        return run.optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(run.transformer, run.optimizer, options=StateDictOptions(full_state_dict=True))
-
-
-def flatten_state(obj, tensors, path="t"):
-    """Nested state (dicts, lists, tensors, scalars) -> JSON-able skeleton; tensors go into `tensors` by path.
-    Checkpoints are safetensors + JSON, so resuming never unpickles anything."""
-    if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().to("cpu").contiguous()
-        return {"__tensor__": path}
-    if isinstance(obj, dict):  # items as pairs: optimizer state is keyed by int
-        return {"__items__": [[k, flatten_state(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
-
-
-def unflatten_state(obj, tensors):
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        return {k: unflatten_state(v, tensors) for k, v in obj["__items__"]}
-    if isinstance(obj, list):
-        return [unflatten_state(v, tensors) for v in obj]
-    return obj
-
-
-def write_state(folder, name, state):
-    """state -> <name>.json + <name>.safetensors."""
-    from safetensors.torch import save_file
-
-    tensors = {}
-    skeleton = flatten_state(state, tensors)
-    save_file(tensors, str(Path(folder, f"{name}.safetensors")))
-    follow_umask(Path(folder, f"{name}.safetensors"))
-    Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
-
-
-def read_state(folder, name):
-    from safetensors.torch import load_file
-
-    return unflatten_state(json.loads(Path(folder, f"{name}.json").read_text()),
-                           load_file(str(Path(folder, f"{name}.safetensors"))))
-
-
-def rng_state():
-    state = {"torch": torch.get_rng_state()}  # LoRA dropout draws from the global generators
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-@functools.cache
-def umask():
-    """The process's umask (reading it means setting it: done once, before any thread starts)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def follow_umask(path):
-    """Give a written file the ordinary mode 0o666 & ~umask: safetensors >= 0.8 writes 0600 files, which another
-    user or container cannot read when the LoRA is copied into a shared model folder."""
-    os.chmod(path, 0o666 & ~umask())
 
 
 def save_checkpoint(args, accelerator, run, global_step):
@@ -2035,7 +1408,8 @@ def save_checkpoint(args, accelerator, run, global_step):
     accelerator.wait_for_everyone()
     try:
         write_state(partial, f"rng-{accelerator.process_index}", rng_state())
-        lora, optimizer = lora_state_dict(accelerator, run.transformer), optimizer_state(accelerator, run)  # collectives
+        lora = lora_state_dict(accelerator, run.transformer)  # under FSDP, the state dicts are collectives
+        optimizer = fsdp_optimizer_state(run) if is_fsdp(accelerator) else run.optimizer.state_dict()
         if accelerator.is_main_process:
             save_lora(accelerator, run.transformer, lora, partial)
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
@@ -2062,47 +1436,16 @@ def save_checkpoint(args, accelerator, run, global_step):
 
 def load_checkpoint(checkpoint, accelerator, run):
     """Restore what save_checkpoint wrote; returns the global step to continue from. A checkpoint whose tensors do
-    not fit this model and these flags (another --rank, --lora_layers or model) is refused before anything is
-    changed."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
+    not fit this model and these flags (another --rank, --lora_layers or model) is refused before anything changes."""
     training = read_state(checkpoint, "training")
-    lora = training.get("lora")  # checkpoints written before the LoRA file was portable: the file is the raw adapter
-    if lora is None:
-        lora = {k.removeprefix("transformer."): v for k, v in load_file(str(checkpoint / LORA_WEIGHTS_NAME)).items()}
-    fsdp = is_fsdp(accelerator)
-    if fsdp:  # saved names -> this run's parameter names; FSDP2's DTensor.shape is the full shape, FSDP1's flat
-        from torch.distributed.tensor import DTensor  # shards have none: names only there
-
-        params = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n): p
-                  for n, p in run.transformer.named_parameters() if p.requires_grad}
-        names = {n.replace(".default.", "."): n for n in params}
-        expected = {k: params[n].shape if isinstance(params[n], DTensor) else None for k, n in names.items()}
-    else:
-        from peft.utils import get_peft_model_state_dict
-
-        expected = {k: v.shape for k, v in get_peft_model_state_dict(accelerator.unwrap_model(run.transformer)).items()}
-    problem = state_fit_problem(lora, expected)
-    if problem is None and run.ema is not None and training.get("ema") is not None:
-        ema_problem = state_fit_problem(training["ema"]["shadow"], {n: v.shape for n, v in run.ema.shadow.items()})
-        problem = ema_problem and f"its EMA: {ema_problem}"
-    saved_groups = [len(g["params"]) for g in training["optimizer"].get("param_groups", [])]
-    if problem is None and not fsdp and saved_groups != [len(g["params"]) for g in run.optimizer.param_groups]:
-        problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
-                         f"({problem}); was it trained with another --rank, --lora_layers or model?")
+    check_checkpoint_fits(checkpoint, accelerator, run, training)
     try:
-        if fsdp:  # every process passes the full tensors; torch keeps each process's shard
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
-
-            options = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(run.transformer, {names[k]: v for k, v in lora.items()}, options=options)
-            set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
+        if is_fsdp(accelerator):
+            fsdp_load_state(run, training)
         else:
-            set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), lora, adapter_name="default")
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), training["lora"], adapter_name="default")
             run.optimizer.load_state_dict(training["optimizer"])
         run.lr_scheduler.load_state_dict(training["lr_scheduler"])
         if run.ema is not None and training.get("ema") is not None:
@@ -2114,8 +1457,7 @@ def load_checkpoint(checkpoint, accelerator, run):
     except (KeyError, ValueError, RuntimeError, TypeError) as e:  # e.g. another optimizer's state (AdamW vs Prodigy)
         raise UsageError(f"--resume_from_checkpoint {checkpoint}: its training state does not fit this run "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    rng_file = checkpoint / f"rng-{accelerator.process_index}.json"
-    if rng_file.is_file():
+    if (checkpoint / f"rng-{accelerator.process_index}.json").is_file():
         rng = read_state(checkpoint, f"rng-{accelerator.process_index}")
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
@@ -2143,16 +1485,7 @@ def start_logging(args, accelerator, run, global_step):
                    f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
                    ", images decoded in the main process"))
     if data.dataset.conditions:
-        counts = sorted({len(ids) for ids in data.dataset.cond_ids})
-        logger.info(f"edit training: {len(data.dataset.conditions)} condition images for {len(data.dataset.instances)} "
-                    f"targets, {' or '.join(map(str, counts))} per target, their tokens after the target's (the loss "
-                    "covers the target's)")
-
-
-def tracker_config(args):
-    """Flags for the trackers: scalars only, and never the Hub token."""
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
-            if k != "hub_token" and v is not None}
+        logger.info(describe_edit_data(data.dataset))
 
 
 @dataclass
@@ -2228,7 +1561,7 @@ def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sa
 
 
 def optimizer_step(args, accelerator, run):
-    accelerator.clip_grad_norm_(run.params, args.max_grad_norm)
+    accelerator.clip_grad_norm_(list(run.named_params.values()), args.max_grad_norm)
     run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -2259,15 +1592,15 @@ def train(args, accelerator, run, global_step):
     prefetcher = Prefetcher(data.loader, micro, lambda m, batch: gather_inputs(
         batch, data.dataset, run.caches, args.caption_dropout,
         random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index))), accelerator.device)
-    stop, finite = StopRequest(), torch.ones((), dtype=torch.bool, device=accelerator.device)
+    finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
     bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
     # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
     sample_log = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
     sample_log.parent.mkdir(parents=True, exist_ok=True)
     run.transformer.train()
     tic = time.perf_counter()
-    with sample_log.open("a", buffering=1) as sample_log, contextlib.ExitStack() as cleanup:
-        cleanup.callback(stop.restore)  # sample_log is line-buffered: readable while training runs
+    # sample_log is line-buffered: readable while training runs
+    with sample_log.open("a", buffering=1) as sample_log, StopRequest("after this step and saving a checkpoint") as stop:
         for micro, batch, inputs in prefetcher:
             epoch, signum = batch["epoch"], 0
             with accelerator.accumulate(run.transformer):
@@ -2276,9 +1609,14 @@ def train(args, accelerator, run, global_step):
                 prefetcher.prefetch()  # the next step's host work, while the GPU runs this one
                 finite &= torch.isfinite(loss)
                 if accelerator.sync_gradients:
-                    signum, all_finite = stop.agreed(accelerator, finite)
-                    if not all_finite:
-                        raise TrainingStopped(nonfinite_message(args, global_step + 1, batch["indices"]))
+                    signum, bad = stop.agreed(accelerator, (~finite).long())
+                    if bad:
+                        found = list_checkpoints(args.output_dir)
+                        raise TrainingStopped(
+                            f"the loss became NaN or infinite at step {global_step + 1} (samples {batch['indices']}); "
+                            "stopped without applying that update and without writing a final LoRA. Last good "
+                            f"checkpoint: {found[-1] if found else 'none'}. Try a lower --learning_rate, "
+                            "--max_grad_norm, or --mixed_precision bf16 instead of fp16")
                     optimizer_step(args, accelerator, run)
             sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
                                          "latent_hw": latent_hw}) + "\n")
@@ -2318,13 +1656,6 @@ def after_epoch(args, accelerator, run, global_step, epoch):
         run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
 
 
-def nonfinite_message(args, step, indices):
-    found = list_checkpoints(args.output_dir)
-    return (f"the loss became NaN or infinite at step {step} (samples {indices}); stopped without applying that "
-            f"update and without writing a final LoRA. Last good checkpoint: {found[-1] if found else 'none'}. "
-            "Try a lower --learning_rate, --max_grad_norm, or --mixed_precision bf16 instead of fp16")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 6: validation and outputs (finish)
 
@@ -2337,10 +1668,8 @@ def validates_here(accelerator):
 @torch.no_grad()
 def run_validation(args, accelerator, run, prompt, tag, step):
     """Generate validation images with the transformer being trained, without moving, casting or hooking it; the
-    first time, also the base model's (adapters disabled, same noise), the progress sheet's first column.
-
-    Saves PNGs under <output_dir>/validation/, updates its progress sheet and sends the images to the trackers.
-    Returns their paths."""
+    first time, also the base model's (adapters off, same noise). Saves them as PNGs in <output_dir>/validation/ and
+    shows them (progress sheet, trackers: Appendix E) -> their paths."""
     import diffusers
 
     # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
@@ -2356,46 +1685,27 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     embeds = {"prompt_embeds": run.caches.prompts[prompt].to(accelerator.device, run.weight_dtype)}
     if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
         embeds["negative_prompt_embeds"] = run.caches.prompts[""].to(accelerator.device, run.weight_dtype)
-    folder = Path(args.output_dir, "validation")
-    base, condition = None, None
-    inputs = {"height": args.resolution, "width": args.resolution}
-    if args.validation_image:  # edit mode: the pipeline appends the condition's tokens, as training did
-        image = ImageRecord("", (0, 0), path=args.validation_image).load()
-        condition, (height, width) = fit_to_bucket(image, run.data.dataset.buckets)
+    inputs, condition = {"height": args.resolution, "width": args.resolution}, None
+    if run.data.condition is not None:  # edit mode: the pipeline appends the condition's tokens, as training did
+        condition, (height, width) = run.data.condition
         inputs = {"image": [condition], "height": height, "width": width}
+    folder, base = Path(args.output_dir, "validation"), []
     stale = condition_changed(folder, condition)  # the base images were made for another condition (or none)
     with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
         if base_images_missing(accelerator, folder, args.num_validation_images, stale):
-            accelerator.unwrap_model(run.transformer).disable_adapters()
-            try:
+            with adapters_off(accelerator.unwrap_model(run.transformer)):
                 base = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
-            finally:
-                accelerator.unwrap_model(run.transformer).enable_adapters()
-        averaged = run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext()
-        with averaged:
+        with run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext():
             images = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
     model.train(was_training)
     if not accelerator.is_main_process:
         return []
     folder.mkdir(parents=True, exist_ok=True)
-    if condition is not None:
-        condition.save(folder / "condition.png")
-    elif stale:
-        (folder / "condition.png").unlink()
-    for name, batch in (("base", base or []), (tag, images)):
+    for name, batch in (("base", base), (tag, images)):
         for i, image in enumerate(batch):
             image.save(folder / f"{name}-{i}.png")
-    paths = [folder / f"{tag}-{i}.png" for i in range(len(images))]
-    sheet = update_progress_sheet(folder, 0, tag, step, len(images))
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
-    logger.info(f"validation images ({prompt!r}): {', '.join(map(str, paths))}; progress sheet {sheet}")
-    return paths
+    show_validation(accelerator, folder, tag, step, prompt, images, condition, stale)
+    return [folder / f"{tag}-{i}.png" for i in range(len(images))]
 
 
 def generate_images(args, pipeline, embeds, inputs, family, seed, device):
@@ -2417,11 +1727,8 @@ def finish(args, accelerator, run):
     if accelerator.is_main_process:
         if run.ema is None:
             save_lora(accelerator, run.transformer, state, args.output_dir, dtype)
-        else:  # the average is the LoRA; the last raw weights go beside it
-            save_lora(accelerator, run.transformer, state, args.output_dir, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
-            with run.ema.applied(run.named_params):
-                save_lora(accelerator, run.transformer, lora_state_dict(accelerator, run.transformer),
-                          args.output_dir, dtype)
+        else:
+            save_ema_lora(accelerator, run, state, args.output_dir, dtype)
         logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run.ema else ""))
     prompt = args.validation_prompt or args.final_validation_prompt
     paths = []
@@ -2446,7 +1753,7 @@ def main(argv=None):
     accelerator = setup_accelerator(args)
     for note in surprising_values(args):
         logger.warning(note)
-    weight_dtype = weight_dtype_of(accelerator)
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
     try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
         disk = open_cache(args)
         data = prepare_data(args, accelerator, disk)
@@ -2495,7 +1802,7 @@ class DiskStore:
     def __init__(self, folder, digest, owner=None):
         self.folder, self.digest = Path(folder), digest
         self.present, self.verified, self.touched = set(), set(), set()  # entry paths: whole, checksummed, used
-        self.owner = owner if owner is not None else CacheFolder(self.folder)
+        self.owner = owner if owner is not None else DiskCache(self.folder)
         self.memory = {}  # entries that could not be written
 
     def path(self, key):
@@ -2687,14 +1994,67 @@ def evict_lru(root, max_bytes, keep=()):
     return Eviction(before, size, evicted, evicted_bytes, sum(e[1] for e in entries if e[2] in protected))
 
 
-class CacheFolder:
-    """The disk cache of a run: its entry stores, the scan index of image folders, its lease and the bound. Nothing
-    here may stop a run: the first write that fails warns once, naming the folder and the error, and from then on
-    new entries stay in memory (and nothing more is written: no lease, no index, no eviction)."""
+class DiskCache:
+    """The disk cache of a run (--precompute_cache_dir): its entry stores, the scan index of image folders, its lease,
+    the bound and --from_manifest's manifest; the core reaches it through the interface MemoryCache describes.
+    Nothing here may stop a run: the first write that fails warns once, naming the folder and the error, and from
+    then on new entries stay in memory (and nothing more is written: no lease, no index, no eviction)."""
 
-    def __init__(self, root, max_bytes=None):
-        self.root, self.max_bytes = Path(root), max_bytes
-        self.write_error, self.lease = None, None
+    persistent = True
+
+    def __init__(self, root, max_bytes=None, manifest=None):
+        self.root, self.max_bytes, self.manifest = Path(root), max_bytes, manifest
+        self.write_error, self.lease, self.identity = None, None, None
+        self.paths, self.missing = {}, set()  # {"prompts"/"latents": {key: entry}}; entries not cached at the start
+
+    @classmethod
+    def open(cls, root, args):
+        """The cache folder of `args`, made if missing (a folder that cannot be made warns); the manifest of
+        --from_manifest is read here, once."""
+        manifest = read_manifest(args.from_manifest) if args.from_manifest else None
+        if manifest is not None and manifest["model"]["latent_identity"] is None:
+            raise UsageError(f"--from_manifest {args.from_manifest} was written by a run without --cache_latents: the "
+                             "cache holds no latents of its images")
+        cache = cls(root, int(args.precompute_cache_max_gb * 1e9), manifest)
+        try:
+            cache.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            cache.unwritable(e)
+        return cache
+
+    @contextlib.contextmanager
+    def scan_index(self, folder, accelerator):
+        """Each machine's first process scans first; the others find its index warm."""
+        with accelerator.local_main_process_first():
+            index = self.read_scan_index(folder)
+            yield index
+            self.write_scan_index(folder, index)
+
+    def stores(self, args, dataset, family, weight_dtype):
+        """-> (prompt cache, latent cache or None) over this folder: entries named by their key and identity."""
+        self.identity = identity = cache_identity(args, weight_dtype, family, self.manifest)
+        prompts = self.store("prompts", lambda text: json_digest("prompt", identity.prompts, text))
+        latents = self.store("latents", lambda key: json_digest("latent", identity.latents, dataset.content_key(key)))
+        return SampleCache(prompts), SampleCache(latents) if args.cache_latents else None
+
+    def hold(self, accelerator, dataset, needed):
+        """Lease the entries the run reads (each machine's first process) before anyone looks at them, so no other
+        run's eviction removes what this one has found; note which are missing. With --from_manifest a missing entry
+        is an error: nothing could compute it. needed: {"prompts"/"latents": (SampleCache, keys)}."""
+        self.paths = {name: {k: self.relative(cache.store.path(k)) for k in keys} for name, (cache, keys) in needed.items()}
+        if accelerator.is_local_main_process:
+            self.take_lease([entry for paths in self.paths.values() for entry in paths.values()])
+        accelerator.wait_for_everyone()
+        todo = {name: cache.todo(keys) for name, (cache, keys) in needed.items()}
+        if self.manifest is not None and any(todo.values()):
+            raise UsageError(missing_entries_message(self, dataset, todo.get("prompts", []), todo.get("latents", []),
+                                                     sum(len(keys) for _, keys in needed.values())))
+        self.missing = {self.paths[name][k] for name, keys in todo.items() for k in keys}
+
+    def settle(self, args, accelerator, data, caches):
+        """After precompute: bound the folder, say what was reused and written, and leave the dataset manifest."""
+        settle_cache(accelerator, self, [entry for paths in self.paths.values() for entry in paths.values()])
+        write_manifest(args, accelerator, data.dataset, data.family, self)
 
     def unwritable(self, error):
         if self.write_error is None:
@@ -2732,39 +2092,6 @@ class CacheFolder:
                                   {"folder": str(Path(folder).resolve()), "files": index.files})
             except OSError as e:
                 self.unwritable(e)
-
-
-class ScanIndex:
-    """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
-    time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
-    `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
-
-    def __init__(self, files=None):
-        self.files, self.hits, self.decoded = dict(files or {}), 0, 0
-
-    def lookup(self, name, stat):
-        entry = self.files.get(name)
-        if isinstance(entry, list) and len(entry) == 5 and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
-            return tuple(entry[2:4]), entry[4]
-        return None
-
-    def keep(self, found, scanned_at):
-        """Keep the entries of `found` ({name: (stat, size, sha256)}), dropping files no longer there; a file changed
-        within RACY_SECONDS of the scan is left out (a same-size edit in the same tick would look unchanged)."""
-        self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
-                      if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
-
-
-def write_json_atomic(path, data):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 def default_cache_dir(environ):
@@ -2869,11 +2196,11 @@ class CacheIdentity:
     latents: list | None  # VAE fingerprint, dtype, --latent_sampling; None without --cache_latents
 
 
-def cache_identity(args, weight_dtype, family):
+def cache_identity(args, weight_dtype, family, manifest=None):
     """The identity of this run's entries; with --from_manifest the manifest's (no model is fingerprinted, so the
     text encoder and VAE need not even be downloaded)."""
-    if args.from_manifest:
-        model = read_manifest(args.from_manifest)["model"]
+    if manifest is not None:
+        model = manifest["model"]
         return CacheIdentity(model["prompt_identity"], model["latent_identity"])
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
@@ -2886,30 +2213,20 @@ def cache_identity(args, weight_dtype, family):
     return CacheIdentity(prompts, latents)
 
 
-def open_stores(args, dataset, identity, disk):
-    """-> (prompt cache, latent cache or None): over the disk cache's stores, or in memory without one."""
-    if disk is None:
-        return SampleCache(), SampleCache() if args.cache_latents else None
-    prompts = disk.store("prompts", lambda text: json_digest("prompt", identity.prompts, text))
-    latents = disk.store("latents", lambda key: json_digest("latent", identity.latents, dataset.content_key(key)))
-    return SampleCache(prompts), SampleCache(latents) if args.cache_latents else None
-
-
-def settle_cache(accelerator, disk, plan):
+def settle_cache(accelerator, disk, entries):
     """After precompute: each machine's first process deletes least-recently-used entries beyond the bound (never
     one a live run uses), and the main process logs one line: where the cache is, what this run reused and wrote,
     and the cache's size against the bound."""
     accelerator.wait_for_everyone()  # every process has written its share
     if not accelerator.is_local_main_process:
         return
-    entries = [*plan.prompt_paths.values(), *plan.latent_paths.values()]
     sizes = {rel: (disk.root / rel).stat().st_size for rel in entries if (disk.root / rel).is_file()}
-    reused = [sizes.get(rel, 0) for rel in entries if rel not in plan.missing]
-    wrote = [sizes[rel] for rel in plan.missing if rel in sizes]
+    reused = [sizes.get(rel, 0) for rel in entries if rel not in disk.missing]
+    wrote = [sizes[rel] for rel in disk.missing if rel in sizes]
     line = (f"precompute cache {disk.root}: reused {len(reused)} entries ({human_bytes(sum(reused))}), wrote "
             f"{len(wrote)} ({human_bytes(sum(wrote))})")
-    if len(wrote) < len(plan.missing):
-        line += f", kept {len(plan.missing) - len(wrote)} in memory (the folder could not be written)"
+    if len(wrote) < len(disk.missing):
+        line += f", kept {len(disk.missing) - len(wrote)} in memory (the folder could not be written)"
     try:
         eviction = evict_lru(disk.root, disk.max_bytes, entries) if disk.write_error is None else None
     except OSError as e:  # e.g. another user's entries in a shared folder: the run goes on
@@ -2957,9 +2274,6 @@ def validate_manifest_args(args):
         raise UsageError("--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
     if args.masked_loss:
         raise UsageError("--from_manifest cannot train with --masked_loss: masks are made from the source images")
-    if read_manifest(args.from_manifest)["model"]["latent_identity"] is None:
-        raise UsageError(f"--from_manifest {args.from_manifest} was written by a run without --cache_latents: the cache "
-                         "holds no latents of its images")
 
 
 def read_manifest(path):
@@ -3001,7 +2315,7 @@ def manifest_records(rows):
                         conditions=tuple(manifest_records(r.get("conditions", [])))) for r in rows]
 
 
-def write_manifest(args, accelerator, dataset, family, identity, plan, disk):
+def write_manifest(args, accelerator, dataset, family, disk):
     """<output_dir>/dataset_manifest.json (main process): enough to train again from the cache alone
     (--from_manifest), with the images gone."""
     if not accelerator.is_main_process:
@@ -3010,9 +2324,9 @@ def write_manifest(args, accelerator, dataset, family, identity, plan, disk):
     data.update(buckets=[list(b) for b in dataset.buckets], seed=dataset.seed, caption_dropout=args.caption_dropout,
                 validation_prompts=validation_prompts(args))
     model = {"pretrained_model_name_or_path": args.pretrained_model_name_or_path, "revision": args.revision,
-             "family": family.pipeline, "prompt_identity": identity.prompts, "latent_identity": identity.latents}
-    latents = [((k[0], dataset.record(k[0], k[1]).name, *k[2:]), entry) for k, entry in plan.latent_paths.items()]
-    manifest = build_manifest(data, model, dataset.instances, dataset.classes, list(plan.prompt_paths.items()), latents,
+             "family": family.pipeline, "prompt_identity": disk.identity.prompts, "latent_identity": disk.identity.latents}
+    latents = [((k[0], dataset.record(k[0], k[1]).name, *k[2:]), entry) for k, entry in disk.paths.get("latents", {}).items()]
+    manifest = build_manifest(data, model, dataset.instances, dataset.classes, list(disk.paths["prompts"].items()), latents,
                               disk.root)
     write_json_atomic(Path(args.output_dir, MANIFEST_NAME), manifest)
 
@@ -3020,9 +2334,9 @@ def write_manifest(args, accelerator, dataset, family, identity, plan, disk):
 def apply_manifest(args, manifest):
     """--from_manifest: the data flags become the manifest's (one given differently is overridden, with a warning),
     the seed too unless --seed is given (random crops depend on it). -> (instance records, class records)."""
-    data, defaults = manifest["data"], vars(parse_args(["--pretrained_model_name_or_path", ""]))
+    data, parser = manifest["data"], build_parser()
     for flag in MANIFEST_DATA_FLAGS:
-        if getattr(args, flag) not in (defaults[flag], data[flag]):
+        if getattr(args, flag) not in (parser.get_default(flag), data[flag]):
             logger.warning(f"--{flag} {getattr(args, flag)} ignored: the cached data were made with {data[flag]!r} "
                            "(from the manifest)")
         setattr(args, flag, data[flag])
@@ -3045,17 +2359,16 @@ def check_manifest_model(args, manifest, family):
                        f"{model['pretrained_model_name_or_path']}, training {args.pretrained_model_name_or_path}")
 
 
-def missing_entries_message(args, disk, dataset, prompts, latents, needed):
+def missing_entries_message(disk, dataset, prompts, latents, needed):
     """--from_manifest refusal: how many entries are missing and which images (or prompts) they came from."""
     images = list(dict.fromkeys(dataset.record(k[0], k[1]).name for k in latents))
     for text in prompts:  # a prompt's images: those whose caption (or the instance prompt) it is
         images += [r.name for r in dataset.instances if (r.caption or dataset.instance_prompt) == text]
     others = [repr(t) for t in prompts if not any((r.caption or dataset.instance_prompt) == t for r in dataset.instances)]
     sources = list(dict.fromkeys(images)) + [f"prompt {t}" for t in others]
-    cache = read_manifest(args.from_manifest)["cache"]
-    return (f"--from_manifest {args.from_manifest}: {len(prompts) + len(latents)} of {needed} cache entries are "
-            f"missing from {disk.root} (from {', '.join(sources[:10])}{', ...' if len(sources) > 10 else ''}); the "
-            f"manifest was written with --precompute_cache_dir {cache}. Train once with the images to fill the cache")
+    return (f"--from_manifest: {len(prompts) + len(latents)} of {needed} cache entries are missing from {disk.root} "
+            f"(from {', '.join(sources[:10])}{', ...' if len(sources) > 10 else ''}); the manifest was written with "
+            f"--precompute_cache_dir {disk.manifest['cache']}. Train once with the images to fill the cache")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3310,15 +2623,28 @@ def fit_to_bucket(image, buckets):
     return transform_image(image, (*draw_crop(image.size, size, True, None), False), size), bucket
 
 
-def check_edit_validation(args, dataset):
-    """--validation_image must be one the pipeline takes; an edit run validating without one says what it gets."""
-    if args.validation_image:
-        problem = validation_image_problem(inspect_image(args.validation_image)[0], dataset.buckets)
-        if problem:
-            raise UsageError(f"--validation_image {args.validation_image}: {problem}")
-    elif dataset.conditions and validation_prompts(args):
-        logger.warning("edit training validates without a condition image: give --validation_image to see the LoRA "
-                       "edit it (the validation images are generated from the prompt alone)")
+def edit_validation_condition(args, dataset):
+    """--validation_image, decoded once and fitted into its bucket -> (image, bucket), or None; refused when the
+    pipelines would refuse it. An edit run validating without one is told what it gets."""
+    if not args.validation_image:
+        if dataset.conditions and validation_prompts(args):
+            logger.warning("edit training validates without a condition image: give --validation_image to see the LoRA "
+                           "edit it (the validation images are generated from the prompt alone)")
+        return None
+    try:
+        image = ImageRecord("", (0, 0), path=args.validation_image).load()
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt, a decompression bomb: not an image to use
+        raise UsageError(f"--validation_image {args.validation_image}: cannot be decoded ({e})") from None
+    problem = validation_image_problem(image.size, dataset.buckets)
+    if problem:
+        raise UsageError(f"--validation_image {args.validation_image}: {problem}")
+    return fit_to_bucket(image, dataset.buckets)
+
+
+def describe_edit_data(dataset):
+    counts = sorted({len(ids) for ids in dataset.cond_ids})
+    return (f"edit training: {len(dataset.conditions)} condition images for {len(dataset.instances)} targets, "
+            f"{' or '.join(map(str, counts))} per target, their tokens after the target's (the loss covers the target's)")
 
 
 def reference_tokens(conditions, dtype):
@@ -3338,6 +2664,13 @@ def reference_tokens(conditions, dtype):
 
 
 RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
+def save_ema_lora(accelerator, run, raw, folder, dtype):
+    """--use_ema: the average is the LoRA; the last raw weights go beside it."""
+    save_lora(accelerator, run.transformer, raw, folder, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
+    with run.ema.applied(run.named_params):
+        save_lora(accelerator, run.transformer, lora_state_dict(accelerator, run.transformer), folder, dtype)
+
+
 class LoraEMA:
     """Exponential moving average of the trainable (LoRA) parameters, kept in float32 on `device` (the CPU by
     default, so it costs no GPU memory). It starts at the weights of the first optimizer step (not the random
@@ -3378,6 +2711,24 @@ class LoraEMA:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Appendix E: validation extras (progress sheet, model card, upload)
+
+
+def show_validation(accelerator, folder, tag, step, prompt, images, condition, stale):
+    """After a validation: the condition image beside its images (edit mode), the progress sheet, the trackers, a
+    log line."""
+    if condition is not None:
+        condition.save(folder / "condition.png")
+    elif stale:
+        (folder / "condition.png").unlink()
+    sheet = update_progress_sheet(folder, 0, tag, step, len(images))
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
+    logger.info(f"validation images ({prompt!r}) in {folder}: {tag}-*.png; progress sheet {sheet}")
 
 
 def condition_changed(folder, condition):
@@ -3505,22 +2856,36 @@ def push_to_hub(args):
     logger.info(f"pushed to https://huggingface.co/{repo_id}")
 
 
+def tracker_config(args):
+    """Flags for the trackers: scalars only, and never the Hub token."""
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
+            if k != "hub_token" and v is not None}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Appendix F: pre-flight checks (model fit, attention backends, checkpoints, surprising values)
+
+
+def empty_transformer(args):
+    """The checkpoint's transformer on the meta device: its modules and shapes from its config, no weights read."""
+    from accelerate import init_empty_weights
+    from diffusers import Flux2Transformer2DModel
+
+    config = read_model_json(args, "transformer/config.json", "transformer config")
+    with init_empty_weights():
+        return Flux2Transformer2DModel.from_config(config)
 
 
 def check_model_fit(args):
     """The flags that must fit this checkpoint, from its config files (no weights are read): the text-encoder layers
     exist and stack to the width the transformer takes; every --lora_layers entry is a preset or names linear layers
     of the transformer (matched as PEFT does: the whole name or a dotted suffix)."""
-    from accelerate import init_empty_weights
-    from diffusers import Flux2Transformer2DModel
-
-    config = component_config(args, "transformer")
+    model = empty_transformer(args)
+    config = model.config
     # the remote encoder serves [dev]'s default layers; a --from_manifest run uses no text encoder (its manifest's
     # prompt identity pins the layers), so it may not even have one
     if not (args.remote_text_encoder or args.from_manifest):
-        text = component_config(args, "text_encoder")
+        text = read_model_json(args, "text_encoder/config.json", "text_encoder config")
         text = text.get("text_config", text)  # [dev]'s Mistral 3 nests its language model's config
         try:
             depth, width, joint = text["num_hidden_layers"], text["hidden_size"], config["joint_attention_dim"]
@@ -3535,8 +2900,6 @@ def check_model_fit(args):
             raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: {len(layers)} layers of width "
                              f"{width} make {len(layers) * width} features; this transformer takes {joint} "
                              f"({joint // width} layers)")
-    with init_empty_weights():
-        model = Flux2Transformer2DModel.from_config(config)
     blocks = len(transformer_blocks(model))
     if args.blocks_to_swap > blocks:
         raise UsageError(f"--blocks_to_swap {args.blocks_to_swap}: this transformer has {blocks} blocks "
@@ -3658,9 +3021,8 @@ def checkpoint_problem(folder):
             missing = [n for n in tensor_names(skeleton) if n not in header]
             if missing:
                 return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
-            if stem == "training" and isinstance(skeleton, dict) and "lora" not in dict(skeleton.get("__items__", [])):
-                name = LORA_WEIGHTS_NAME  # written before the raw adapter moved into training.json: the LoRA file
-                safetensors_header(folder / name)
+            if stem == "training" and "lora" not in dict(skeleton["__items__"]):
+                return f"{stem}.json holds no LoRA"
     except FileNotFoundError:
         return f"{name} is missing"
     except OSError as e:
@@ -3680,6 +3042,29 @@ def state_fit_problem(saved, expected):
              f"{len(unexpected)} it has and this model has not (e.g. {unexpected[0]})" if unexpected else "",
              f"{len(resized)} of another shape (e.g. {resized[0]})" if resized else ""]
     return "; ".join(filter(None, parts)) or None
+
+
+def check_checkpoint_fits(checkpoint, accelerator, run, training):
+    """Refuse a checkpoint whose LoRA, EMA or optimizer does not fit this model and these flags, naming what differs.
+    FSDP2's DTensor.shape is the full shape; FSDP1's flat shards have none, so only their names are compared."""
+    if is_fsdp(accelerator):
+        from torch.distributed.tensor import DTensor
+
+        expected = {k: p.shape if isinstance(p, DTensor) else None for k, (_, p) in fsdp_lora_params(run.transformer).items()}
+    else:
+        from peft.utils import get_peft_model_state_dict
+
+        expected = {k: v.shape for k, v in get_peft_model_state_dict(accelerator.unwrap_model(run.transformer)).items()}
+    problem = state_fit_problem(training["lora"], expected)
+    if problem is None and run.ema is not None and training.get("ema") is not None:
+        ema_problem = state_fit_problem(training["ema"]["shadow"], {n: v.shape for n, v in run.ema.shadow.items()})
+        problem = ema_problem and f"its EMA: {ema_problem}"
+    saved_groups = [len(g["params"]) for g in training["optimizer"].get("param_groups", [])]
+    if problem is None and not is_fsdp(accelerator) and saved_groups != [len(g["params"]) for g in run.optimizer.param_groups]:
+        problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
+                         f"({problem}); was it trained with another --rank, --lora_layers or model?")
 
 
 def surprising_values(args):
@@ -3716,6 +3101,33 @@ def surprising_values(args):
          "--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"),
     ]
     return [note for surprising, note in notes if surprising]
+
+
+def find_resume_checkpoint(args):
+    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
+    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
+    if args.resume_from_checkpoint is None:
+        return None
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(args.output_dir)
+        if not found:
+            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
+            return None
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
+        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
+                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
+                         "away to start from scratch")
+    path = Path(args.resume_from_checkpoint)
+    if not (path / TRAINER_STATE_NAME).is_file():
+        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3767,10 +3179,48 @@ def loads_from_rank_0(accelerator, quantized):
     return bool(plugin and plugin.cpu_ram_efficient_loading and not quantized and not accelerator.is_main_process)
 
 
+def fsdp_lora_params(transformer):
+    """Under FSDP: the LoRA parameters, {name as saved (peft's, without the adapter name): (name here, parameter)}."""
+    params = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n): p
+              for n, p in transformer.named_parameters() if p.requires_grad}
+    return {n.replace(".default.", "."): (n, p) for n, p in params.items()}
+
+
+def fsdp_lora_state_dict(transformer):
+    """The full LoRA gathered from the shards, a collective every process must join; never the frozen base."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+    return {k.replace(".default.", "."): v for k, v in state.items()}  # peft's naming, without the adapter name
+
+
+def fsdp_optimizer_state(run):
+    """The optimizer's full state (its shards gathered: safetensors cannot hold DTensors; LoRA states are small),
+    keyed by parameter name. A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(run.transformer, run.optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def fsdp_load_state(run, training):
+    """Resume under FSDP: every process passes the full tensors, torch keeps each process's shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options, names = StateDictOptions(full_state_dict=True, strict=False), fsdp_lora_params(run.transformer)
+    set_model_state_dict(run.transformer, {names[k][0]: v for k, v in training["lora"].items()}, options=options)
+    set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
+
+
 def hub_token(args):
     from huggingface_hub import get_token
 
     return args.hub_token or get_token()
+
+
+def remote_encoder(args):
+    """--remote_text_encoder: texts -> [dev] embeddings [B, L, D] from the Hugging Face endpoint, one prompt a request."""
+    url, token = args.remote_text_encoder_url, hub_token(args)
+    return lambda texts: torch.cat([remote_prompt_embeds(url, text, token) for text in texts])
 
 
 def remote_prompt_embeds(url, prompt, token):
@@ -3868,8 +3318,86 @@ def pipeline_placement(component_bytes, free_bytes, offload):
     return "model" if fits(max(component_bytes, default=0)) else "sequential"
 
 
+def load_class_images(args, accelerator, seed, family, cache):
+    """Prior preservation: the class images of --class_data_dir, missing ones generated first (Appendix H)."""
+    Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
+    records = scan_folder(args.class_data_dir, cache, accelerator, read_captions=False)
+    if len(records) < args.num_class_images:
+        generate_class_images(args, accelerator, seed, len(records), family)
+        records = scan_folder(args.class_data_dir, cache, accelerator, read_captions=False)
+    return records
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Appendix I: speed and memory levers, Hugging Face datasets
+
+
+def quantization(args, weight_dtype):
+    """--bnb_quantization_config_path -> the diffusers BitsAndBytesConfig of the frozen transformer (QLoRA: the base
+    in 4 or 8 bits, LoRA on top in float32), or None."""
+    if not args.bnb_quantization_config_path:
+        return None
+    from diffusers import BitsAndBytesConfig
+
+    config = read_bnb_config(args.bnb_quantization_config_path)
+    if config.get("load_in_4bit"):
+        config.setdefault("bnb_4bit_compute_dtype", weight_dtype)
+    return BitsAndBytesConfig(**config)
+
+
+def before_lora(args, accelerator, transformer):
+    """The frozen transformer's placement and precision, before LoRA is added. The whole model goes to the device
+    now, unless part of it must never be there at once: swapped blocks (placed by after_lora, once their LoRA exists)
+    and FSDP (which moves and shards one wrapped block at a time, so no GPU holds more than its shards plus one
+    block). Quantised weights are on the GPU already."""
+    if args.bnb_quantization_config_path:
+        from peft import prepare_model_for_kbit_training
+
+        transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
+    elif not (args.blocks_to_swap > 0 or is_fsdp(accelerator)):
+        transformer.to(accelerator.device)
+    if args.do_fp8_training:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
+        convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
+                                   module_filter_fn=lambda m, name: name != "proj_out" and (
+                                       not isinstance(m, torch.nn.Linear) or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
+    return transformer
+
+
+def after_lora(args, accelerator, transformer):
+    """What needs the LoRA layers in place: FSDP's lean loading, block swapping, the attention kernel, compilation."""
+    if is_fsdp(accelerator) and transformer.device.type == "meta":  # lean loading: accelerate hands the optimizer
+        transformer.to_empty(device="cpu")  # the sharded parameters by data pointer, 0 for all meta tensors
+    if args.blocks_to_swap:
+        transformer.block_swapper = BlockSwapper(transformer, args.blocks_to_swap, accelerator.device)
+        logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "
+                    f"{len(transformer_blocks(transformer))} blocks stay in pinned host memory; at most 2 of them "
+                    "are on the GPU at once")
+        if not args.bnb_quantization_config_path:  # quantised weights are on the GPU already
+            transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
+    if args.attention_backend != "native":
+        transformer.set_attention_backend(args.attention_backend)
+    if args.compile:
+        compile_blocks(transformer)
+    return transformer
+
+
+def other_optimizer(args, params, hyper):
+    """--optimizer prodigy (its learning rate multiplies the step size it finds) or --use_8bit_adam (bitsandbytes'
+    AdamW with 8-bit states)."""
+    if args.optimizer == "prodigy":
+        if args.use_8bit_adam:
+            logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
+        import prodigyopt  # present: validate_args checked
+
+        return prodigyopt.Prodigy(params, **hyper, beta3=args.prodigy_beta3, decouple=args.prodigy_decouple,
+                                  use_bias_correction=args.prodigy_use_bias_correction,
+                                  safeguard_warmup=args.prodigy_safeguard_warmup)
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, **hyper)
 
 
 def compile_blocks(transformer):
@@ -3964,6 +3492,458 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
         raise UsageError(f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
                          f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
     return records
+
+
+def quiet_library_imports():
+    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
+    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
+    a plain run never uses. Their loggers keep errors only."""
+    import logging
+
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def loader_workers(requested, cache_latents, local_processes):
+    """DataLoader workers: as requested; by default none with --cache_latents (a batch is a list of indices, all
+    inputs come from the caches), else a share of this machine's cores so decoding overlaps training."""
+    if requested is not None:
+        return requested
+    return 0 if cache_latents else max(1, min(8, cpu_cores() // local_processes - 1))
+
+
+@contextlib.contextmanager
+def on_device(module, device, offload):
+    """--offload: `module` lives on the CPU and comes to `device` only while it runs (cost: one host-device
+    copy of its weights each time, about 0.2 GB for the FLUX.2 VAE)."""
+    if not offload or module is None:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to("cpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix J: image files (decoding, EXIF, modes, the folder scan and its index)
+
+
+def to_rgb(image, background=NEUTRAL_GREY):
+    """Any Pillow mode -> 8-bit RGB: 16/32-bit grey scaled (not clipped) to 8 bits, palettes expanded, CMYK
+    converted, transparency composited on a neutral grey."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+        array = np.asarray(image, dtype=np.float64)
+        scale = 257.0 if image.mode != "F" and array.max() > 255 else 1.0  # 16-bit data: 65535 -> 255
+        image = Image.fromarray(np.clip(array / scale, 0, 255).round().astype(np.uint8), "L")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def oriented_size(image):
+    """(width, height) as displayed: EXIF orientations 5-8 rotate by 90 degrees. Reads the header only."""
+    w, h = image.size
+    return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
+
+
+def inspect_image(path):
+    """Decode and hash one file -> ((width, height) as displayed, sha256). Decoding catches corrupt, truncated and
+    oversized files now rather than hours into training; JPEGs decode at 1/8 scale (every entropy-coded byte is
+    still read; the inverse DCT and colour conversion run on 1/64 of the pixels). Pillow and hashlib release the
+    GIL: threads scale."""
+    data = Path(path).read_bytes()
+    if not data:
+        raise ValueError("empty file")
+    with Image.open(io.BytesIO(data)) as im:  # over MAX_IMAGE_PIXELS: raises (scan_image_folder's filter)
+        size = oriented_size(im)
+        if im.format == "JPEG":
+            im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
+        im.load()
+    return size, hashlib.sha256(data).hexdigest()
+
+
+def scan_image_folder(folder, read_captions=True, index=None, workers=None, progress=False):
+    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
+
+    Every image is decoded and hashed once, so a corrupt, truncated, empty or oversized (decompression-bomb) file
+    is reported now, all of them in one message; files `index` (a ScanIndex, updated in place) knows unchanged are
+    neither decoded nor hashed again. The decoding is spread over `workers` threads (default: the cores); `progress`
+    shows a bar."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: no such folder")
+    index = ScanIndex() if index is None else index
+    scanned_at = time.time()
+    records, bad, empty_captions, found = [], [], [], {}
+    candidates = [p for p in sorted(folder.iterdir())
+                  if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
+    stems = {p.stem for p in candidates}
+    masks = {p.stem[: -len("_mask")]: p for p in candidates if p.stem.endswith("_mask") and p.stem[: -len("_mask")] in stems}
+    mask_files = set(masks.values())
+    images = [p for p in candidates if p not in mask_files]  # x_mask.png beside x.png is x's mask, not an image
+    stats = {p: p.stat() for p in images}
+    known = {p: index.lookup(p.name, stats[p]) for p in images}
+    todo = [p for p in images if known[p] is None]
+    index.hits, index.decoded = len(images) - len(todo), len(todo)
+    # the filter is process-wide, so the threads see it; only this thread enters and leaves it
+    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        jobs = {p: pool.submit(inspect_image, p) for p in todo}
+        for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
+            try:
+                size, sha = known[path] or jobs[path].result()
+            except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
+                bad.append(f"{path}: {e}")
+                continue
+            found[path.name] = (stats[path], size, sha)
+            caption = None
+            txt = path.with_suffix(".txt")
+            if read_captions and txt.is_file():
+                try:
+                    caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
+                except UnicodeDecodeError as e:
+                    bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
+                if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
+                    empty_captions.append(txt.name)
+            mask = masks.get(path.stem)
+            records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
+                                       mask_path=str(mask) if mask else None, sha256=sha))
+    index.keep(found, scanned_at)
+    if bad:
+        raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
+    if empty_captions:
+        warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
+                      "those images use --instance_prompt", stacklevel=2)
+    return records
+
+
+class ScanIndex:
+    """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
+    time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
+    `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
+
+    def __init__(self, files=None):
+        self.files, self.hits, self.decoded = dict(files or {}), 0, 0
+
+    def lookup(self, name, stat):
+        entry = self.files.get(name)
+        if isinstance(entry, list) and len(entry) == 5 and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+            return tuple(entry[2:4]), entry[4]
+        return None
+
+    def keep(self, found, scanned_at):
+        """Keep the entries of `found` ({name: (stat, size, sha256)}), dropping files no longer there; a file changed
+        within RACY_SECONDS of the scan is left out (a same-size edit in the same tick would look unchanged)."""
+        self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
+                      if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
+
+
+def reduce_mask(mask, latent_hw):
+    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
+    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
+
+
+def prepare_masks(dataset, latents):
+    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
+    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
+    cache = SampleCache()
+    for key in dict.fromkeys(dataset.cached_latent_keys()):
+        cache.put(key, reduce_mask(dataset.mask(key)[None], latents[key].shape[-2:]))
+    return cache
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix K: the command line (what a flag accepts, --help, one-line errors)
+
+
+class Accepts:
+    """A flag's `type=`: `convert` turns the text into a value (text it cannot convert reads "invalid int value"),
+    `ok(value)` says whether the flag takes it (or raises UsageError with its own reason) and `what` says what it
+    takes. --help shows `what`, a refusal quotes it: the help cannot promise other values than the check takes."""
+
+    def __init__(self, what, ok=None, convert=str):
+        self.what, self.ok, self.convert, self.__name__ = what, ok, convert, convert.__name__
+
+    def __call__(self, text):
+        return self.convert(text)
+
+
+def integer(low, high=None, multiple=1):
+    what = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+    return Accepts(what + (f", a multiple of {multiple}" if multiple > 1 else ""),
+                   lambda v: v >= low and (high is None or v <= high) and v % multiple == 0, int)
+
+
+def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    what = ("a finite number" if (low, high) == (-math.inf, math.inf) else
+            f"a number > {low}" if high == math.inf and low_open else f"a number >= {low}" if high == math.inf
+            else f"a number in {left}{low}, {high}{right}")
+    return Accepts(what, lambda v: math.isfinite(v) and (v > low if low_open else v >= low) and (
+        v < high if high_open else v <= high), float)
+
+
+def boolean(text):
+    if text.lower() in ("1", "true", "yes", "y"):
+        return True
+    if text.lower() in ("0", "false", "no", "n"):
+        return False
+    raise ValueError(text)
+
+
+def shift(text):
+    return text if text in ("none", "auto") else float(text)
+
+
+def _folder_can_be(path, writable=False):
+    """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
+    existing parent writable."""
+    path = Path(path).absolute()
+    if path.exists():
+        return path.is_dir() and (not writable or os.access(path, os.W_OK | os.X_OK))
+    parent = next(p for p in path.parents if p.exists())
+    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+
+
+def _ema_device(value):
+    device = torch.device(value)
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise UsageError(f"--ema_device {value}: no such CUDA device here; use cpu")
+    return device.type in ("cpu", "cuda")
+
+
+def _image_file(value):
+    """An image Pillow recognises, from its header (the pixels are decoded once, when the run uses them)."""
+    with Image.open(value) as image:
+        return image.size is not None
+
+
+TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
+
+
+BOOL = Accepts("true or false", convert=boolean)
+
+
+EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK))
+
+
+READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK))
+
+
+# existing download and class folders may be read-only (a shared model cache, class images all there)
+FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be)
+
+
+PROBABILITY, BELOW_ONE, POSITIVE, NON_NEGATIVE = number(0, 1), number(0, 1, high_open=True), number(0, low_open=True), number(0)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help, then what it accepts and its default (a help that says what its absence means holds
+    'default:' itself)."""
+
+    def _get_default_metavar_for_optional(self, action):
+        name = getattr(action.type, "__name__", "")
+        return {"int": "N", "float": "X", "boolean": "BOOL"}.get(name) or ("DIR" if action.dest.endswith("_dir") else "VALUE")
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if isinstance(action.type, Accepts):
+            text += f" Accepts {action.type.what}."
+        if action.default is not None and action.default is not False and action.default is not argparse.SUPPRESS:
+            text += " Default: %(default)s."
+        elif action.default is None and not action.required and "default:" not in text:
+            text += " Default: none."
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line and exit 2 (argparse would print its usage of 100 flags first); a refused value names
+    the flag, the value and what the flag accepts."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+    def _get_value(self, action, text):
+        value = super()._get_value(action, text)
+        rule = action.type if isinstance(action.type, Accepts) else None
+        if rule is not None and rule.ok is not None:
+            try:
+                ok = rule.ok(value)
+            except (TypeError, ValueError, OSError, RuntimeError):
+                ok = False
+            if not ok:
+                raise UsageError(f"{action.option_strings[0]} {text}: expected {rule.what}")
+        return value
+
+
+def parse_buckets(text):
+    """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
+    buckets = []
+    for pair in filter(None, (s.strip() for s in text.split(";"))):
+        m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
+        if not m:
+            raise UsageError(f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
+        h, w = int(m.group(1)), int(m.group(2))
+        if h <= 0 or w <= 0 or h % 16 or w % 16:
+            raise UsageError(f"--aspect_ratio_buckets {text}: sides must be positive multiples of 16, got {h},{w}")
+        buckets.append((h, w))
+    if not buckets:
+        raise UsageError(f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
+    return list(dict.fromkeys(buckets))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix L: checkpoint files (safetensors and JSON, atomic writes, file modes)
+
+
+def flatten_state(obj, tensors, path="t"):
+    """Nested state (dicts, lists, tensors, scalars) -> JSON-able skeleton; tensors go into `tensors` by path.
+    Checkpoints are safetensors + JSON, so resuming never unpickles anything."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):  # items as pairs: optimizer state is keyed by int
+        return {"__items__": [[k, flatten_state(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
+
+
+def unflatten_state(obj, tensors):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        return {k: unflatten_state(v, tensors) for k, v in obj["__items__"]}
+    if isinstance(obj, list):
+        return [unflatten_state(v, tensors) for v in obj]
+    return obj
+
+
+def write_state(folder, name, state):
+    """state -> <name>.json + <name>.safetensors."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    skeleton = flatten_state(state, tensors)
+    save_file(tensors, str(Path(folder, f"{name}.safetensors")))
+    follow_umask(Path(folder, f"{name}.safetensors"))
+    Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
+
+
+def read_state(folder, name):
+    from safetensors.torch import load_file
+
+    return unflatten_state(json.loads(Path(folder, f"{name}.json").read_text()),
+                           load_file(str(Path(folder, f"{name}.safetensors"))))
+
+
+def rng_state():
+    state = {"torch": torch.get_rng_state()}  # LoRA dropout draws from the global generators
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+@functools.cache
+def umask():
+    """The process's umask (reading it means setting it: done once, before any thread starts)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path):
+    """Give a written file the ordinary mode 0o666 & ~umask: safetensors >= 0.8 writes 0600 files, which another
+    user or container cannot read when the LoRA is copied into a shared model folder."""
+    os.chmod(path, 0o666 & ~umask())
+
+
+def write_json_atomic(path, data):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        m = CHECKPOINT_RE.match(path.name)
+        if m and path.is_dir():
+            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
+                found.append((int(m.group(1)), path))
+            else:
+                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
+    return [p for _, p in sorted(found)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix M: stopping on a signal (preemption, Ctrl-C)
+
+
+class StopRequest:
+    """While active (a `with` block), SIGTERM and SIGINT (preemption, Ctrl-C) let the work in flight finish, then
+    every process stops at the same point; a second signal stops at once. Afterwards the usual handlers are back, so
+    a signal interrupts again (final validation, upload)."""
+
+    def __init__(self, after):
+        self.after, self.signum = after, 0  # after: what finishes first, for the message
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping {self.after} (signal again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator, *counts):
+        """(the signal or 0, and each of `counts` summed), agreed by every process: a collective, so all stop at once.
+        In the loop, the one host-device sync of an optimizer step."""
+        flags = torch.tensor([self.signum, *counts], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            flags = accelerator.gather(flags[None])  # [processes, 1 + len(counts)]
+            flags = torch.cat([flags[:, :1].max(0).values, flags[:, 1:].sum(0)])
+        return flags.tolist()
+
+
+class Progress:
+    """How far precompute got: entries needed, cached when it started, written since by this process."""
+
+    def __init__(self, needed, cached, persistent, stop):
+        self.needed, self.cached, self.written, self.persistent, self.stop = needed, cached, 0, persistent, stop
+
+    def check(self, accelerator):
+        """Before each batch, on every process (a collective): when any process was signalled, all stop."""
+        signum, written = self.stop.agreed(accelerator, self.written)
+        if signum:
+            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
+                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
+                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
+            logger.warning(message, main_process_only=False)
+            raise TrainingStopped(message, 128 + signum)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def child(mode, folder, n):
         for key in keys:
             cache.put(key, store[key])
     for key in keys:
-        batch = cache.gather([key])
+        batch = cache.gather_unique([key])
         del batch
     print(json.dumps({"baseline": baseline, "peak": peak()}))
 

@@ -119,7 +119,7 @@ def scan(mode, folder, cache):
     else:
         args = T.parse_args(["--pretrained_model_name_or_path", "-", "--instance_prompt", "p", "--instance_data_dir",
                              folder, "--precompute_cache_dir", cache])
-        T.load_instance_images(args, T.open_cache(args))
+        T.load_instance_images(args, T.open_cache(args), PartialState())
         m = re.search(r"(\d+) unchanged since the last scan, (\d+) decoded", "\n".join(lines))
         unchanged, decoded = int(m.group(1)), int(m.group(2))
     print(json.dumps({"seconds": time.perf_counter() - start, "decoded": decoded, "unchanged": unchanged,

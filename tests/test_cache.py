@@ -80,7 +80,7 @@ def test_a_write_that_fails_warns_once_and_keeps_entries_in_memory(tmp_path, mon
 
 
 def _stores(root, keys, ages):
-    store = T.CacheFolder(root).store("prompts", lambda key: T.json_digest(key))
+    store = T.DiskCache(root).store("prompts", lambda key: T.json_digest(key))
     for key, seconds in zip(keys, ages):
         store[key] = torch.ones(256)
         age(store.path(key), seconds)
@@ -89,7 +89,7 @@ def _stores(root, keys, ages):
 
 def test_reading_an_entry_marks_it_used_so_eviction_takes_the_least_recently_used(tmp_path):
     store = _stores(tmp_path, "abc", (300, 200, 100))  # a is the oldest
-    reader = T.CacheFolder(tmp_path).store("prompts", lambda key: T.json_digest(key))  # a later run
+    reader = T.DiskCache(tmp_path).store("prompts", lambda key: T.json_digest(key))  # a later run
     assert torch.equal(reader["a"], torch.ones(256))
     size = store.path("a").stat().st_size
     result = T.evict_lru(tmp_path, 2 * size)
@@ -99,7 +99,7 @@ def test_reading_an_entry_marks_it_used_so_eviction_takes_the_least_recently_use
 
 def test_eviction_never_deletes_the_runs_own_entries_even_over_the_bound(tmp_path):
     store = _stores(tmp_path, "ab", (300, 100))
-    own = T.CacheFolder(tmp_path).relative(store.path("a"))
+    own = T.DiskCache(tmp_path).relative(store.path("a"))
     result = T.evict_lru(tmp_path, 0, keep=[own])
     assert entries(tmp_path) == [own] and result.size_after == result.protected_bytes == store.path("a").stat().st_size
 
@@ -110,7 +110,7 @@ sys.path.insert(0, sys.argv[1])
 from accelerate import PartialState
 import train_dreambooth_lora_flux2 as T
 PartialState()
-folder = T.CacheFolder(sys.argv[2])
+folder = T.DiskCache(sys.argv[2])
 store = folder.store("prompts", lambda key: T.json_digest(key))
 folder.take_lease([folder.relative(store.path("used"))])
 print("leased", flush=True)
@@ -148,7 +148,7 @@ def test_a_failed_eviction_warns_and_the_run_goes_on(tmp_path, monkeypatch, capl
 
     monkeypatch.setattr(T, "evict_lru", denied)
     with caplog.at_level(logging.INFO):
-        T.settle_cache(Accelerator(cpu=True), T.CacheFolder(tmp_path, 0), T.PrecomputePlan({}, {}, set(), 0, 0))
+        T.settle_cache(Accelerator(cpu=True), T.DiskCache(tmp_path, 0), [])
     assert f"could not bound the precompute cache {tmp_path} ([Errno 13] Permission denied)" in caplog.text
     assert f"precompute cache {tmp_path}: reused 0 entries (0 B), wrote 0 (0 B)" in caplog.text
 
@@ -279,7 +279,9 @@ def _manifest_file(tmp_path, kind="M"):
 def test_cache_flags_are_checked_before_anything_loads(extra, message, tmp_path):
     extra = [_manifest_file(tmp_path, a) if a in ("M", "NOT", "NOSEED", "NOLATENTS") else a for a in extra]
     with pytest.raises(T.UsageError, match=message):
-        T.validate_args(T.parse_args(["--pretrained_model_name_or_path", "m", *extra]))
+        args = T.parse_args(["--pretrained_model_name_or_path", "m", *extra])
+        T.validate_args(args)
+        T.open_cache(args)  # the manifest is read once, here
 
 
 def test_manifest_settings_replace_the_data_flags_and_say_so(tmp_path, caplog):
@@ -288,7 +290,7 @@ def test_manifest_settings_replace_the_data_flags_and_say_so(tmp_path, caplog):
     image = {"name": "a.png", "size": [48, 32], "caption": None, "sha256": "ab" * 32}
     manifest = T.build_manifest(data, {}, [], [], [], [], tmp_path)
     manifest["instances"] = [image]
-    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--from_manifest", "x", "--repeats", "3"])
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--from_manifest", __file__, "--repeats", "3"])
     instances, classes = T.apply_manifest(args, manifest)
     assert (args.instance_prompt, args.repeats, args.resolution, args.random_flip, args.seed) == ("a sks dog", 2, 32, True, 7)
     assert T.resolve_buckets(args) == [(32, 48), (48, 32)] and classes == []

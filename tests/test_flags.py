@@ -134,16 +134,49 @@ def _validate(places, flag, value):
     return value
 
 
-def test_every_flag_has_a_rule_in_the_script_and_a_row_here():
-    """A new flag fails here until the script says what it accepts (FLAG_RULES) and this file says what it must
-    refuse (REFUSED), or that it is a switch or free text."""
-    dests = {a.dest for a in _actions()}
-    assert dests == set(T.FLAG_RULES), (dests ^ set(T.FLAG_RULES))
+def test_every_flag_says_what_it_accepts_in_its_declaration_and_has_a_row_here():
+    """A new flag fails here until its declaration says what it accepts (a type= rule, choices, or a switch) and this
+    file says what it must refuse (REFUSED), or that it is free text."""
     for action in _actions():
         switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
         assert (action.dest in REFUSED) + (action.dest in FREE_TEXT) + (action.dest in NEVER_REFUSED) + switch == 1, action.dest
-        if not switch and (action.type in (int, float) or action.choices or action.dest.endswith(("_dir", "_path"))):
-            assert action.dest in REFUSED or action.dest in NEVER_REFUSED, action.dest  # numbers, choices, paths
+        if action.dest in REFUSED:  # numbers, choices, paths: the declaration holds the rule
+            assert isinstance(action.type, T.Accepts) or action.choices, action.dest
+        if action.dest in FREE_TEXT:
+            assert action.type is None and not action.choices, action.dest
+
+
+def test_help_shows_every_flags_rule_and_default_and_lists_only_what_it_accepts():
+    """--help: every flag has one or two sentences of help, its default (or what happens without it), and what it
+    accepts, which is the rule its value is checked against."""
+    helps = {a.dest: T._HelpFormatter("x")._get_help_string(a) % {"default": a.default} for a in _actions()}
+    for action in _actions():
+        text = helps[action.dest]
+        assert action.help and action.help.count(". ") <= 2 and len(action.help) <= 240, action.dest
+        if isinstance(action.type, T.Accepts):
+            assert f"Accepts {action.type.what}." in text, action.dest
+        if action.default is not None and action.default is not False:
+            assert f"Default: {action.default}." in text, action.dest
+        elif isinstance(action, argparse._StoreTrueAction):
+            assert "Default" not in text, action.dest  # a switch is off unless given
+        elif not action.required:
+            assert "Default: none." in text or "default: " in action.help, action.dest  # or what its absence means
+    parser = T.build_parser()
+    backends = next(a for a in _actions() if a.dest == "attention_backend").type.what
+    listed = backends.split(": ")[1].split(", ")
+    assert set(listed) == set(T.TRAINING_ATTENTION_BACKENDS) - set(T.BROKEN_ATTENTION_BACKENDS)
+    trackers = next(a for a in _actions() if a.dest == "report_to")
+    for tracker in T.TRACKERS:  # every tracker the help names is accepted
+        assert tracker in trackers.type.what and parser.parse_args(["--pretrained_model_name_or_path", "m", "--report_to", tracker])
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and "Default: 512." in out.stdout and "Accepts an integer >= 1." in out.stdout
+
+
+def test_docs_flags_table_is_generated_from_the_parser():
+    """docs/flags.md is tests/flags_doc.py's rendering of the parser; run `make docs` after changing a flag."""
+    from tests.flags_doc import DOC, render
+
+    assert DOC.read_text(encoding="utf-8") == render(), "docs/flags.md is stale: run `make docs`"
 
 
 def test_a_valid_command_passes(places):
@@ -218,10 +251,14 @@ def test_a_sourceless_run_needs_no_text_encoder_not_even_its_config(tiny_model, 
      "never reaches its peak"),
     (["--validation_prompt", "v", "--num_validation_images", "0"], "no validation images are made"),
     (["--rank", "512"], "trains like a full fine-tune"),
-    (["--validation_image", "x.png"], "--validation_image without --validation_prompt"),
+    (["--validation_image", "IMAGE"], "--validation_image without --validation_prompt"),
 ])
-def test_legal_but_surprising_values_get_one_warning(extra, warning):
-    base = ["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d"]
+def test_legal_but_surprising_values_get_one_warning(extra, warning, tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "x.png")
+    extra = [str(tmp_path / "x.png") if a == "IMAGE" else a for a in extra]
+    base = ["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "."]
     notes = T.surprising_values(T.parse_args([*base, *extra]))
     assert len(notes) == 1 and warning in notes[0], notes
     assert T.surprising_values(T.parse_args(base)) == []  # the defaults surprise nobody
@@ -247,7 +284,7 @@ def checkpoints(checkpoint_run, tmp_path):
     """An output folder with whole checkpoints at steps 2 and 4, written by save_checkpoint; -> (args, run parts)."""
     accelerator, run = checkpoint_run
     out = tmp_path / "out"
-    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
                          "--output_dir", str(out)])
     T.save_checkpoint(args, accelerator, run, 2)
     T.save_checkpoint(args, accelerator, run, 4)
@@ -343,25 +380,11 @@ def test_latest_without_checkpoints_starts_from_scratch(tmp_path, caplog):
     from accelerate import PartialState
 
     PartialState()
-    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
                          "--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
     with caplog.at_level(logging.WARNING):
         assert T.find_resume_checkpoint(args) is None
     assert "no checkpoint in" in caplog.text
-
-
-def test_the_readme_states_every_flags_rule():
-    """The README's table of accepted values says what FLAG_RULES checks, flag by flag."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = {}
-    for line in readme.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 2:
-            for flag in cells[1].split(", "):
-                rows[flag.strip("`")] = cells[0]
-    for flag, rule in T.FLAG_RULES.items():
-        if rule.ok is not None:
-            assert rows.get(f"--{flag}") == rule.what, flag
 
 
 def test_an_incomplete_checkpoint_is_refused_by_path_and_passed_over_by_latest(checkpoints, caplog):

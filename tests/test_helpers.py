@@ -257,12 +257,13 @@ def test_cache_shares_one_tensor_per_key_and_gathers_in_order():
     for k, v in zip("abc", (1.0, 2.0, 3.0)):
         cache.put(k, torch.full((1, 2), v))
     assert cache.todo(keys) == []
-    assert cache.gather([keys[i] for i in (4, 1, 3, 0)])[:, 0].tolist() == [1.0, 2.0, 3.0, 1.0]
+    unique, rows = cache.gather_unique([keys[i] for i in (4, 1, 3, 0)])
+    assert unique[rows][:, 0].tolist() == [1.0, 2.0, 3.0, 1.0]
     assert len(cache.store) == 3  # five samples, three tensors
     unique, rows = cache.gather_unique(keys)  # what a step moves: each entry once, and the rows that expand it
     assert unique[:, 0].tolist() == [1.0, 2.0, 3.0] and rows.tolist() == [0, 1, 0, 2, 0]
     with pytest.raises(KeyError, match="precompute"):
-        SampleCache().gather(["x"])
+        SampleCache().gather_unique(["x"])
 
 
 def test_dataset_keys_share_repeats_and_captions():
@@ -413,5 +414,5 @@ def test_flags_that_do_not_go_together_are_named(extra, message, tmp_path):
 
 
 def test_tracker_config_never_holds_the_hub_token():
-    config = T.tracker_config(_args("--instance_data_dir", "d", "--hub_token", "hf_secret", "--text_encoder_out_layers", "1", "2"))
+    config = T.tracker_config(_args("--instance_data_dir", ".", "--hub_token", "hf_secret", "--text_encoder_out_layers", "1", "2"))
     assert "hf_secret" not in str(config) and config["text_encoder_out_layers"] == "[1, 2]"

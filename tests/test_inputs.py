@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from accelerate import PartialState
 
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import ROOT, SCRIPT, base_args, launch
@@ -179,9 +180,11 @@ def test_missing_or_empty_folder_is_refused(folder_state, tmp_path):
         folder.mkdir()
     if folder_state == "only_text":
         (folder / "a.txt").write_text("caption without image")
-    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", str(folder)])
-    with pytest.raises(T.UsageError, match="no such folder" if folder_state == "missing" else "no images found"):
-        T.load_instance_images(args)
+    with pytest.raises(T.UsageError, match="expected an existing, readable folder" if folder_state == "missing" else
+                       "no images found"):
+        args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir",
+                             str(folder)])
+        T.load_instance_images(args, T.MemoryCache(), PartialState())
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -233,7 +236,7 @@ def test_out_of_memory_names_the_flags_that_help(tiny_model, images, tmp_path, m
 
 def test_disk_full_while_checkpointing_keeps_earlier_checkpoints(checkpoint_run, tmp_path, monkeypatch):
     accelerator, run = checkpoint_run
-    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
                          "--output_dir", str(tmp_path)])
     T.save_checkpoint(args, accelerator, run, 2)
     real_write = T.write_state
@@ -271,7 +274,7 @@ def test_hub_token_never_reaches_logs_trackers_or_outputs(tiny_model, images, tm
 
 def test_checkpoint_limit_never_deletes_the_one_just_written(checkpoint_run, tmp_path):
     accelerator, run = checkpoint_run
-    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
                          "--output_dir", str(tmp_path), "--checkpoints_total_limit", "1"])
     (tmp_path / "checkpoint-9.partial").mkdir()  # a run killed while writing
     for step in (2, 4, 6):

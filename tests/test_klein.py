@@ -15,7 +15,7 @@ LAYERS = KLEIN_TEXT_ENCODER_OUT_LAYERS
 
 def _args(model, *extra):
     return T.parse_args(["--pretrained_model_name_or_path", str(model), "--instance_prompt", "p", "--instance_data_dir",
-                         "d", *extra])
+                         ".", *extra])
 
 
 def test_family_and_its_defaults_come_from_the_checkpoint_and_the_pipeline_classes(tiny_klein, tiny_model, caplog):

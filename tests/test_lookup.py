@@ -86,7 +86,7 @@ def test_every_part_of_the_cache_identity_changes_the_entry_names(tiny_model, tm
 
     def names(*flags, model=tiny_model, dtype=torch.float32, family=dev):
         args = T.parse_args(["--pretrained_model_name_or_path", str(model), "--instance_prompt", "p",
-                             "--instance_data_dir", "d", "--cache_latents", "--max_sequence_length", "64",
+                             "--instance_data_dir", ".", "--cache_latents", "--max_sequence_length", "64",
                              "--text_encoder_out_layers", "1", "2", *flags])
         identity = T.cache_identity(args, dtype, family)
         return (T.json_digest("prompt", identity.prompts, "a dog"),
@@ -124,7 +124,7 @@ def test_every_part_of_the_cache_identity_changes_the_entry_names(tiny_model, tm
 def test_latest_is_the_highest_step_and_the_limit_keeps_the_newest_k(checkpoint_run, tmp_path):
     """Steps 9 and 10 sort the other way as text; a limit of 2 keeps the two newest."""
     accelerator, run = checkpoint_run
-    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d",
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
                          "--output_dir", str(tmp_path), "--checkpoints_total_limit", "2"])
     for step in (9, 10):
         T.save_checkpoint(args, accelerator, run, step)

@@ -20,6 +20,12 @@ def accelerator():
     return Accelerator(cpu=True)
 
 
+def _precompute(args, accelerator, dataset):
+    """Stage 2 in memory for a dataset built here -> (Caches, the VAE if still needed, its statistics)."""
+    data = T.Data(DEV, None, 0, dataset, None, None)
+    return T.precompute(args, accelerator, data, torch.float32, T.MemoryCache())
+
+
 def _pipeline(model):
     from diffusers import Flux2Pipeline
     from transformers import AutoTokenizer
@@ -77,11 +83,11 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
                                   "--center_crop", "--aspect_ratio_buckets", "32,48;48,32;32,32", "--train_batch_size", "2",
                                   "--with_prior_preservation", "--class_prompt", "a photo of a dog",
                                   "--class_data_dir", class_dir, "--num_class_images", "5"))
-    instances = T.load_instance_images(args)
-    classes = T.load_class_images(args, accelerator, 0, DEV)
+    instances = T.load_instance_images(args, T.MemoryCache(), accelerator)
+    classes = T.load_class_images(args, accelerator, 0, DEV, T.MemoryCache())
     dataset, sampler, _ = T.build_data(args, instances, classes, 0, accelerator)
-    prompts = T.precompute_prompts(args, accelerator, dataset, torch.float32, DEV)
-    latents, _, _ = T.prepare_latents(args, accelerator, dataset, torch.float32)
+    caches, _, _ = _precompute(args, accelerator, dataset)
+    prompts, latents = caches.prompts, caches.latents
     vae, mean, std = T.load_vae(args, accelerator, torch.float32)
     # 12 instance slots (6 images x 2 repeats, center crop) share 6 latents; class slots share per (image, bucket)
     assert len([k for k in latents.store if k[0] == "instance"]) == 6 and len(latents.store) < dataset.num_slots == 24
@@ -99,13 +105,15 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
             batch = T.collate([fresh_dataset[(epoch, i)] for i in indices])
             with torch.no_grad():
                 expected_latents = T.encode_images(vae, batch["pixel_values"], mean, std)
-            cached = latents.gather([dataset.latent_key(s, epoch) for s in slots])
+            unique, rows = latents.gather_unique([dataset.latent_key(s, epoch) for s in slots])
+            cached = unique[rows]
             torch.testing.assert_close(cached, expected_latents, rtol=1e-5, atol=1e-5)
             texts = [captions[instances[i % len(instances)].name] for i in indices] + [args.class_prompt] * len(indices)
             with torch.no_grad():
                 expected_embeds, _ = pipe.encode_prompt(texts, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
                                                         text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
-            cached = prompts.gather([dataset.prompt_key(s) for s in slots])
+            unique, rows = prompts.gather_unique([dataset.prompt_key(s) for s in slots])
+            cached = unique[rows]
             torch.testing.assert_close(cached, expected_embeds, rtol=1e-5, atol=1e-5)
     assert seen == set(range(len(dataset)))  # reshuffles reached every sample
 
@@ -128,7 +136,7 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
 
     args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--num_validation_images", "2",
                                   "--validation_prompt", "a sks dog"))
-    transformer = accelerator.prepare(T.load_transformer_with_lora(args, accelerator, torch.float32))
+    transformer = accelerator.prepare(T.prepare_transformer(args, accelerator, T.load_transformer(args, torch.float32)))
     transformer.train()
     vae, mean, std = T.load_vae(args, accelerator, torch.float32)
     prompts = T.SampleCache()
@@ -198,8 +206,8 @@ def test_text_encoder_is_released_after_prompt_precompute(tiny_model, images, tm
 
     monkeypatch.setattr(Mistral3ForConditionalGeneration, "from_pretrained", classmethod(spy))
     args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--validation_prompt", "a dog"))
-    dataset, _, _ = T.build_data(args, T.load_instance_images(args), [], 0, accelerator)
-    cache = T.precompute_prompts(args, accelerator, dataset, torch.float32, DEV)
+    dataset, _, _ = T.build_data(args, T.load_instance_images(args, T.MemoryCache(), accelerator), [], 0, accelerator)
+    cache = _precompute(args, accelerator, dataset)[0].prompts
     gc.collect()
     assert len(loaded) == 1 and loaded[0]() is None
     assert cache["a dog"].device.type == "cpu" and len(cache.store) == 6 + 1  # 5 captions, instance prompt, validation
@@ -209,7 +217,7 @@ def test_seed_is_drawn_when_absent_and_taken_from_the_checkpoint_on_resume(tmp_p
     import json
     import logging
 
-    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "d"])
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", "."])
     with caplog.at_level(logging.INFO):
         drawn = T.agree_seed(args, None, accelerator)
     assert 0 <= drawn < 2**31 and f"--seed {drawn}" in caplog.text
@@ -224,10 +232,11 @@ def test_seed_is_drawn_when_absent_and_taken_from_the_checkpoint_on_resume(tmp_p
 def test_posterior_sampling_cache_draws_fresh_latents_around_the_cached_mean(tiny_model, images, tmp_path, accelerator):
     args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--cache_latents", "--center_crop",
                                   "--latent_sampling", "sample"))
-    dataset, _, _ = T.build_data(args, T.load_instance_images(args), [], 0, accelerator)
-    sampled, _, _ = T.prepare_latents(args, accelerator, dataset, torch.float32)
+    dataset, _, _ = T.build_data(args, T.load_instance_images(args, T.MemoryCache(), accelerator), [], 0, accelerator)
+    sampled = _precompute(args, accelerator, dataset)[0].latents
     args.latent_sampling = "mode"
-    moded, unused_vae, _ = T.prepare_latents(args, accelerator, dataset, torch.float32)
+    caches, unused_vae, _ = _precompute(args, accelerator, dataset)
+    moded = caches.latents
     assert unused_vae is None  # cached latents and no validation: the VAE is released
     vae, *stats = T.load_vae(args, accelerator, torch.float32)
     key = dataset.latent_key(0, 0)

@@ -73,8 +73,9 @@ def _train(args, accelerator, monkeypatch):
         return real_log_step(args, accelerator, run, bar, global_step, loss, *rest)
 
     monkeypatch.setattr(T, "log_step", log_step)
-    data = T.prepare_data(args, accelerator)
-    caches, vae, latent_stats = T.precompute(args, accelerator, data, torch.float32)
+    cache = T.open_cache(args)
+    data = T.prepare_data(args, accelerator, cache)
+    caches, vae, latent_stats = T.precompute(args, accelerator, data, torch.float32, cache)
     run = T.setup_training(args, accelerator, data, caches, vae, latent_stats, torch.float32)
     T.train(args, accelerator, run, 0)
     return run, losses
