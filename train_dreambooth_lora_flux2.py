@@ -1,51 +1,42 @@
 #!/usr/bin/env python
 # Copyright 2026 The train_dreambooth_lora_flux2 authors. Licensed under the Apache License, Version 2.0.
-#!/usr/bin/env python
-# Copyright 2026 The train_dreambooth_lora_flux2 authors. Licensed under the Apache License, Version 2.0.
-"""DreamBooth LoRA training for FLUX.2 [dev] and FLUX.2 [klein].
+"""DreamBooth LoRA training for FLUX.2 [dev] and FLUX.2 [klein]: text-to-image, and edit (image-to-image).
 
-Trains PEFT LoRA adapters on the `Flux2Transformer2DModel` of a FLUX.2 checkpoint from a folder of images
-(optionally with same-stem `.txt` captions), with optional prior preservation and aspect-ratio buckets:
+Trains PEFT LoRA adapters on the Flux2Transformer2DModel of a FLUX.2 checkpoint from a folder of images (a same-stem
+.txt file is an image's caption). FLUX.2 [klein] base 4B on a 24 GB GPU (README.md: commands for 24, 48, 80 GB):
 
     accelerate launch train_dreambooth_lora_flux2.py \
-      --pretrained_model_name_or_path black-forest-labs/FLUX.2-dev \
-      --instance_data_dir dog --instance_prompt "a photo of sks dog" \
-      --output_dir flux2-dog-lora --mixed_precision bf16 --gradient_checkpointing \
-      --cache_latents --resolution 1024 --train_batch_size 1 --gradient_accumulation_steps 4 \
-      --learning_rate 1e-4 --max_train_steps 500 --checkpointing_steps 100 --seed 0 \
+      --pretrained_model_name_or_path black-forest-labs/FLUX.2-klein-base-4B \
+      --instance_data_dir dog --instance_prompt "a photo of sks dog" --output_dir flux2-klein-dog-lora \
+      --mixed_precision bf16 --gradient_checkpointing --cache_latents --resolution 1024 --train_batch_size 1 \
+      --gradient_accumulation_steps 4 --max_train_steps 500 --checkpointing_steps 100 \
       --validation_prompt "a photo of sks dog in a bucket" --validation_epochs 25
 
-FLUX.2 [klein] takes the same command with its checkpoint (the family is read from model_index.json, and its
-text-encoder layers and validation defaults from its diffusers pipeline):
-
-    accelerate launch train_dreambooth_lora_flux2.py \
-      --pretrained_model_name_or_path black-forest-labs/FLUX.2-klein-4B \
-      --instance_data_dir dog --instance_prompt "a photo of sks dog" \
-      --output_dir flux2-klein-dog-lora --mixed_precision bf16 --cache_latents --resolution 1024 \
-      --train_batch_size 1 --gradient_accumulation_steps 4 --learning_rate 1e-4 --max_train_steps 500 --seed 0
-
-Edit (image-to-image) LoRAs train from the same script on (condition, target, instruction) triplets: add
-`--cond_data_dir` (same-stem condition images) or, with --dataset_name, `--cond_image_column`, and validate with
-`--validation_image` (README: "Training an edit (image-to-image) LoRA").
+FLUX.2 [dev] on an 80 GB GPU: the same flags with --pretrained_model_name_or_path black-forest-labs/FLUX.2-dev and
+--output_dir flux2-dog-lora (the family is read from model_index.json; its text-encoder layers and validation
+defaults from its diffusers pipeline). Edit LoRAs add --cond_data_dir (same-stem condition images).
 
 What is cached and what stays random:
-- Samples are the instance images times `--repeats` (with prior preservation, at least one sample per class
-  image, each paired with a class image, so every class image is seen every epoch). Each sample has an index;
-  the dataset maps a sample (and epoch) to content keys, the caches map keys to tensors.
-- Prompt embeddings are always precomputed, once per unique text (instance prompt, captions, class prompt,
-  validation prompts), and kept on disk in a per-user cache that later runs reuse (--precompute_cache_dir; 'none':
-  on the CPU). The text encoder is loaded only if some text is missing, and freed afterwards. The cache is bounded
-  (--precompute_cache_max_gb), shared safely by concurrent runs, and every run leaves a dataset manifest from which
-  --from_manifest trains without the images. SIGTERM/Ctrl-C during precompute keep what is cached.
-- With `--cache_latents`, latents are precomputed once per unique (image, bucket, crop, orientation): the crop
-  of each sample is drawn once, at cache time; with --random_flip both orientations are cached and the flip is
-  still drawn at every use. Without it, crop and flip are drawn afresh every time a sample is read. Every draw
-  comes from a generator seeded by (seed, epoch, sample), so runs and resumes are reproducible.
-- Batches come from a bucket sampler: every batch holds one bucket, and the order of epoch e is a pure function
-  of (seed, e). Noise, timesteps and posterior samples are drawn from a generator seeded by (seed, micro-step,
-  process).
-- Checkpoints record the global step; the epoch and position inside it follow from it, so a resumed run
-  continues with exactly the batches a straight run would have seen.
+- Samples are the instance images times --repeats (with prior preservation, at least one per class image). Each
+  sample has an index; the dataset maps a sample and epoch to content keys, the caches map keys to tensors.
+- Prompt embeddings are precomputed once per unique text, latents (--cache_latents) once per unique (image, bucket,
+  crop, orientation), into a per-user disk cache that later runs reuse; the encoders are loaded only for what is
+  missing. With cached latents a sample's crop is drawn once; flips, and without the cache crops too, are drawn at
+  every use, from generators seeded by (seed, epoch, sample).
+- Every batch holds one bucket; the order of epoch e is a pure function of (seed, e). Noise and timesteps come from
+  a generator seeded by (seed, micro-step, process). A checkpoint records the global step, from which the epoch and
+  the position in it follow: a resumed run sees exactly the batches a straight run would have.
+
+Reading map. Above the appendix banner is the whole training path, readable top to bottom:
+  Flags          the command line by group (each flag's rule is its type=), validate_args for combinations
+  Data           image records; buckets and crops; the dataset, the bucket sampler, collate; SampleCache
+  Model maths    the VAE and text encodings, noise levels and their shift, the loss, one training step
+  The recipe     what the stages share (Data, Caches, Run)
+  Stages 1-6     prepare_data, precompute, setup_training, checkpoints, train, finish; then main()
+Below '# Appendix: optional machinery', one section per feature, each reached from the core by a call or two:
+  A disk cache, B block swapping, C edit geometry, D EMA, E validation extras, F pre-flight checks, G distributed
+  extras, H class images, I speed and memory levers, J image files and masks, K the command line, L checkpoint
+  files, M stopping on a signal, N the FLUX.2 families.
 """
 
 from __future__ import annotations
@@ -92,7 +83,6 @@ logger = get_logger(__name__)
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
 # The double-stream blocks' image attention: all that the copy of diffusers' [dev] example we checked adapts by
 # default, and only 8 of [dev]'s 56 blocks. The `default` preset adds every single-stream block (about 73% of [dev]'s
 # weights), as diffusers #13011 and its [klein] example do.
@@ -102,23 +92,8 @@ TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is nam
 # A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), i.e. two or three
 # captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
 DEFAULT_CACHE_MAX_GB = 50.0
-NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
-OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
-              "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
-              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
-              "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
-@dataclass(frozen=True)
-class Family:
-    """What differs between FLUX.2 checkpoints, read from their model_index.json; the rest is shared."""
-
-    name: str
-    pipeline: str  # diffusers class
-    text_encoder: str  # transformers class
-    distilled: bool = False  # [klein] distilled checkpoints sample in a few steps without CFG
 
 
-FAMILIES = {"Flux2Pipeline": ("FLUX.2 [dev]", "Mistral3ForConditionalGeneration"),
-            "Flux2KleinPipeline": ("FLUX.2 [klein]", "Qwen3ForCausalLM")}
 class UsageError(Exception):
     """A problem with the user's flags or files: reported as one message, exit status 2, no traceback."""
 
@@ -347,7 +322,7 @@ def validate_args(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Data: images and captions
+# Data: image records, buckets, the dataset, the sampler, collate
 
 
 @dataclass(frozen=True)
@@ -375,19 +350,6 @@ class ImageRecord:
         image = Image.open(self.path) if self.path is not None else self.image
         return to_rgb(ImageOps.exif_transpose(image))
 
-    def load_mask(self):
-        """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
-        if self.mask_path is not None:
-            return ImageOps.exif_transpose(Image.open(self.mask_path)).convert("L")
-        image = ImageOps.exif_transpose(Image.open(self.path) if self.path is not None else self.image)
-        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-            return image.convert("RGBA").getchannel("A")
-        return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Data: buckets, dataset, sampler and collate
-
 
 def seed_for(*parts):
     """A 63-bit seed that is a pure function of `parts` (same on every process and Python run)."""
@@ -395,10 +357,10 @@ def seed_for(*parts):
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def bucket_ladder(resolution, ratios=((1, 1), (4, 5), (5, 4), (3, 4), (4, 3), (2, 3), (3, 2), (9, 16), (16, 9), (1, 2), (2, 1))):
+def bucket_ladder(resolution):
     """Buckets of about resolution^2 pixels over common aspect ratios (h:w), sides multiples of 16."""
     buckets = []
-    for rh, rw in ratios:
+    for rh, rw in ((1, 1), (4, 5), (5, 4), (3, 4), (4, 3), (2, 3), (3, 2), (9, 16), (16, 9), (1, 2), (2, 1)):
         h = math.sqrt(resolution * resolution * rh / rw)
         w = h * rw / rh
         buckets.append((max(16, round(h / 16) * 16), max(16, round(w / 16) * 16)))
@@ -442,17 +404,11 @@ def sample_groups(instances, buckets, num_samples):
 
 
 class DreamBoothDataset(torch.utils.data.Dataset):
-    """Samples of a DreamBooth run. Items are dicts carrying their sample "index".
-
-    Sample i shows instance image i % I (I instance images; len = max(I * repeats, C)) in that image's bucket,
-    and with prior preservation class image i % C resized into the same bucket. For edit training an instance image
-    carries its condition images (ImageRecord.conditions): each is cropped into the target's bucket like the target
-    (follow_crop), flipped with it, and travels with it as the latent keys of condition_keys. The model sees
-    "slots": slot i is sample i's instance part and slot N + i its class part, the order in which a batch is laid
-    out. Items are
-    addressed by (epoch, index), the pairs the batch sampler yields: the epoch travels with the index, so
-    DataLoader workers that live for the whole run draw each epoch's crops and flips without being told.
-    """
+    """Samples of a DreamBooth run, addressed by (epoch, index), the pairs the batch sampler yields (so DataLoader
+    workers that live for the whole run draw each epoch's crops and flips unasked); items carry their "index".
+    Sample i shows instance image i % I in its bucket and, with prior preservation, class image i % C resized into
+    the same bucket (len = max(I * repeats, C)); an edit target's condition images travel with it (condition_keys).
+    Slot i is sample i's instance part, slot N + i its class part: the order in which a batch is laid out."""
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), class_prompt=None, seed=0,
                  center_crop=False, random_flip=False, with_pixels=True, fixed_crops=False, with_masks=False):
@@ -462,8 +418,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         self.instance_prompt, self.class_prompt = instance_prompt, class_prompt
         self.buckets, self.seed = list(buckets), seed
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
-        self.fixed_crops = fixed_crops  # latent caching: crops drawn once (epoch 0); flips stay live
-        self.with_masks = with_masks
+        self.fixed_crops, self.with_masks = fixed_crops, with_masks  # fixed: crops drawn once (epoch 0), flips live
         self.num_samples = max(len(self.instances) * repeats, len(self.classes))
         self.image_buckets = [nearest_bucket(r.size[1], r.size[0], self.buckets) for r in self.instances]
         # edit training: condition images numbered in one list; instance image i has the ids cond_ids[i]
@@ -535,22 +490,6 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         kind, image_id, bucket, *transform = key
         return image_to_tensor(self.record(kind, image_id).load(), transform, bucket)
 
-    def mask(self, key):
-        """The loss mask of a latent key, transformed like its pixels -> [1, H, W] in [0, 1] (ones: no mask)."""
-        kind, image_id, bucket, (rh, rw), top, left, flip = key
-        mask = self.record(kind, image_id).load_mask() if kind == "instance" else None
-        if mask is None:
-            return torch.ones(1, *bucket)
-        mask = mask.resize((rw, rh), Image.Resampling.BILINEAR).crop((left, top, left + bucket[1], top + bucket[0]))
-        if flip:
-            mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
-
-    def content_key(self, key):
-        """A latent key with the image id replaced by a hash of the image's bytes: stable across renames."""
-        kind, image_id, *rest = key
-        return [self.record(kind, image_id).content_hash(), *rest]
-
     def __getitem__(self, epoch_and_index):
         epoch, index = epoch_and_index
         item = {"index": index, "epoch": epoch}
@@ -558,7 +497,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         if self.with_pixels:
             item["pixel_values"] = torch.stack([self.pixels(k) for k in keys])
             if self.with_masks:
-                item["masks"] = torch.stack([self.mask(k) for k in keys])
+                item["masks"] = torch.stack([key_mask(self, k) for k in keys])
             conditions = self.condition_keys(keys[0])
             if conditions:
                 item["cond_pixels"] = torch.stack([self.pixels(k) for k in conditions])
@@ -704,7 +643,6 @@ def draw_latents(params, generator):
 
 def sample_sigmas(scheduler_sigmas, batch_size, weighting_scheme, logit_mean, logit_std, mode_scale, generator):
     """Draw one training sigma per sample from the timestep density (diffusers' SD3/FLUX recipe) -> [B].
-
     scheduler_sigmas: [T] the training schedule (timestep / 1000 of the untouched scheduler, highest first)."""
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
@@ -735,12 +673,9 @@ def timestep_shift_for(mode, image_tokens, num_steps):
 
 
 def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight, mask=None):
-    """Weighted MSE per sample; the first `num_instance` rows are instance samples, the rest class samples.
-
-    pred, target: [B, L, C] packed tokens; weighting: [B]; mask: [B, L, 1] token weights in [0, 1] or None.
-    A masked sample's loss is its mean over the mask, so its scale does not depend on the mask's area.
-    Returns instance loss + prior_loss_weight * class loss.
-    """
+    """Weighted MSE per sample -> instance loss + prior_loss_weight * class loss (the first `num_instance` rows are
+    instance samples). pred, target: [B, L, C] packed tokens; weighting: [B]; mask: [B, L, 1] token weights in [0, 1]
+    or None: a masked sample's loss is its mean over the mask, so its scale does not depend on the mask's area."""
     err = weighting.float().view(-1, 1, 1) * (pred.float() - target.float()) ** 2
     if mask is None:
         per_sample = err.flatten(1).mean(1)
@@ -862,8 +797,7 @@ class Data:
 
 @dataclass(frozen=True)
 class Caches:
-    """Precomputed inputs, on the CPU or on disk (never the GPU): prompt embeddings always; latents and loss masks
-    with --cache_latents."""
+    """Precomputed inputs on the CPU or disk, never the GPU: prompt embeddings; with --cache_latents latents and masks."""
 
     prompts: SampleCache
     latents: SampleCache | None = None
@@ -899,33 +833,18 @@ def setup_accelerator(args):
 
     import diffusers
     import transformers
-    from accelerate.utils import is_tensorboard_available, is_wandb_available
 
-    wanted = {"all": ["tensorboard", "wandb"], "none": []}.get(args.report_to, args.report_to.split(","))
-    available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
-    trackers = [t for t in wanted if available.get(t, True)]
+    trackers = available_trackers(args.report_to)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision,
         log_with=trackers or None, project_config=ProjectConfiguration(
             project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    for t in set(wanted) - set(trackers):
-        logger.warning(f"--report_to {t}: not installed, not reporting to it")
     transformers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.set_verbosity_error()
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator
-
-
-def scan_folder(folder, cache, accelerator, read_captions=True):
-    """scan_image_folder with what earlier scans learnt (the disk cache's index: unchanged files are not decoded)."""
-    tic = time.perf_counter()
-    with cache.scan_index(folder, accelerator) as index:
-        records = scan_image_folder(folder, read_captions, index, progress=accelerator.is_local_main_process)
-    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
-                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
-    return records
 
 
 def load_instance_images(args, cache, accelerator):
@@ -939,85 +858,6 @@ def load_instance_images(args, cache, accelerator):
         conditions = scan_folder(args.cond_data_dir, cache, accelerator, read_captions=False)
         records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
     return records
-
-
-def read_model_json(args, name, what):
-    """A small JSON file of the checkpoint (model_index.json, <component>/config.json; for a Hub id only that file
-    is fetched) -> dict; UsageError naming `what` when it cannot be read."""
-    try:
-        if Path(args.pretrained_model_name_or_path).is_dir():
-            path = Path(args.pretrained_model_name_or_path, name)
-        else:
-            from huggingface_hub import hf_hub_download
-
-            path = hf_hub_download(args.pretrained_model_name_or_path, name, revision=args.revision, cache_dir=args.cache_dir)
-        return json.loads(Path(path).read_text())
-    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
-                         f"{what} ({e})") from None
-
-
-def detect_family(args):
-    """The checkpoint's family from its model_index.json (a small file; no weights are read)."""
-    config = read_model_json(args, "model_index.json", "model_index.json")
-    if config.get("_class_name") not in FAMILIES:
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
-                         f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
-    name, text_encoder = FAMILIES[config["_class_name"]]
-    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
-
-
-def pipeline_default(family, method, parameter):
-    """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
-    import diffusers
-
-    return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
-
-
-def default_sampling_steps(family):
-    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
-    return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
-
-
-def resolve_family_defaults(args, family):
-    """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
-    if args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
-        raise UsageError(f"--remote_text_encoder serves FLUX.2 [dev] embeddings only, not {family.name}")
-    layers = list(pipeline_default(family, "encode_prompt", "text_encoder_out_layers"))
-    if args.text_encoder_out_layers is None:
-        args.text_encoder_out_layers = layers
-    elif list(args.text_encoder_out_layers) != layers:
-        logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
-                       f"default {layers}")
-    if args.validation_inference_steps is None:
-        args.validation_inference_steps = default_sampling_steps(family)
-    if args.validation_guidance_scale is None:
-        args.validation_guidance_scale = 1.0 if family.distilled else pipeline_default(family, "__call__", "guidance_scale")
-    logger.info(f"{family.name}{' (distilled)' if family.distilled else ''}: text-encoder layers "
-                f"{args.text_encoder_out_layers}, validation with {args.validation_inference_steps} steps")
-
-
-def load_pipeline_tokenizer(args):
-    """The FLUX.2 tokenizer without torchvision: the Hub's PixtralProcessor folder holds a plain fast tokenizer."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path, subfolder="tokenizer",
-                                              revision=args.revision, cache_dir=args.cache_dir)
-    if not tokenizer.chat_template:
-        raise UsageError(f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
-                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
-    return tokenizer
-
-
-def guidance_scale(args, family):
-    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
-    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
-
-
-def resolve_buckets(args):
-    if args.aspect_ratio_buckets:
-        return parse_buckets(args.aspect_ratio_buckets)
-    return bucket_ladder(args.resolution) if args.use_aspect_ratio_buckets else [(args.resolution, args.resolution)]
 
 
 def agree_seed(args, checkpoint, accelerator):
@@ -1035,16 +875,6 @@ def agree_seed(args, checkpoint, accelerator):
     return seed
 
 
-def check_batches(batch_size, sampler, buckets):
-    """Refuse a batch size that leaves a process no full batch in an epoch (each batch holds one bucket)."""
-    if len(sampler) == 0:
-        sizes = {(*buckets[b], f"{r} references") if r else buckets[b]: len(members)
-                 for (b, r), members in sorted(sampler.by_bucket.items())}
-        raise UsageError(f"--train_batch_size {batch_size} leaves no full batch: samples per bucket (h, w) are {sizes} "
-                         f"over {sampler.num_replicas} process(es); lower --train_batch_size, raise --repeats, or use "
-                         "fewer buckets")
-
-
 def build_data(args, instances, classes, seed, accelerator):
     """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
     dataset = DreamBoothDataset(instances, args.instance_prompt, resolve_buckets(args), repeats=args.repeats,
@@ -1053,11 +883,8 @@ def build_data(args, instances, classes, seed, accelerator):
                                 fixed_crops=args.cache_latents, with_masks=args.masked_loss)
     sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
-    small = [r.name for r, b in zip(instances, dataset.image_buckets)
-             if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]]
-    if small and accelerator.is_main_process:
-        logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
-                       f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
+    if accelerator.is_main_process:
+        warn_small_images(dataset)
     check_batches(args.train_batch_size, sampler, dataset.buckets)
     # One iterator for the whole run (the sampler is a flat stream of epochs), so workers start once. Own
     # generator: iter() draws a worker seed, which must not consume the global RNG (LoRA init and dropout).
@@ -1149,10 +976,9 @@ def needed_prompts(args, dataset, family):
 
 
 def encode_missing(accelerator, cache, todo, batches, encode, progress, unit, lockstep=False):
-    """Encode the entries `todo` (missing on every process) into `cache`: each process its share todo[rank::world],
-    in batches(share); every process runs as many rounds as the longest share has batches, since the stop check is a
-    collective (with `lockstep` so is `encode`: a process out of work encodes a stand-in). Then the processes share
-    what they wrote. Callers list `todo` on every process, then wait for all, before anyone writes."""
+    """Encode `todo` (listed on every process before anyone writes) into `cache`, each process its share
+    todo[rank::world] in batches(share), then share what was written. Every process runs as many rounds as the
+    longest share: the stop check is a collective (with `lockstep` so is `encode`: an idle process encodes a stand-in)."""
     world = accelerator.num_processes
     shares = [batches(todo[r::world]) for r in range(world)]
     mine = shares[accelerator.process_index]
@@ -1395,9 +1221,7 @@ def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=L
 
 
 def save_checkpoint(args, accelerator, run, global_step):
-    """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part.
-
-    Holds the LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer,
+    """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part. Holds the LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer,
     LR schedule, grad scaler and each process's RNG state as safetensors + JSON, and trainer_state.json (written
     last) with the step and seed."""
     final = Path(args.output_dir, f"checkpoint-{global_step}")
@@ -1457,11 +1281,7 @@ def load_checkpoint(checkpoint, accelerator, run):
     except (KeyError, ValueError, RuntimeError, TypeError) as e:  # e.g. another optimizer's state (AdamW vs Prodigy)
         raise UsageError(f"--resume_from_checkpoint {checkpoint}: its training state does not fit this run "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    if (checkpoint / f"rng-{accelerator.process_index}.json").is_file():
-        rng = read_state(checkpoint, f"rng-{accelerator.process_index}")
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+    restore_rng(checkpoint, accelerator.process_index)
     global_step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"]
     logger.info(f"resumed from {checkpoint} at step {global_step}")
     return global_step
@@ -1755,10 +1575,10 @@ def main(argv=None):
         logger.warning(note)
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
     try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
-        disk = open_cache(args)
-        data = prepare_data(args, accelerator, disk)
+        cache = open_cache(args)
+        data = prepare_data(args, accelerator, cache)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, disk)
+        caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, cache)
         run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
         global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
         start_logging(args, accelerator, run, global_step)
@@ -1783,6 +1603,8 @@ RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a s
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
 RECOMPUTE_ADVICE = ("rerunning the same command recomputes it (add --resume_from_checkpoint latest to keep the steps "
                     "done; a --from_manifest run cannot recompute: rerun the command that wrote its manifest first)")
+
+
 class DiskStore:
     """A persistent, content-addressed mapping: key -> <folder>/<digest[:2]>/<digest>.safetensors.
 
@@ -2034,7 +1856,7 @@ class DiskCache:
         """-> (prompt cache, latent cache or None) over this folder: entries named by their key and identity."""
         self.identity = identity = cache_identity(args, weight_dtype, family, self.manifest)
         prompts = self.store("prompts", lambda text: json_digest("prompt", identity.prompts, text))
-        latents = self.store("latents", lambda key: json_digest("latent", identity.latents, dataset.content_key(key)))
+        latents = self.store("latents", lambda key: json_digest("latent", identity.latents, content_key(dataset, key)))
         return SampleCache(prompts), SampleCache(latents) if args.cache_latents else None
 
     def hold(self, accelerator, dataset, needed):
@@ -2196,6 +2018,12 @@ class CacheIdentity:
     latents: list | None  # VAE fingerprint, dtype, --latent_sampling; None without --cache_latents
 
 
+def content_key(dataset, key):
+    """A latent key with the image id replaced by a hash of the image's bytes: stable across renames."""
+    kind, image_id, *rest = key
+    return [dataset.record(kind, image_id).content_hash(), *rest]
+
+
 def cache_identity(args, weight_dtype, family, manifest=None):
     """The identity of this run's entries; with --from_manifest the manifest's (no model is fingerprinted, so the
     text encoder and VAE need not even be downloaded)."""
@@ -2263,6 +2091,8 @@ MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
 # the flags that shaped a manifest's cache entries: --from_manifest takes them from it
 MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution",
                        "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
+
+
 def validate_manifest_args(args):
     """--from_manifest: the manifest and the disk cache replace the data flags; checked before anything loads."""
     for flag in ("instance_data_dir", "dataset_name", "class_data_dir", "cond_data_dir"):
@@ -2544,6 +2374,8 @@ class _BeforeBackward(torch.autograd.Function):
 
 
 REFERENCE_MAX_PIXELS = 1024 * 1024  # the FLUX.2 pipelines shrink larger reference images to this area
+
+
 def check_edit_flags(args):
     """Edit training: each data source has its own condition flag; prior preservation is refused."""
     if args.cond_data_dir and not args.instance_data_dir:
@@ -2664,6 +2496,8 @@ def reference_tokens(conditions, dtype):
 
 
 RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
+
+
 def save_ema_lora(accelerator, run, raw, folder, dtype):
     """--use_ema: the average is the LoRA; the last raw weights go beside it."""
     save_lora(accelerator, run.transformer, raw, folder, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
@@ -2856,6 +2690,18 @@ def push_to_hub(args):
     logger.info(f"pushed to https://huggingface.co/{repo_id}")
 
 
+def available_trackers(report_to):
+    """--report_to -> the trackers to start; one that is not installed is skipped with a warning."""
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+    wanted = {"all": ["tensorboard", "wandb"], "none": []}.get(report_to, report_to.split(","))
+    available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
+    for tracker in wanted:
+        if not available.get(tracker, True):
+            logger.warning(f"--report_to {tracker}: not installed, not reporting to it")
+    return [t for t in wanted if available.get(t, True)]
+
+
 def tracker_config(args):
     """Flags for the trackers: scalars only, and never the Hub token."""
     return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
@@ -2967,6 +2813,8 @@ BROKEN_ATTENTION_BACKENDS = {
                      "and 1024 px, eager and compiled (H100, torch 2.11 + CUDA 13.0, 2026-11-22); use native, which "
                      "picks a working SDPA kernel itself",
 }
+
+
 def attention_backend_problem(name):
     """Why --attention_backend `name` cannot train here (None: it can): unknown, inference-only, package missing
     (diffusers' own requirement check), or a CUDA kernel without a CUDA GPU."""
@@ -3128,6 +2976,16 @@ def find_resume_checkpoint(args):
     if problem:
         raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
     return path
+
+
+def check_batches(batch_size, sampler, buckets):
+    """Refuse a batch size that leaves a process no full batch in an epoch (each batch holds one bucket)."""
+    if len(sampler) == 0:
+        sizes = {(*buckets[b], f"{r} references") if r else buckets[b]: len(members)
+                 for (b, r), members in sorted(sampler.by_bucket.items())}
+        raise UsageError(f"--train_batch_size {batch_size} leaves no full batch: samples per bucket (h, w) are {sizes} "
+                         f"over {sampler.num_replicas} process(es); lower --train_batch_size, raise --repeats, or use "
+                         "fewer buckets")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3530,11 +3388,17 @@ def on_device(module, device, offload):
         module.to("cpu")
 
 
+OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
+              "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
+              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
+              "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Appendix J: image files (decoding, EXIF, modes, the folder scan and its index)
+# Appendix J: image files and loss masks (decoding, EXIF, modes, the folder scan and its index)
 
 
-def to_rgb(image, background=NEUTRAL_GREY):
+def to_rgb(image):
     """Any Pillow mode -> 8-bit RGB: 16/32-bit grey scaled (not clipped) to 8 bits, palettes expanded, CMYK
     converted, transparency composited on a neutral grey."""
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
@@ -3543,7 +3407,7 @@ def to_rgb(image, background=NEUTRAL_GREY):
         image = Image.fromarray(np.clip(array / scale, 0, 255).round().astype(np.uint8), "L")
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*NEUTRAL_GREY, 255)), rgba).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
@@ -3645,6 +3509,36 @@ class ScanIndex:
                       if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
 
 
+def load_mask(record):
+    """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
+    if record.mask_path is not None:
+        return ImageOps.exif_transpose(Image.open(record.mask_path)).convert("L")
+    image = ImageOps.exif_transpose(Image.open(record.path) if record.path is not None else record.image)
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        return image.convert("RGBA").getchannel("A")
+    return None
+
+
+def warn_small_images(dataset):
+    small = [r.name for r, b in zip(dataset.instances, dataset.image_buckets)
+             if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]]
+    if small:
+        logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
+                       f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
+
+
+def key_mask(dataset, key):
+    """The loss mask of a latent key, transformed like its pixels -> [1, H, W] in [0, 1] (ones: no mask)."""
+    kind, image_id, bucket, (rh, rw), top, left, flip = key
+    mask = load_mask(dataset.record(kind, image_id)) if kind == "instance" else None
+    if mask is None:
+        return torch.ones(1, *bucket)
+    mask = mask.resize((rw, rh), Image.Resampling.BILINEAR).crop((left, top, left + bucket[1], top + bucket[0]))
+    if flip:
+        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
+
+
 def reduce_mask(mask, latent_hw):
     """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
     return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
@@ -3655,8 +3549,21 @@ def prepare_masks(dataset, latents):
     [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
     cache = SampleCache()
     for key in dict.fromkeys(dataset.cached_latent_keys()):
-        cache.put(key, reduce_mask(dataset.mask(key)[None], latents[key].shape[-2:]))
+        cache.put(key, reduce_mask(key_mask(dataset, key)[None], latents[key].shape[-2:]))
     return cache
+
+
+NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
+
+
+def scan_folder(folder, cache, accelerator, read_captions=True):
+    """scan_image_folder with what earlier scans learnt (the disk cache's index: unchanged files are not decoded)."""
+    tic = time.perf_counter()
+    with cache.scan_index(folder, accelerator) as index:
+        records = scan_image_folder(folder, read_captions, index, progress=accelerator.is_local_main_process)
+    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
+                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
+    return records
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3799,6 +3706,12 @@ def parse_buckets(text):
     return list(dict.fromkeys(buckets))
 
 
+def resolve_buckets(args):
+    if args.aspect_ratio_buckets:
+        return parse_buckets(args.aspect_ratio_buckets)
+    return bucket_ladder(args.resolution) if args.use_aspect_ratio_buckets else [(args.resolution, args.resolution)]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Appendix L: checkpoint files (safetensors and JSON, atomic writes, file modes)
 
@@ -3854,6 +3767,16 @@ def rng_state():
 
 
 @functools.cache
+def restore_rng(checkpoint, rank):
+    """This process's RNG state from a checkpoint (LoRA dropout draws from the global generators); a process the
+    checkpoint has none for (more processes than it was written by) keeps its own."""
+    if (checkpoint / f"rng-{rank}.json").is_file():
+        rng = read_state(checkpoint, f"rng-{rank}")
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+
 def umask():
     """The process's umask (reading it means setting it: done once, before any thread starts)."""
     mask = os.umask(0o022)
@@ -3890,6 +3813,9 @@ def list_checkpoints(output_dir):
             else:
                 logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
     return [p for _, p in sorted(found)]
+
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3944,6 +3870,97 @@ class Progress:
                        "in-memory cache (--precompute_cache_dir none) keeps nothing")
             logger.warning(message, main_process_only=False)
             raise TrainingStopped(message, 128 + signum)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix N: the FLUX.2 families ([dev], [klein]): what differs, read from the checkpoint and its pipeline
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between FLUX.2 checkpoints, read from their model_index.json; the rest is shared."""
+
+    name: str
+    pipeline: str  # diffusers class
+    text_encoder: str  # transformers class
+    distilled: bool = False  # [klein] distilled checkpoints sample in a few steps without CFG
+
+
+FAMILIES = {"Flux2Pipeline": ("FLUX.2 [dev]", "Mistral3ForConditionalGeneration"),
+            "Flux2KleinPipeline": ("FLUX.2 [klein]", "Qwen3ForCausalLM")}
+
+
+def read_model_json(args, name, what):
+    """A small JSON file of the checkpoint (model_index.json, <component>/config.json; for a Hub id only that file
+    is fetched) -> dict; UsageError naming `what` when it cannot be read."""
+    try:
+        if Path(args.pretrained_model_name_or_path).is_dir():
+            path = Path(args.pretrained_model_name_or_path, name)
+        else:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(args.pretrained_model_name_or_path, name, revision=args.revision, cache_dir=args.cache_dir)
+        return json.loads(Path(path).read_text())
+    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
+                         f"{what} ({e})") from None
+
+
+def detect_family(args):
+    """The checkpoint's family from its model_index.json (a small file; no weights are read)."""
+    config = read_model_json(args, "model_index.json", "model_index.json")
+    if config.get("_class_name") not in FAMILIES:
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
+                         f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
+    name, text_encoder = FAMILIES[config["_class_name"]]
+    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
+
+
+def pipeline_default(family, method, parameter):
+    """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
+    import diffusers
+
+    return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
+
+
+def default_sampling_steps(family):
+    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
+    return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
+
+
+def resolve_family_defaults(args, family):
+    """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
+    if args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
+        raise UsageError(f"--remote_text_encoder serves FLUX.2 [dev] embeddings only, not {family.name}")
+    layers = list(pipeline_default(family, "encode_prompt", "text_encoder_out_layers"))
+    if args.text_encoder_out_layers is None:
+        args.text_encoder_out_layers = layers
+    elif list(args.text_encoder_out_layers) != layers:
+        logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
+                       f"default {layers}")
+    if args.validation_inference_steps is None:
+        args.validation_inference_steps = default_sampling_steps(family)
+    if args.validation_guidance_scale is None:
+        args.validation_guidance_scale = 1.0 if family.distilled else pipeline_default(family, "__call__", "guidance_scale")
+    logger.info(f"{family.name}{' (distilled)' if family.distilled else ''}: text-encoder layers "
+                f"{args.text_encoder_out_layers}, validation with {args.validation_inference_steps} steps")
+
+
+def load_pipeline_tokenizer(args):
+    """The FLUX.2 tokenizer without torchvision: the Hub's PixtralProcessor folder holds a plain fast tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path, subfolder="tokenizer",
+                                              revision=args.revision, cache_dir=args.cache_dir)
+    if not tokenizer.chat_template:
+        raise UsageError(f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
+                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
+    return tokenizer
+
+
+def guidance_scale(args, family):
+    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
+    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import ROOT, SCRIPT
 
-# Values each numeric or path flag must refuse. Written here, not derived from the script's FLAG_RULES, so a rule
+# Values each numeric or path flag must refuse. Written here, not derived from the script's flag declarations, so a rule
 # that is too lax fails. Path tokens: MISSING (nothing there), FILE (a file), FOLDER (a folder), UNDER_FILE (a path
 # whose parent is a file: nothing can be created there).
 REFUSED = {

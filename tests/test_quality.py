@@ -144,15 +144,15 @@ def test_mask_files_and_alpha_become_masks_that_follow_crop_and_flip(tmp_path):
     ds = T.DreamBoothDataset(records, "p", [(32, 32)], random_flip=True, with_masks=True, seed=0)
     for epoch in range(6):
         key = ds.latent_key(0, epoch)
-        pixels, m = ds.pixels(key), ds.mask(key)
+        pixels, m = ds.pixels(key), T.key_mask(ds, key)
         assert m.shape == (1, 32, 32)
         white = pixels[0] > 0.5
         assert torch.equal(m[0] > 0.5, white)  # the mask went through the same crop and flip as its image
     key = ds.latent_key(1, 0)
-    alpha = ds.mask(key)[0]  # b.png has no mask file: its opaque left quarter is the mask
+    alpha = T.key_mask(ds, key)[0]  # b.png has no mask file: its opaque left quarter is the mask
     opaque = alpha[:, -8:] if key[-1] else alpha[:, :8]
     assert opaque.min() > 0.99 and alpha.sum() == pytest.approx(alpha.numel() / 4)
-    assert (ds.mask(ds.latent_key(2, 0)) == 1).all()
+    assert (T.key_mask(ds, ds.latent_key(2, 0)) == 1).all()
 
 
 @pytest.mark.parametrize("cached", [False, True])

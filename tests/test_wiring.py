@@ -111,7 +111,7 @@ def _reference_loss(run, args, micro, epoch, indices, vae=None):
         refs = []
     masks = None
     if args.masked_loss:
-        masks = torch.cat([T.reduce_mask(dataset.mask(k)[None], latents.shape[-2:]) for k in keys])
+        masks = torch.cat([T.reduce_mask(T.key_mask(dataset, k)[None], latents.shape[-2:]) for k in keys])
         assert 0 < masks[: len(indices)].mean() < 1  # masked pixels: a dropped mask would change the loss
     generator = torch.Generator().manual_seed(T.seed_for("step", SEED, micro, 0))
     noise = torch.randn(latents.shape, generator=generator)
