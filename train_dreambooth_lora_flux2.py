@@ -1606,25 +1606,20 @@ RECOMPUTE_ADVICE = ("rerunning the same command recomputes it (add --resume_from
 
 
 class DiskStore:
-    """A persistent, content-addressed mapping: key -> <folder>/<digest[:2]>/<digest>.safetensors.
+    """A persistent, content-addressed mapping: key -> <folder>/<digest[:2]>/<digest>.safetensors, `digest(key)`
+    hashing all that determines the value (content, transform, model identity, settings): renamed inputs hit, edited
+    ones miss. Writes are atomic (a unique temporary file, then a rename): a killed run or two runs sharing the folder
+    leave only complete entries. A presence test reads the entry's header alone (a truncated or foreign file is
+    reported, deleted and recomputed): a warm start costs a few syscalls per entry, not a read of the cache (1,000
+    [dev] captions are 15.7 GB). An entry's SHA-256 is checked at its first read in a run; a mismatch (bit rot, an
+    edited file) deletes it and stops the run, whose rerun recomputes it. Values are read at every lookup: host memory
+    does not grow with the cache. A read sets the entry's mtime, eviction's LRU clock (atime is often off). A failed
+    write never stops the run: `owner` warns once and entries stay in memory from then on. safetensors only: nothing
+    is unpickled."""
 
-    `digest(key)` hashes everything that determines the value (content, transform, model identity, settings),
-    so renamed inputs hit and edited ones miss. Writes are atomic (unique temporary file, then rename), so a
-    killed run or two runs sharing the folder leave only complete entries. A presence test reads only the
-    entry's header (a truncated or foreign file is reported, deleted and recomputed), so a warm start costs a
-    few syscalls per entry, not a read of the whole cache (1,000 [dev] captions are 15.7 GB). Each entry
-    carries the SHA-256 of its tensor bytes, checked at its first read in a run, when the bytes are in memory
-    anyway; a mismatch (bit rot, an edited file) deletes the entry and stops the run, whose rerun recomputes
-    it. Values are read from disk on every lookup, so host memory does not grow with the cache.
-    Reading an entry sets its modification time: the LRU clock of eviction (atime is often off, e.g. noatime).
-    A write that fails (full disk, quota, read-only) never stops the run: `owner` warns once and this store keeps
-    that entry and all later ones in memory. Nothing is unpickled: safetensors only.
-    """
-
-    def __init__(self, folder, digest, owner=None):
-        self.folder, self.digest = Path(folder), digest
+    def __init__(self, folder, digest, owner):
+        self.folder, self.digest, self.owner = Path(folder), digest, owner
         self.present, self.verified, self.touched = set(), set(), set()  # entry paths: whole, checksummed, used
-        self.owner = owner if owner is not None else DiskCache(self.folder)
         self.memory = {}  # entries that could not be written
 
     def path(self, key):
@@ -1846,11 +1841,19 @@ class DiskCache:
 
     @contextlib.contextmanager
     def scan_index(self, folder, accelerator):
-        """Each machine's first process scans first; the others find its index warm."""
+        """<root>/scans/<digest of the folder's path>.json; each machine's first process scans first, the others find
+        its index warm. An index that cannot be read is empty; one that cannot be written warns."""
+        path = self.root / "scans" / f"{json_digest('scan', str(Path(folder).resolve()))[:32]}.json"
         with accelerator.local_main_process_first():
-            index = self.read_scan_index(folder)
+            index = ScanIndex()
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                index = ScanIndex(json.loads(path.read_text())["files"])
             yield index
-            self.write_scan_index(folder, index)
+            if self.write_error is None:
+                try:
+                    write_json_atomic(path, {"folder": str(Path(folder).resolve()), "files": index.files})
+                except OSError as e:
+                    self.unwritable(e)
 
     def stores(self, args, dataset, family, weight_dtype):
         """-> (prompt cache, latent cache or None) over this folder: entries named by their key and identity."""
@@ -1898,22 +1901,6 @@ class DiskCache:
                 self.unwritable(e)
                 return
             atexit.register(release_lease, self.lease)
-
-    def scan_index_path(self, folder):
-        return self.root / "scans" / f"{json_digest('scan', str(Path(folder).resolve()))[:32]}.json"
-
-    def read_scan_index(self, folder):
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            return ScanIndex(json.loads(self.scan_index_path(folder).read_text())["files"])
-        return ScanIndex()
-
-    def write_scan_index(self, folder, index):
-        if self.write_error is None:
-            try:
-                write_json_atomic(self.scan_index_path(folder),
-                                  {"folder": str(Path(folder).resolve()), "files": index.files})
-            except OSError as e:
-                self.unwritable(e)
 
 
 def default_cache_dir(environ):
@@ -2917,8 +2904,7 @@ def check_checkpoint_fits(checkpoint, accelerator, run, training):
 
 def surprising_values(args):
     """Legal values that are probably not what the user meant -> one warning line each."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    warmup = args.lr_scheduler not in ("constant",)
+    cores = cpu_cores()
     notes = [
         (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
                                      "empty prompt, so the subject is barely tied to its prompt"),
@@ -2939,7 +2925,7 @@ def surprising_values(args):
         (args.max_train_steps is not None and args.checkpointing_steps > args.max_train_steps,
          f"--checkpointing_steps {args.checkpointing_steps} > --max_train_steps {args.max_train_steps}: no checkpoint "
          "is written before the end"),
-        (warmup and args.max_train_steps is not None and args.lr_warmup_steps >= args.max_train_steps,
+        (args.lr_scheduler != "constant" and args.max_train_steps is not None and args.lr_warmup_steps >= args.max_train_steps,
          f"--lr_warmup_steps {args.lr_warmup_steps} >= --max_train_steps {args.max_train_steps}: the learning rate "
          "never reaches its peak"),
         (args.validation_prompt is not None and args.num_validation_images == 0,
@@ -3633,21 +3619,11 @@ def _image_file(value):
 
 
 TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
-
-
 BOOL = Accepts("true or false", convert=boolean)
-
-
 EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK))
-
-
 READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK))
-
-
 # existing download and class folders may be read-only (a shared model cache, class images all there)
 FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be)
-
-
 PROBABILITY, BELOW_ONE, POSITIVE, NON_NEGATIVE = number(0, 1), number(0, 1, high_open=True), number(0, low_open=True), number(0)
 
 

@@ -58,7 +58,7 @@ def test_default_cache_folder_is_per_user_and_none_keeps_memory():
 def test_a_write_that_fails_warns_once_and_keeps_entries_in_memory(tmp_path, monkeypatch, caplog):
     import safetensors.torch
 
-    store = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    store = T.DiskStore(tmp_path, lambda key: T.json_digest(key), T.DiskCache(tmp_path))
     store["kept"] = torch.ones(2)
 
     def full_disk(tensors, filename, metadata=None):
@@ -72,7 +72,7 @@ def test_a_write_that_fails_warns_once_and_keeps_entries_in_memory(tmp_path, mon
     assert "lost" in store and len(store) == 3
     assert caplog.text.count("cannot write the precompute cache") == 1
     assert f"{tmp_path} ([Errno 28] No space left on device)" in caplog.text
-    fresh = T.DiskStore(tmp_path, lambda key: T.json_digest(key))  # the next run: complete entries only
+    fresh = T.DiskStore(tmp_path, lambda key: T.json_digest(key), T.DiskCache(tmp_path))  # the next run: complete entries only
     assert "kept" in fresh and "lost" not in fresh and "later" not in fresh and not list(tmp_path.rglob("*.tmp"))
 
 

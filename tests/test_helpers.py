@@ -278,7 +278,7 @@ def test_disk_store_round_trip_atomic_and_damage_is_recomputed_or_stops_the_run(
 
     PartialState()  # the store warns through accelerate's logger
     digest = lambda key: T.json_digest(key)  # noqa: E731
-    store = T.DiskStore(tmp_path, digest)
+    store = T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path))
     value = torch.randn(1, 3, 4)
     assert "k" not in store
     store["k"] = value
@@ -288,7 +288,7 @@ def test_disk_store_round_trip_atomic_and_damage_is_recomputed_or_stops_the_run(
     hashed = []
     real_digest = T.tensor_digest
     monkeypatch.setattr(T, "tensor_digest", lambda t: hashed.append(1) or real_digest(t))
-    fresh = T.DiskStore(tmp_path, digest)  # another run: a warm start
+    fresh = T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path))  # another run: a warm start
     assert "k" in fresh and not hashed  # the presence test reads the header, not the tensor bytes
     assert torch.equal(fresh["k"], value) and torch.equal(fresh["k"], value) and len(hashed) == 1  # checked once
 
@@ -296,28 +296,28 @@ def test_disk_store_round_trip_atomic_and_damage_is_recomputed_or_stops_the_run(
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # flip a bit of the tensor: the header is intact, the checksum is not
     path.write_bytes(bytes(data))
-    rotten = T.DiskStore(tmp_path, digest)
+    rotten = T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path))
     assert "k" in rotten
     with pytest.raises(T.TrainingStopped, match="checksum mismatch"):
         rotten["k"]
     assert not path.exists()  # deleted: the rerun recomputes it
-    store2 = T.DiskStore(tmp_path, digest)
+    store2 = T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path))
     store2["k"] = value
     path.write_bytes(path.read_bytes()[:-1])  # truncated by one byte
-    assert "k" not in T.DiskStore(tmp_path, digest) and not path.exists()
+    assert "k" not in T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path)) and not path.exists()
     assert "damaged" in caplog.text
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(b"not a safetensors file")
-    assert "k" not in T.DiskStore(tmp_path, digest)
+    assert "k" not in T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path))
     for header in ({"__metadata__": "x", "value": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
                    {"value": {"dtype": "F32", "shape": [1], "data_offsets": [4]}}, ["value"]):
         text = json.dumps(header).encode()
         path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(4))
-        assert "k" not in T.DiskStore(tmp_path, digest) and not path.exists()  # foreign: warned, deleted, recomputed
+        assert "k" not in T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path)) and not path.exists()  # foreign: warned, deleted, recomputed
 
-    shared = T.DiskStore(tmp_path, digest)
+    shared = T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path))
     shared["k"] = value
-    other = T.DiskStore(tmp_path, digest)  # another process of the run
+    other = T.DiskStore(tmp_path, digest, T.DiskCache(tmp_path))  # another process of the run
     assert "k" in other
     path.unlink()  # the first process found it damaged and deleted it
     with pytest.raises(T.TrainingStopped, match="is gone: another process of this run found it damaged"):
