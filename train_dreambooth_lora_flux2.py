@@ -72,7 +72,9 @@ from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from PIL import Image, ImageOps
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 logger = get_logger(__name__)
 
 
@@ -236,6 +238,7 @@ def _checkpointing_and_outputs_flags(p):
     g.add_argument("--resume_from_checkpoint", type=Accepts("a checkpoint folder, the name of one in --output_dir, or 'latest' (checked with --output_dir)"), help="A checkpoint folder, its name in --output_dir (checkpoint-N), or 'latest'.")
     g.add_argument("--upcast_before_saving", action="store_true", help="Save the LoRA in float32 instead of the training dtype.")
     g.add_argument("--report_to", type=Accepts(f"none, all, or trackers among {', '.join(TRACKERS)} (comma-separated)", lambda v: v in ("none", "all") or all(t in TRACKERS for t in v.split(","))), default="tensorboard", help="Trackers that receive the step figures and validation images; one not installed is skipped with a warning.")
+    g.add_argument("--logging_steps", type=integer(1), default=50, help="A log line every N optimizer steps (and at each checkpoint and validation); the progress bar and trackers get every step.")
     g.add_argument("--logging_dir", type=Accepts("a folder, relative to --output_dir (checked with it)"), default="logs", help="Tracker and sample-log folder, relative to --output_dir.")
     g.add_argument("--push_to_hub", action="store_true", help="Upload the LoRA and model card; the only flag that uses the network.")
     g.add_argument("--hub_model_id", help="Hub repository of --push_to_hub; default: the name of --output_dir.")
@@ -840,8 +843,9 @@ def setup_accelerator(args):
         log_with=trackers or None, project_config=ProjectConfiguration(
             project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    transformers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.set_verbosity_error()
+    for library in (transformers, diffusers):  # a default run shows this script's lines and bars alone
+        library.utils.logging.set_verbosity_error()
+        library.utils.logging.disable_progress_bar()
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator
@@ -1226,11 +1230,11 @@ def save_checkpoint(args, accelerator, run, global_step):
     last) with the step and seed."""
     final = Path(args.output_dir, f"checkpoint-{global_step}")
     partial = final.with_name(final.name + ".partial")
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    try:
+    try:  # a full disk or quota, or --output_dir removed under the run: one line, and no half checkpoint
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()  # not its parents: a vanished --output_dir stops the run rather than being remade
+        accelerator.wait_for_everyone()
         write_state(partial, f"rng-{accelerator.process_index}", rng_state())
         lora = lora_state_dict(accelerator, run.transformer)  # under FSDP, the state dicts are collectives
         optimizer = fsdp_optimizer_state(run) if is_fsdp(accelerator) else run.optimizer.state_dict()
@@ -1240,16 +1244,17 @@ def save_checkpoint(args, accelerator, run, global_step):
             ema = run.ema.state_dict() if run.ema is not None else None
             write_state(partial, "training", {"lora": lora, "optimizer": optimizer, "ema": ema,  # raw: resumes bit for bit
                                               "lr_scheduler": run.lr_scheduler.state_dict(), "scaler": scaler})
-    except OSError as e:  # disk full, quota, ...: never leave a half checkpoint that looks complete
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run.data.seed}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+    except WRITE_ERRORS as e:
         shutil.rmtree(partial, ignore_errors=True)
         found = list_checkpoints(args.output_dir)
         raise TrainingStopped(f"could not write {final} ({e}); earlier checkpoints are intact "
                               f"(latest: {found[-1] if found else 'none'})") from None
-    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run.data.seed}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
         if args.checkpoints_total_limit is not None:
             older = [c for c in list_checkpoints(args.output_dir) if c != final]
             for old in older[: max(0, len(older) + 1 - args.checkpoints_total_limit)]:
@@ -1296,8 +1301,7 @@ def start_logging(args, accelerator, run, global_step):
     if accelerator.is_main_process:
         accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
     data, caches = run.data, run.caches
-    logger.info(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
-                f"mixed precision {accelerator.mixed_precision}")
+    logger.info(f"{distributed_mode(accelerator)}, mixed precision {accelerator.mixed_precision}")
     logger.info(f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
                 f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
                 f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts"
@@ -1322,11 +1326,6 @@ class StepInputs:
     masks: torch.Tensor | None  # loss masks beside `images`: [V, 1, h, w] cached, [B', 1, H, W] in pixels
     encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
     references: int = 0  # edit training: condition images per row (R)
-
-    def apply(self, fn):
-        """A copy with fn applied to every tensor (pin, move to the device)."""
-        names = ("embeds", "embed_rows", "images", "image_rows", "masks")
-        return dataclasses.replace(self, **{n: fn(getattr(self, n)) for n in names if getattr(self, n) is not None})
 
 
 def gather_inputs(batch, dataset, caches, caption_dropout, rng):
@@ -1390,7 +1389,8 @@ def optimizer_step(args, accelerator, run):
 
 
 def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
-    """One line per optimizer step; the same numbers go to the progress bar and the trackers."""
+    """Every step's figures go to the progress bar and the trackers; a log line at the first and last step, every
+    --logging_steps and at each checkpoint or step validation (a thousand steps print a screen, not a thousand)."""
     logs = {"loss": loss.item(), "lr": run.lr_scheduler.get_last_lr()[0], "step_seconds": seconds, "epoch": epoch}
     line = f"step {global_step}/{args.max_train_steps} loss {logs['loss']:.4f} lr {logs['lr']:.2e} {seconds:.2f} s/step"
     if torch.cuda.is_available():
@@ -1398,7 +1398,9 @@ def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
         line += f" peak {logs['peak_gpu_gib']:.1f} GiB"
     bar.update(1)
     bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}")
-    logger.info(line)
+    if global_step in (1, args.max_train_steps) or any(global_step % n == 0 for n in (
+            args.logging_steps, args.checkpointing_steps, args.validation_steps) if n):
+        logger.info(line)
     accelerator.log(logs, step=global_step)
 
 
@@ -1419,8 +1421,9 @@ def train(args, accelerator, run, global_step):
     sample_log.parent.mkdir(parents=True, exist_ok=True)
     run.transformer.train()
     tic = time.perf_counter()
-    # sample_log is line-buffered: readable while training runs
-    with sample_log.open("a", buffering=1) as sample_log, StopRequest("after this step and saving a checkpoint") as stop:
+    # sample_log is line-buffered: readable while training runs; log lines print above the progress bar
+    with sample_log.open("a", buffering=1) as sample_log, StopRequest("after this step and saving a checkpoint") as stop, \
+            logging_redirect_tqdm(), bar:  # the bar is closed before an error's message
         for micro, batch, inputs in prefetcher:
             epoch, signum = batch["epoch"], 0
             with accelerator.accumulate(run.transformer):
@@ -1449,7 +1452,6 @@ def train(args, accelerator, run, global_step):
                 after_epoch(args, accelerator, run, global_step, epoch)
             if global_step >= args.max_train_steps:
                 break
-    bar.close()
     return global_step
 
 
@@ -1520,10 +1522,11 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     model.train(was_training)
     if not accelerator.is_main_process:
         return []
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, batch in (("base", base), (tag, images)):
-        for i, image in enumerate(batch):
-            image.save(folder / f"{name}-{i}.png")
+    with writing(folder):
+        folder.mkdir(exist_ok=True)
+        for name, batch in (("base", base), (tag, images)):
+            for i, image in enumerate(batch):
+                image.save(folder / f"{name}-{i}.png")
     show_validation(accelerator, folder, tag, step, prompt, images, condition, stale)
     return [folder / f"{tag}-{i}.png" for i in range(len(images))]
 
@@ -1545,10 +1548,11 @@ def finish(args, accelerator, run):
     logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)
     dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
     if accelerator.is_main_process:
-        if run.ema is None:
-            save_lora(accelerator, run.transformer, state, args.output_dir, dtype)
-        else:
-            save_ema_lora(accelerator, run, state, args.output_dir, dtype)
+        with writing(Path(args.output_dir, LORA_WEIGHTS_NAME)):
+            if run.ema is None:
+                save_lora(accelerator, run.transformer, state, args.output_dir, dtype)
+            else:
+                save_ema_lora(accelerator, run, state, args.output_dir, dtype)
         logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run.ema else ""))
     prompt = args.validation_prompt or args.final_validation_prompt
     paths = []
@@ -1556,7 +1560,8 @@ def finish(args, accelerator, run):
         paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_model_card(args, paths, prompt, run.data.family, edit=bool(run.data.dataset.conditions))
+        with writing(Path(args.output_dir, "README.md")):
+            write_model_card(args, paths, prompt, run.data.family, edit=bool(run.data.dataset.conditions))
         if args.push_to_hub:
             push_to_hub(args)
 
@@ -2978,6 +2983,18 @@ def check_batches(batch_size, sampler, buckets):
 # Appendix G: distributed extras (shared entries, FSDP text encoder and loading, remote text encoder)
 
 
+def distributed_mode(accelerator):
+    """How the run is spread, in words, for the start-up line."""
+    from accelerate.utils import DistributedType
+
+    n, kind = accelerator.num_processes, accelerator.device.type
+    machines = max(1, n // int(os.environ.get("LOCAL_WORLD_SIZE", n)))
+    where = f"{n} {'GPUs' if kind == 'cuda' else 'processes'}" + (f" on {machines} machines" if machines > 1 else "")
+    return {DistributedType.NO: f"one process on the {'GPU' if kind == 'cuda' else kind.upper()}",
+            DistributedType.FSDP: f"FSDP (each process holds a shard of the model) over {where}"}.get(
+                accelerator.distributed_type, f"data parallel (every process a full copy, gradients averaged) over {where}")
+
+
 def share_entries(cache, keys, accelerator, per_round=16):
     """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]).
 
@@ -3258,6 +3275,12 @@ def compile_blocks(transformer):
                 "validation are slower; a second bucket shape compiles once more)")
 
 
+def each_tensor(inputs, fn):
+    """A copy of StepInputs with fn applied to every tensor (pin, move to the device)."""
+    names = ("embeds", "embed_rows", "images", "image_rows", "masks")
+    return dataclasses.replace(inputs, **{n: fn(getattr(inputs, n)) for n in names if getattr(inputs, n) is not None})
+
+
 class Prefetcher:
     """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a
     side stream while the current step computes. The loop calls prefetch() once the current step's GPU work is
@@ -3276,10 +3299,10 @@ class Prefetcher:
         micro, batch = next(self.batches)
         inputs = self.prepare(micro, batch)
         if self.stream is None:
-            self.ahead = (micro, batch, inputs.apply(lambda t: t.to(self.device)), None)
+            self.ahead = (micro, batch, each_tensor(inputs, lambda t: t.to(self.device)), None)
             return
         with torch.cuda.stream(self.stream):  # pinned host memory: the copy is asynchronous
-            inputs = inputs.apply(lambda t: t.pin_memory().to(self.device, non_blocking=True))
+            inputs = each_tensor(inputs, lambda t: t.pin_memory().to(self.device, non_blocking=True))
             done = torch.cuda.Event()
             done.record()
         self.ahead = (micro, batch, inputs, done)
@@ -3291,7 +3314,7 @@ class Prefetcher:
             if done is not None:
                 stream = torch.cuda.current_stream(self.device)
                 stream.wait_event(done)
-                inputs.apply(lambda t: t.record_stream(stream))  # made on the side stream, used on this one
+                each_tensor(inputs, lambda t: t.record_stream(stream))  # made on the side stream, used on this one
             yield micro, batch, inputs
 
 
@@ -3692,6 +3715,9 @@ def resolve_buckets(args):
 # Appendix L: checkpoint files (safetensors and JSON, atomic writes, file modes)
 
 
+WRITE_ERRORS = (OSError, SafetensorError)  # safetensors reports an I/O failure (a full disk) as its own error
+
+
 def flatten_state(obj, tensors, path="t"):
     """Nested state (dicts, lists, tensors, scalars) -> JSON-able skeleton; tensors go into `tensors` by path.
     Checkpoints are safetensors + JSON, so resuming never unpickles anything."""
@@ -3743,6 +3769,18 @@ def rng_state():
 
 
 @functools.cache
+@contextlib.contextmanager
+def writing(path):
+    """A write that fails (a full disk or quota, --output_dir removed under the run) ends the run with one line naming
+    `path` (exit 1), not a traceback. A folder that vanished is not made again (an empty one would hide the loss)."""
+    if not Path(path).parent.is_dir():
+        raise TrainingStopped(f"could not write {path}: {Path(path).parent} is gone (removed during the run?)")
+    try:
+        yield
+    except WRITE_ERRORS as e:
+        raise TrainingStopped(f"could not write {path} ({e})") from None
+
+
 def restore_rng(checkpoint, rank):
     """This process's RNG state from a checkpoint (LoRA dropout draws from the global generators); a process the
     checkpoint has none for (more processes than it was written by) keeps its own."""
@@ -3914,6 +3952,12 @@ def resolve_family_defaults(args, family):
     elif list(args.text_encoder_out_layers) != layers:
         logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
                        f"default {layers}")
+    if family.distilled:
+        size = re.search(r"(\d+B)\b", str(args.pretrained_model_name_or_path))
+        base = f"black-forest-labs/FLUX.2-klein-base-{size.group(1)}" if size else "the base [klein] checkpoint"
+        logger.warning(f"{args.pretrained_model_name_or_path} is a distilled FLUX.2 [klein] (few-step) checkpoint: "
+                       f"train LoRAs on {base}, as its authors recommend; the LoRA then works on both, and distilled "
+                       "validation here shows what it gives at 4 steps")
     if args.validation_inference_steps is None:
         args.validation_inference_steps = default_sampling_steps(family)
     if args.validation_guidance_scale is None:

@@ -85,7 +85,7 @@ def scenario(batch, distinct_prompts, kind, folder, repeats, embed=EMBED, latent
         tic = time.perf_counter()  # the new path (the pinned copy is made on CUDA machines only)
         inputs = T.gather_inputs(batch_, dataset, caches, 0.0, random.Random(step))
         if torch.cuda.is_available():
-            inputs = inputs.apply(lambda t: t.pin_memory())
+            inputs = T.each_tensor(inputs, lambda t: t.pin_memory())
         after.append(time.perf_counter() - tic)
         moved_after = inputs.embeds.nbytes + inputs.images.nbytes
         copy_before.append(copy_ms([embeds, latents], pinned=False))
