@@ -1972,10 +1972,10 @@ def component_folder(args, subfolder):
 
 
 @functools.lru_cache(maxsize=None)
-def fingerprint_folder(folder, sample=1 << 20):
+def fingerprint_folder(folder):
     """Identity of a model component without loading it: every file's name and size, small files whole, the
     first and last MiB of larger ones (other or retrained weights differ there). Milliseconds, even for 48 GB."""
-    digest = hashlib.sha256()
+    digest, sample = hashlib.sha256(), 1 << 20  # bytes read at each end of a large file
     for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
         size = path.stat().st_size
         digest.update(f"{path.relative_to(folder)}:{size};".encode())
@@ -3768,7 +3768,6 @@ def rng_state():
     return state
 
 
-@functools.cache
 @contextlib.contextmanager
 def writing(path):
     """A write that fails (a full disk or quota, --output_dir removed under the run) ends the run with one line naming
@@ -3791,6 +3790,7 @@ def restore_rng(checkpoint, rank):
             torch.cuda.set_rng_state(rng["cuda"])
 
 
+@functools.cache
 def umask():
     """The process's umask (reading it means setting it: done once, before any thread starts)."""
     mask = os.umask(0o022)

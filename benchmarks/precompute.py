@@ -130,7 +130,7 @@ def child(mode, folder, n):
     import train_dreambooth_lora_flux2 as T
 
     PartialState()  # DiskStore logs through accelerate's logger, which needs an initialised state
-    store = T.DiskStore(folder, lambda k: T.json_digest(k))
+    store = T.DiskStore(folder, lambda k: T.json_digest(k), T.DiskCache(folder))
     keys = [f"synthetic prompt {i}" for i in range(n)]
     if mode == "write":
         base = torch.randn(EMBED_SHAPE, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

@@ -41,8 +41,9 @@ TINY_EMBED, TINY_LATENT = (1, 16, 32), (1, 8, 4, 4)
 def stores(kind, folder):
     if kind == "memory":
         return {}, {}
-    return (T.DiskStore(Path(folder, "prompts"), lambda k: T.json_digest("p", k)),
-            T.DiskStore(Path(folder, "latents"), lambda k: T.json_digest("l", list(k))))
+    owner = T.DiskCache(folder)
+    return (T.DiskStore(Path(folder, "prompts"), lambda k: T.json_digest("p", k), owner),
+            T.DiskStore(Path(folder, "latents"), lambda k: T.json_digest("l", list(k)), owner))
 
 
 def copy_ms(tensors, pinned):

@@ -80,6 +80,7 @@ REFUSED = {
     "resume_from_checkpoint": ["MISSING", "FILE"],
     "report_to": ["tensorbored", "tensorboard,nope"],
     "logging_dir": ["FILE_IN_OUTPUT"],
+    "logging_steps": ["0", "-1", "1.5"],
     "validation_image": ["MISSING", "FOLDER", "FILE"],  # FILE: a text file, not an image
     "validation_epochs": ["0"],
     "validation_steps": ["0", "-1"],
@@ -286,6 +287,7 @@ def checkpoints(checkpoint_run, tmp_path):
     out = tmp_path / "out"
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
                          "--output_dir", str(out)])
+    out.mkdir()  # main() makes it before training
     T.save_checkpoint(args, accelerator, run, 2)
     T.save_checkpoint(args, accelerator, run, 4)
     return args, accelerator, run

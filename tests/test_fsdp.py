@@ -45,11 +45,11 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp(tiny_model, images, tmp_pa
     common = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--validation_prompt", "a dog",
               "--num_validation_images", "1"]
     ddp, fsdp, resumed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
-    assert "MULTI_CPU on 2 process(es)" in launch(base_args(tiny_model, images, ddp, *common), num_processes=2).stderr
+    assert "data parallel (every process a full copy, gradients averaged) over 2 processes" in launch(base_args(tiny_model, images, ddp, *common), num_processes=2).stderr
     # lean loading: process 1 builds an empty model and receives process 0's weights (and LoRA) while sharding
     proc = launch(base_args(tiny_model, images, fsdp, *common), num_processes=2,
                   env={**fsdp_env, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})
-    assert "FSDP on 2 process(es)" in proc.stderr
+    assert "FSDP (each process holds a shard of the model) over 2 processes" in proc.stderr
     assert "process 1: an empty transformer" in proc.stderr and "process 0: an empty" not in proc.stderr
     resumed.mkdir()
     import shutil

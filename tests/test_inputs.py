@@ -289,7 +289,7 @@ def test_concurrent_writers_of_one_cache_entry_leave_a_valid_entry(tmp_path):
 
     PartialState()
     value = torch.randn(64, 64)
-    stores = [T.DiskStore(tmp_path, lambda key: T.json_digest(key)) for _ in range(4)]
+    stores = [T.DiskStore(tmp_path, lambda key: T.json_digest(key), T.DiskCache(tmp_path)) for _ in range(4)]
 
     def write(store):
         for _ in range(20):
@@ -300,5 +300,5 @@ def test_concurrent_writers_of_one_cache_entry_leave_a_valid_entry(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    fresh = T.DiskStore(tmp_path, lambda key: T.json_digest(key))
+    fresh = T.DiskStore(tmp_path, lambda key: T.json_digest(key), T.DiskCache(tmp_path))
     assert "shared" in fresh and torch.equal(fresh["shared"], value) and not list(tmp_path.rglob("*.tmp"))
