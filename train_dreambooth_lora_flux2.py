@@ -70,7 +70,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, gather_object, set_seed
 from PIL import Image, ImageOps
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
@@ -90,10 +90,6 @@ TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its
 # weights), as diffusers #13011 and its [klein] example do.
 ATTENTION_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 LORA_PRESETS = ("attention", "default", "all-linear")
-TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
-# A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), i.e. two or three
-# captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
-DEFAULT_CACHE_MAX_GB = 50.0
 
 
 class UsageError(Exception):
@@ -914,6 +910,7 @@ def prepare_data(args, accelerator, cache):
     else:
         instances, classes = apply_manifest(args, cache.manifest)
     checkpoint = find_resume_checkpoint(args)
+    check_resume_processes(args, checkpoint, accelerator)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
     # the batch size, before the model's files are read and class images generated (more class images than asked
@@ -929,6 +926,7 @@ def prepare_data(args, accelerator, cache):
     check_model_fit(args)
     if cache.manifest is None:
         classes = load_class_images(args, accelerator, seed, family, cache) if args.with_prior_preservation else []
+    check_same_images(accelerator, instances, classes)
     dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
     return Data(family, checkpoint, seed, dataset, sampler, loader, edit_validation_condition(args, dataset))
 
@@ -980,7 +978,7 @@ def needed_prompts(args, dataset, family):
 
 
 def encode_missing(accelerator, cache, todo, batches, encode, progress, unit, lockstep=False):
-    """Encode `todo` (listed on every process before anyone writes) into `cache`, each process its share
+    """Encode `todo` (agreed by every process before anyone writes) into `cache`, each process its share
     todo[rank::world] in batches(share), then share what was written. Every process runs as many rounds as the
     longest share: the stop check is a collective (with `lockstep` so is `encode`: an idle process encodes a stand-in)."""
     world = accelerator.num_processes
@@ -1029,8 +1027,7 @@ def precompute_prompts(args, accelerator, dataset, weight_dtype, family, cache, 
     """Encode every prompt the run reads and `cache` lacks, once; the text encoder is loaded only if something is
     missing here (or it is sharded: every process joins every pass), and freed afterwards."""
     keys = needed_prompts(args, dataset, family)
-    todo = cache.todo(keys)
-    accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
+    todo = agreed_todo(cache, keys, accelerator)
     sharded = args.fsdp_text_encoder and bool(todo)
     mine = todo[accelerator.process_index::accelerator.num_processes]
     encode = prompt_encoder(args, accelerator, family, weight_dtype) if mine or sharded else None
@@ -1069,8 +1066,7 @@ def latent_batches(keys, batch_size):
 def prepare_latents(args, accelerator, dataset, weight_dtype, cache, progress):
     """With --cache_latents, encode every (image, bucket, crop, flip) `cache` lacks, once. Loads the VAE only if
     something needs it (missing entries, uncached training, validation) -> (the VAE or None, its statistics)."""
-    todo = cache.todo(dataset.cached_latent_keys()) if args.cache_latents else []
-    accelerator.wait_for_everyone()  # every process has listed what is missing before anyone writes
+    todo = agreed_todo(cache, dataset.cached_latent_keys(), accelerator) if args.cache_latents else []
     if args.cache_latents and not todo and not validation_prompts(args):
         logger.info("all latents cached; the VAE is not loaded")
         return None, None
@@ -1235,10 +1231,13 @@ def save_checkpoint(args, accelerator, run, global_step):
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()  # not its parents: a vanished --output_dir stops the run rather than being remade
         accelerator.wait_for_everyone()
-        write_state(partial, f"rng-{accelerator.process_index}", rng_state())
+        # every process's generators, written by the main process: with an --output_dir per machine, only its exists
+        rngs = gather_object([rng_state()]) if accelerator.num_processes > 1 else [rng_state()]
         lora = lora_state_dict(accelerator, run.transformer)  # under FSDP, the state dicts are collectives
         optimizer = fsdp_optimizer_state(run) if is_fsdp(accelerator) else run.optimizer.state_dict()
         if accelerator.is_main_process:
+            for rank, state in enumerate(rngs):
+                write_state(partial, f"rng-{rank}", state)
             save_lora(accelerator, run.transformer, lora, partial)
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
             ema = run.ema.state_dict() if run.ema is not None else None
@@ -2193,6 +2192,12 @@ def missing_entries_message(disk, dataset, prompts, latents, needed):
             f"--precompute_cache_dir {disk.manifest['cache']}. Train once with the images to fill the cache")
 
 
+TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
+# A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), i.e. two or three
+# captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
+DEFAULT_CACHE_MAX_GB = 50.0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Appendix B: block swapping
 
@@ -2969,6 +2974,28 @@ def find_resume_checkpoint(args):
     return path
 
 
+def check_resume_processes(args, checkpoint, accelerator):
+    """Refuse (exit 2, before any model loads) a resume that cannot continue the checkpointed run: processes that found
+    different checkpoints (an --output_dir per machine without the checkpoint copied to each), or a checkpoint written
+    by another number of processes (one rng-<rank> file each): the data each process trains on, its random streams and
+    the effective batch all depend on that number. The number of machines may change (2 x 1 = 1 x 2 processes)."""
+    if args.resume_from_checkpoint is None:
+        return
+    step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"] if checkpoint is not None else None
+    if accelerator.num_processes > 1:
+        found = gather_object([(step, str(checkpoint) if checkpoint is not None else f"none in {args.output_dir}")])
+        if len({s for s, _ in found}) > 1:
+            raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: the processes found different "
+                             f"checkpoints ({'; '.join(f'process {r}: {c}' for r, (_, c) in enumerate(found))}); every "
+                             "process reads the checkpoint: share --output_dir between machines, or copy checkpoint-N "
+                             "into each machine's --output_dir")
+    saved = len(list(checkpoint.glob("rng-*.json"))) if checkpoint is not None else 0
+    if saved and saved != accelerator.num_processes:
+        raise UsageError(f"--resume_from_checkpoint: {checkpoint} was written by {saved} process{'es' * (saved > 1)}, "
+                         f"this run has {accelerator.num_processes}; resume on {saved} (any number of machines), or "
+                         "start a new run")
+
+
 def check_batches(batch_size, sampler, buckets):
     """Refuse a batch size that leaves a process no full batch in an epoch (each batch holds one bucket)."""
     if len(sampler) == 0:
@@ -2993,6 +3020,33 @@ def distributed_mode(accelerator):
     return {DistributedType.NO: f"one process on the {'GPU' if kind == 'cuda' else kind.upper()}",
             DistributedType.FSDP: f"FSDP (each process holds a shard of the model) over {where}"}.get(
                 accelerator.distributed_type, f"data parallel (every process a full copy, gradients averaged) over {where}")
+
+
+def agreed_todo(cache, keys, accelerator):
+    """cache.todo(keys), the same on every process (a collective): the entries some process lacks, in the order of
+    `keys`. With a cache folder per machine the folders can differ (one machine's entries evicted, or a new machine),
+    and the shares, rounds and collectives of precompute must be the same everywhere."""
+    todo = cache.todo(keys)
+    if accelerator.num_processes == 1:
+        return todo
+    lacking = {k for keys_of_one in gather_object([todo]) for k in keys_of_one}
+    return [k for k in dict.fromkeys(keys) if k in lacking]
+
+
+def check_same_images(accelerator, instances, classes):
+    """Every process must train on the same images. Folders of each machine's own can differ (stale copies; class
+    images, which every process generates into its --class_data_dir, each its share): the processes would build
+    different datasets and fail or hang at their first collective that no longer matches. Raises UsageError."""
+    if accelerator.num_processes == 1:
+        return
+    digest = lambda records: json_digest(sorted([r.name, list(r.size), r.content_hash()] for r in records))  # noqa: E731
+    seen = gather_object([(len(instances), len(classes), digest(instances), digest(classes))])
+    if len(set(seen)) > 1:
+        counts = "; ".join(f"process {r}: {n} instance and {c} class images" for r, (n, c, _, _) in enumerate(seen))
+        raise UsageError(f"the processes see different images ({counts}): every machine must see the same files at "
+                         "the same path. Share --instance_data_dir and --class_data_dir between machines or copy them; "
+                         "class images are generated by every process into its --class_data_dir, each its share, so "
+                         "with a folder per machine copy each machine's new class images into the others' folders")
 
 
 def share_entries(cache, keys, accelerator, per_round=16):
@@ -3781,8 +3835,8 @@ def writing(path):
 
 
 def restore_rng(checkpoint, rank):
-    """This process's RNG state from a checkpoint (LoRA dropout draws from the global generators); a process the
-    checkpoint has none for (more processes than it was written by) keeps its own."""
+    """This process's RNG state from a checkpoint (LoRA dropout draws from the global generators; the checkpoint holds
+    one file per process, check_resume_processes made sure of the count)."""
     if (checkpoint / f"rng-{rank}.json").is_file():
         rng = read_state(checkpoint, f"rng-{rank}")
         torch.set_rng_state(rng["torch"])
@@ -3838,11 +3892,15 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
 
 class StopRequest:
     """While active (a `with` block), SIGTERM and SIGINT (preemption, Ctrl-C) let the work in flight finish, then
-    every process stops at the same point; a second signal stops at once. Afterwards the usual handlers are back, so
-    a signal interrupts again (final validation, upload)."""
+    every process stops at the same point; a second signal stops at once. A repeat within SAME_STOP_SECONDS is the
+    same request: a scheduler signals every process of a node (Slurm: of the job step) and torchrun forwards its own
+    copy to its workers, milliseconds apart. Afterwards the usual handlers are back, so a signal interrupts again
+    (final validation, upload)."""
+
+    SAME_STOP_SECONDS = 2.0
 
     def __init__(self, after):
-        self.after, self.signum = after, 0  # after: what finishes first, for the message
+        self.after, self.signum, self.since = after, 0, 0.0  # after: what finishes first, for the message
 
     def __enter__(self):
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -3853,16 +3911,18 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        if self.signum:
+        if self.signum and time.monotonic() - self.since >= self.SAME_STOP_SECONDS:
             raise KeyboardInterrupt
-        self.signum = signum
+        if self.signum:
+            return  # the same request, delivered twice
+        self.signum, self.since = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name} received: stopping {self.after} (signal again to stop at once)",
               file=sys.stderr, flush=True)
 
     def agreed(self, accelerator, *counts):
         """(the signal or 0, and each of `counts` summed), agreed by every process: a collective, so all stop at once.
         In the loop, the one host-device sync of an optimizer step."""
-        flags = torch.tensor([self.signum, *counts], device=accelerator.device)
+        flags = torch.stack([torch.as_tensor(v, device=accelerator.device).long() for v in (self.signum, *counts)])
         if accelerator.num_processes > 1:
             flags = accelerator.gather(flags[None])  # [processes, 1 + len(counts)]
             flags = torch.cat([flags[:, :1].max(0).values, flags[:, 1:].sum(0)])
