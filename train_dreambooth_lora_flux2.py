@@ -169,6 +169,12 @@ def _lora_flags(p):
     g.add_argument("--rank", type=integer(1), default=4, help="LoRA rank.")
     g.add_argument("--lora_alpha", type=integer(1), default=4, help="LoRA alpha: the update is scaled by alpha / rank (the saved file has the scale folded in).")
     g.add_argument("--lora_dropout", type=BELOW_ONE, default=0.0, help="Dropout on the LoRA path.")
+    g.add_argument("--adapter", choices=["lora", "lokr", "loha"], default="lora", help="The adapter: LoRA, or LyCORIS' LoKr (Kronecker factors) or LoHa (Hadamard product); LoKr and LoHa files are written for ComfyUI (--lora_format).")
+    g.add_argument("--use_dora", action="store_true", help="DoRA: a LoRA whose weights keep a learned magnitude per output row (PEFT's use_dora).")
+    g.add_argument("--lokr_factor", type=Accepts("-1 or an integer >= 1", lambda v: v == -1 or v >= 1, int), default=-1, help="LoKr: the factor its Kronecker split aims for (-1: the most balanced one).")
+    g.add_argument("--lokr_decompose_both", action="store_true", help="LoKr: decompose the first Kronecker factor into rank --rank too.")
+    g.add_argument("--init_lora", help="Start from this LoRA (a .safetensors file, a folder holding pytorch_lora_weights.safetensors, or a Hub id): ours, ai-toolkit/BFL or kohya; its rank and layers become the run's. Default: a fresh LoRA.")
+    g.add_argument("--lora_format", choices=["diffusers", "comfyui", "both"], default="diffusers", help="Layout of the final LoRA file: diffusers', ComfyUI's (BFL names, fused q, k, v; LoKr and LoHa in LyCORIS names), or both (the ComfyUI file beside as pytorch_lora_weights_comfyui.safetensors).")
     g.add_argument("--lora_layers", type=Accepts("presets and module names, comma-separated", lambda v: any(t.strip() for t in v.split(","))), default="default", help="What to adapt: 'attention' (the double-stream blocks' q, k, v and out projections), 'default' (that and each single-stream block's fused input and output projections), 'all-linear' (every linear layer of the blocks), module names.")
 
 
@@ -244,6 +250,8 @@ def _checkpointing_and_outputs_flags(p):
 def _validation_flags(p):
     g = p.add_argument_group("validation")
     g.add_argument("--validation_prompt", help="Prompt of the images made during training (and at the end); default: none are made.")
+    g.add_argument("--validation_prompts_file", type=Accepts("a readable text file of prompts (checked line by line)", lambda v: read_validation_prompts(v) is not None), help="More validation prompts, one a line, each optionally ending in --size WxH --seed N --steps N --guidance X; validated with --validation_prompt at every validation.")
+    g.add_argument("--validation_lora_scales", type=Accepts("comma-separated numbers >= 0", lambda v: all(math.isfinite(x) and x >= 0 for x in v), numbers), default="1", help="The LoRA's strengths each validation shows, e.g. 0.5,1,1.5: a row of the progress sheet per prompt and strength.")
     g.add_argument("--validation_image", type=Accepts("a readable image file", _image_file), help="Edit training: the condition image validation edits, fitted into its bucket.")
     g.add_argument("--validation_epochs", type=integer(1), default=50, help="Validate every N epochs.")
     g.add_argument("--validation_steps", type=integer(1), help="Also validate every N optimizer steps; default: only by epochs.")
@@ -312,6 +320,7 @@ def validate_args(args):
     fsdp, processes = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true", int(os.environ.get("WORLD_SIZE", 1))
     if args.blocks_to_swap:
         check_block_swap(args, cuda, fsdp)
+    check_adapter_flags(args, fsdp)
     refuse(args.fsdp_text_encoder and (processes < 2 or args.remote_text_encoder), "--fsdp_text_encoder shards the text "
            "encoder over several processes: launch 2 or more, without --remote_text_encoder")
     refuse(args.use_ema and fsdp, "--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
@@ -913,12 +922,7 @@ def prepare_data(args, accelerator, cache):
     check_resume_processes(args, checkpoint, accelerator)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
-    # the batch size, before the model's files are read and class images generated (more class images than asked
-    # for only add samples, so this bound holds)
-    buckets, classes_wanted = resolve_buckets(args), args.num_class_images if args.with_prior_preservation else 0
-    early = sample_groups(instances, buckets, max(len(instances) * args.repeats, classes_wanted))
-    check_batches(args.train_batch_size, BucketBatchSampler(early, args.train_batch_size, seed,
-                                                            num_replicas=accelerator.num_processes), buckets)
+    check_batches_early(args, instances, seed, accelerator.num_processes)  # before class images are generated
     family = detect_family(args)  # the model's small JSON files only
     if cache.manifest is not None:
         check_manifest_model(args, cache.manifest, family)
@@ -963,17 +967,11 @@ def open_cache(args):
     return MemoryCache() if root is None else DiskCache.open(root, args)
 
 
-def validation_prompts(args):
-    """Prompts whose embeddings the run needs after the text encoder is gone."""
-    return [p for p in dict.fromkeys([args.validation_prompt, args.final_validation_prompt]) if p]
-
-
 def needed_prompts(args, dataset, family):
     """Every text whose embedding the run reads: training slots, validation prompts, and the empty prompt for
     dropped captions and the negative prompt of [klein] validation with CFG."""
     keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
-    cfg = (family.pipeline == "Flux2KleinPipeline" and not family.distilled and validation_prompts(args)
-           and args.validation_guidance_scale > 1)
+    cfg = validation_prompts(args) and uses_cfg(args, family)
     return list(dict.fromkeys(keys + ([""] if args.caption_dropout > 0 or cfg else [])))
 
 
@@ -1124,17 +1122,16 @@ def load_transformer(args, weight_dtype, empty=False):
 
 
 def prepare_transformer(args, accelerator, transformer):
-    """A loaded transformer -> frozen, with float32 LoRA adapters on --lora_layers, on the device, with the memory
-    and speed options applied (Appendix I). benchmarks/gpu_step.py calls it on real-shaped random transformers."""
-    from peft import LoraConfig
-
+    """A loaded transformer -> frozen, with float32 adapters (a LoRA on --lora_layers by default: Appendix O), on the
+    device, with the memory and speed options applied (Appendix I). benchmarks/gpu_step.py calls it on real-shaped
+    random transformers."""
     transformer.requires_grad_(False)
     transformer = before_lora(args, accelerator, transformer)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    targets = lora_target_modules(args.lora_layers, transformer.config.num_single_layers, block_linear_names(transformer))
-    add_lora(transformer, LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                     init_lora_weights="gaussian", target_modules=targets))
+    add_lora(transformer, adapter_config(args, transformer))
+    if args.init_lora:
+        load_init_lora(transformer, args)  # the run starts from that LoRA's weights
     logger.info(describe_lora(adapted_modules(transformer), sum(p.numel() for p in transformer.parameters()
                                                                 if p.requires_grad), args.rank))
     return after_lora(args, accelerator, transformer)
@@ -1201,20 +1198,25 @@ def lora_state_dict(accelerator, transformer):
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
-def portable_lora(state, scale):
-    """Fold the LoRA scale (alpha / rank) into every lora_B, so the file means the same to every loader: diffusers
-    reads alpha from the file's metadata (written as alpha = rank, scale 1), while ComfyUI, the main consumer of
-    FLUX.2 LoRAs, reads alpha only from `.alpha` tensors and otherwise applies scale 1 too."""
-    return {k: v.float() * scale if ".lora_B." in k else v for k, v in state.items()}
+def portable_lora(state, config):
+    """Fold each module's LoRA scale (alpha / its rank; rank_pattern: --init_lora's ranks) into its lora_B, so the file
+    means the same to every loader: diffusers reads alpha from the file's metadata (written as alpha = rank, scale 1),
+    while ComfyUI, the main consumer of FLUX.2 LoRAs, reads alpha only from `.alpha` tensors, else applies scale 1."""
+    ranks = {m.strip("^$"): r for m, r in config["rank_pattern"].items()}
+    return {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"])) if ".lora_B." in k
+            else v for k, v in state.items()}
 
 
 def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
-    """The adapter as diffusers' FLUX.2 LoRA file, its scale folded in (portable_lora), in `dtype` (default: its own)."""
+    """The adapter as diffusers' FLUX.2 LoRA file, a LoRA's scale folded in (portable_lora), in `dtype` (default: its
+    own). LoKr and LoHa keep their alpha in the metadata."""
     from diffusers import Flux2Pipeline
 
     config = accelerator.unwrap_model(transformer).peft_config["default"].to_dict()
-    state = portable_lora(state, config["lora_alpha"] / config["r"])
-    config.update(lora_alpha=config["r"], alpha_pattern={}, target_modules=sorted(config["target_modules"]))
+    if config["peft_type"] == "LORA":
+        state = portable_lora(state, config)
+        config.update(lora_alpha=config["r"], alpha_pattern=dict(config["rank_pattern"]))  # every scale 1
+    config.update(target_modules=sorted(config["target_modules"]))
     Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.to(dtype or state[k].dtype) for k, v in state.items()},
                                     weight_name=weight_name, transformer_lora_adapter_metadata=config)
     follow_umask(Path(folder, weight_name))
@@ -1459,7 +1461,7 @@ def after_optimizer_step(args, accelerator, run, global_step, signum):
     if global_step % args.checkpointing_steps == 0 or signum:
         save_checkpoint(args, accelerator, run, global_step)
     final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # the same images
-    if (args.validation_prompt and args.num_validation_images and args.validation_steps
+    if ((args.validation_prompt or args.validation_prompts_file) and args.num_validation_images and args.validation_steps
             and global_step % args.validation_steps == 0 and not final_follows and validates_here(accelerator)):
         run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
     if signum:
@@ -1472,7 +1474,8 @@ def after_epoch(args, accelerator, run, global_step, epoch):
     --validation_steps just validated the same weights."""
     final_follows = global_step >= args.max_train_steps and not args.skip_final_inference
     just_validated = args.validation_steps and global_step % args.validation_steps == 0  # the same weights
-    if (args.validation_prompt and args.num_validation_images and (epoch + 1) % args.validation_epochs == 0
+    if ((args.validation_prompt or args.validation_prompts_file) and args.num_validation_images
+            and (epoch + 1) % args.validation_epochs == 0
             and not final_follows and not just_validated and validates_here(accelerator)):
         run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
 
@@ -1488,13 +1491,15 @@ def validates_here(accelerator):
 
 @torch.no_grad()
 def run_validation(args, accelerator, run, prompt, tag, step):
-    """Generate validation images with the transformer being trained, without moving, casting or hooking it; the
-    first time, also the base model's (adapters off, same noise). Saves them as PNGs in <output_dir>/validation/ and
-    shows them (progress sheet, trackers: Appendix E) -> their paths."""
+    """Generate validation images with the transformer being trained, without moving, casting or hooking it, for
+    `prompt` and --validation_prompts_file's at each --validation_lora_scales; the first time, also the base model's
+    (adapters off, same noise). Saves them in <output_dir>/validation/ (<tag>-<row>.png, a row per prompt, strength
+    and image) and shows them (progress sheet, trackers: Appendix E) -> their paths."""
     import diffusers
 
     # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
-    model = run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer)
+    model, unwrapped = (run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer),
+                        accelerator.unwrap_model(run.transformer))
     was_training = model.training
     model.eval()
     family = run.data.family
@@ -1503,21 +1508,20 @@ def run_validation(args, accelerator, run, prompt, tag, step):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run.noise_scheduler.config), vae=run.vae,
         text_encoder=None, tokenizer=None, transformer=model, **extra)
     pipeline.set_progress_bar_config(disable=True)
-    embeds = {"prompt_embeds": run.caches.prompts[prompt].to(accelerator.device, run.weight_dtype)}
-    if family.pipeline == "Flux2KleinPipeline" and guidance_scale(args, family) > 1 and not family.distilled:
-        embeds["negative_prompt_embeds"] = run.caches.prompts[""].to(accelerator.device, run.weight_dtype)
-    inputs, condition = {"height": args.resolution, "width": args.resolution}, None
-    if run.data.condition is not None:  # edit mode: the pipeline appends the condition's tokens, as training did
-        condition, (height, width) = run.data.condition
-        inputs = {"image": [condition], "height": height, "width": width}
-    folder, base = Path(args.output_dir, "validation"), []
+    condition = run.data.condition[0] if run.data.condition is not None else None
+    folder, specs, scales = Path(args.output_dir, "validation"), validation_specs(args, prompt), args.validation_lora_scales
     stale = condition_changed(folder, condition)  # the base images were made for another condition (or none)
+    make_base = base_images_missing(accelerator, folder, len(specs) * len(scales) * args.num_validation_images, stale)
+    base, images = [], []
     with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
-        if base_images_missing(accelerator, folder, args.num_validation_images, stale):
-            with adapters_off(accelerator.unwrap_model(run.transformer)):
-                base = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
-        with run.ema.applied(run.named_params) if run.ema is not None else contextlib.nullcontext():
-            images = generate_images(args, pipeline, embeds, inputs, family, run.data.seed, accelerator.device)
+        for spec in specs:
+            call = pipeline_call(args, run, spec, accelerator.device)
+            if make_base:
+                with adapters_off(unwrapped):  # the same base images in every strength's rows
+                    base += generate_images(pipeline, call, args.num_validation_images) * len(scales)
+            for scale in scales:
+                with lora_strength(unwrapped, scale), run.ema.applied(run.named_params) if run.ema else contextlib.nullcontext():
+                    images += generate_images(pipeline, call, args.num_validation_images)
     model.train(was_training)
     if not accelerator.is_main_process:
         return []
@@ -1526,16 +1530,8 @@ def run_validation(args, accelerator, run, prompt, tag, step):
         for name, batch in (("base", base), (tag, images)):
             for i, image in enumerate(batch):
                 image.save(folder / f"{name}-{i}.png")
-    show_validation(accelerator, folder, tag, step, prompt, images, condition, stale)
+    show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale)
     return [folder / f"{tag}-{i}.png" for i in range(len(images))]
-
-
-def generate_images(args, pipeline, embeds, inputs, family, seed, device):
-    """--num_validation_images images; the same noise at every validation (and for the base model's). `inputs`:
-    height and width, and the condition image in edit mode."""
-    generator = torch.Generator(device).manual_seed(seed_for("validation", seed))
-    return [pipeline(**embeds, **inputs, generator=generator, num_inference_steps=args.validation_inference_steps,
-                     guidance_scale=guidance_scale(args, family)).images[0] for _ in range(args.num_validation_images)]
 
 
 def finish(args, accelerator, run):
@@ -1549,13 +1545,14 @@ def finish(args, accelerator, run):
     if accelerator.is_main_process:
         with writing(Path(args.output_dir, LORA_WEIGHTS_NAME)):
             if run.ema is None:
-                save_lora(accelerator, run.transformer, state, args.output_dir, dtype)
+                write_lora_files(args, accelerator, run.transformer, state, args.output_dir, dtype)
             else:
-                save_ema_lora(accelerator, run, state, args.output_dir, dtype)
+                save_ema_lora(args, accelerator, run, state, args.output_dir, dtype)
         logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run.ema else ""))
     prompt = args.validation_prompt or args.final_validation_prompt
     paths = []
-    if prompt and not args.skip_final_inference and args.num_validation_images > 0 and validates_here(accelerator):
+    if ((prompt or args.validation_prompts_file) and not args.skip_final_inference and args.num_validation_images > 0
+            and validates_here(accelerator)):
         paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -2495,11 +2492,11 @@ def reference_tokens(conditions, dtype):
 RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
 
 
-def save_ema_lora(accelerator, run, raw, folder, dtype):
+def save_ema_lora(args, accelerator, run, raw, folder, dtype):
     """--use_ema: the average is the LoRA; the last raw weights go beside it."""
     save_lora(accelerator, run.transformer, raw, folder, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
     with run.ema.applied(run.named_params):
-        save_lora(accelerator, run.transformer, lora_state_dict(accelerator, run.transformer), folder, dtype)
+        write_lora_files(args, accelerator, run.transformer, lora_state_dict(accelerator, run.transformer), folder, dtype)
 
 
 class LoraEMA:
@@ -2544,22 +2541,112 @@ class LoraEMA:
 # Appendix E: validation extras (progress sheet, model card, upload)
 
 
-def show_validation(accelerator, folder, tag, step, prompt, images, condition, stale):
-    """After a validation: the condition image beside its images (edit mode), the progress sheet, the trackers, a
-    log line."""
+def show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale):
+    """After a validation: the condition image beside its images (edit mode), the progress sheet (a row label per
+    prompt and strength when there are several), the trackers, a log line."""
     if condition is not None:
         condition.save(folder / "condition.png")
     elif stale:
         (folder / "condition.png").unlink()
-    sheet = update_progress_sheet(folder, 0, tag, step, len(images))
+    count = len(images) // (len(specs) * len(scales))
+    labels = [f"prompt {k + 1}, x{scale:g}" for k in range(len(specs)) for scale in scales for _ in range(count)]
+    sheet = update_progress_sheet(folder, 0, tag, step, len(images), labels if len(labels) > count else None)
     for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
+        if tracker.name == "tensorboard" and len({im.size for im in images}) == 1:
             tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
+        elif tracker.name == "tensorboard":  # several sizes: one image each
+            for row, image in enumerate(images):
+                tracker.writer.add_image(f"validation/{tag}/{row}", np.asarray(image), step, dataformats="HWC")
         elif tracker.name == "wandb":
             import wandb
 
-            tracker.log({"validation": [wandb.Image(im, caption=f"{tag}: {prompt}") for im in images]}, step=step)
-    logger.info(f"validation images ({prompt!r}) in {folder}: {tag}-*.png; progress sheet {sheet}")
+            captions = [f"{tag}: {specs[r // (count * len(scales))].prompt}" for r in range(len(images))]
+            tracker.log({"validation": [wandb.Image(im, caption=c) for im, c in zip(images, captions)]}, step=step)
+    logger.info(f"validation images ({', '.join(repr(s.prompt) for s in specs)}) in {folder}: {tag}-*.png; progress "
+                f"sheet {sheet}")
+
+
+@dataclass(frozen=True)
+class ValidationSpec:
+    """One validation prompt and what it overrides (None: the run's --resolution, steps, guidance and noise)."""
+
+    prompt: str
+    height: int | None = None
+    width: int | None = None
+    seed: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+
+
+@functools.cache
+def read_validation_prompts(path):
+    """--validation_prompts_file -> [ValidationSpec]: a prompt a line (blank lines and lines starting with # are
+    skipped), optionally ending in --size WxH (sides multiples of 16), --seed N, --steps N and --guidance X, in any
+    order. UsageError naming the file and the line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--validation_prompts_file {path}: {e}") from None
+    specs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        prompt, *options = re.split(r"\s+--", line.strip())
+        found = {}
+        for option in options:
+            m = re.fullmatch(r"size (\d+)x(\d+)|seed (\d+)|steps ([1-9]\d*)|guidance (\d+(?:\.\d+)?)", option.strip())
+            if m is None or any(int(side) < 16 or int(side) % 16 for side in m.groups()[:2] if side):
+                raise UsageError(f"--validation_prompts_file {path}, line {number}: --{option.strip()}: expected --size "
+                                 "WxH (multiples of 16), --seed N, --steps N (N >= 1) or --guidance X")
+            if m.group(1):
+                found.update(width=int(m.group(1)), height=int(m.group(2)))
+            found.update({k: cast(v) for k, v, cast in (("seed", m.group(3), int), ("steps", m.group(4), int),
+                                                         ("guidance", m.group(5), float)) if v is not None})
+        if not prompt.strip() or prompt.startswith("--"):
+            raise UsageError(f"--validation_prompts_file {path}, line {number}: no prompt before the options")
+        specs.append(ValidationSpec(prompt.strip(), **found))
+    if not specs:
+        raise UsageError(f"--validation_prompts_file {path}: no prompt in it")
+    return specs
+
+
+def validation_specs(args, prompt):
+    """What a validation generates: `prompt` (if any), then every line of --validation_prompts_file."""
+    listed = read_validation_prompts(args.validation_prompts_file) if args.validation_prompts_file else []
+    return ([ValidationSpec(prompt)] if prompt else []) + list(listed)
+
+
+def uses_cfg(args, family):
+    """Whether a validation samples [klein] base with classifier-free guidance (its negative: the empty prompt)."""
+    guidances = [args.validation_guidance_scale] + [s.guidance for s in validation_specs(args, None) if s.guidance]
+    return family.pipeline == "Flux2KleinPipeline" and not family.distilled and max(guidances) > 1
+
+
+def pipeline_call(args, run, spec, device):
+    """The pipeline's arguments for one validation spec: its cached embeddings (and [klein] CFG's empty prompt), size
+    (edit mode: the condition, in its bucket), steps, guidance, and the seed and device of its noise."""
+    family = run.data.family
+    guidance = spec.guidance if spec.guidance is not None else guidance_scale(args, family)
+    call = {"prompt_embeds": run.caches.prompts[spec.prompt].to(device, run.weight_dtype),
+            "height": spec.height or args.resolution, "width": spec.width or args.resolution,
+            "num_inference_steps": spec.steps or args.validation_inference_steps, "guidance_scale": guidance,
+            "seed": spec.seed if spec.seed is not None else seed_for("validation", run.data.seed), "device": device}
+    if family.pipeline == "Flux2KleinPipeline" and guidance > 1 and not family.distilled:
+        call["negative_prompt_embeds"] = run.caches.prompts[""].to(device, run.weight_dtype)
+    if run.data.condition is not None:  # edit mode: the pipeline appends the condition's tokens, as training did
+        condition, (height, width) = run.data.condition
+        call.update(image=[condition], height=spec.height or height, width=spec.width or width)
+    return call
+
+
+def label_image(text):
+    """A row label of the progress sheet."""
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    image = Image.new("RGB", (int(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(text, font=font)) + 8, 16), "white")
+    ImageDraw.Draw(image).text((4, 2), text, fill="black", font=font)
+    return image
 
 
 def condition_changed(folder, condition):
@@ -2582,7 +2669,7 @@ def base_images_missing(accelerator, folder, count, stale=False):
     return missing[0]
 
 
-def update_progress_sheet(folder, k, tag, step, count):
+def update_progress_sheet(folder, k, tag, step, count, labels=None):
     """Add the column of validation `tag` (at optimizer `step`) to validation/progress-<k>.png, after the condition
     image (edit mode: condition.png), the base model and the validations before it. A column of a later step is
     dropped first: after a resume the run goes on from an earlier step. The columns are listed in progress-<k>.json;
@@ -2592,7 +2679,8 @@ def update_progress_sheet(folder, k, tag, step, count):
     columns = [c for c in columns if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
     write_json_atomic(record, {"columns": columns})
     condition = Path(folder, "condition.png")
-    sheet = progress_sheet(([("condition", [Image.open(condition)])] if condition.is_file() else []) +
+    sheet = progress_sheet(([("", [label_image(text) for text in labels])] if labels else []) +
+                           ([("condition", [Image.open(condition)])] if condition.is_file() else []) +
                            [("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])] +
                            [(f"step {c['step']}", [Image.open(Path(folder, f"{c['tag']}-{i}.png")) for i in range(count)])
                             for c in columns])
@@ -2634,6 +2722,10 @@ def write_model_card(args, image_paths, prompt, family, edit=False):
         gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
                     "![progress](validation/progress-0.png)")
     shown = prompt or args.instance_prompt or "..."
+    kind = "DoRA" if args.use_dora else {"lokr": "LoKr", "loha": "LoHa"}.get(args.adapter, "LoRA")
+    files = {"diffusers": "", "comfyui": f"`{LORA_WEIGHTS_NAME}` is in ComfyUI's layout (ComfyUI's LoRA loader reads it).",
+             "both": f"ComfyUI: `{COMFYUI_WEIGHTS_NAME}` (its LoRA loader reads it); diffusers: `{LORA_WEIGHTS_NAME}`."}[
+                 args.lora_format]
     use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
            f'image = pipe(image=condition, prompt="{shown}").images[0]' if edit else f'image = pipe("{shown}").images[0]')
     text = f"""---
@@ -2653,8 +2745,9 @@ widget:
 
 # {family.name} DreamBooth LoRA
 
-LoRA adapters (rank {args.rank}, alpha {args.lora_alpha}) for `{args.pretrained_model_name_or_path}`, trained with
+{kind} adapters (rank {args.rank}, alpha {args.lora_alpha}) for `{args.pretrained_model_name_or_path}`, trained with
 DreamBooth on {f"the prompt `{args.instance_prompt}`" if args.instance_prompt else "its dataset's captions"} for {args.max_train_steps} steps at learning rate {args.learning_rate}.
+{files}
 
 {gallery}
 
@@ -2703,6 +2796,19 @@ def tracker_config(args):
     """Flags for the trackers: scalars only, and never the Hub token."""
     return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
             if k != "hub_token" and v is not None}
+
+
+def generate_images(pipeline, call, count):
+    """`count` images of one validation spec: the same noise at every validation, and for the base model's."""
+    call = dict(call)
+    generator = torch.Generator(call.pop("device")).manual_seed(call.pop("seed"))
+    return [pipeline(**call, generator=generator).images[0] for _ in range(count)]
+
+
+def validation_prompts(args):
+    """Prompts whose embeddings the run needs after the text encoder is gone."""
+    listed = [spec.prompt for spec in read_validation_prompts(args.validation_prompts_file)] if args.validation_prompts_file else []
+    return [p for p in dict.fromkeys([args.validation_prompt, args.final_validation_prompt, *listed]) if p]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2754,6 +2860,10 @@ def check_model_fit(args):
         valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n) for n, k in kinds.items() if k == "Linear"})
         raise UsageError(f"--lora_layers {'; '.join(f'{t}: {why}' for t, why in problems.items())}; presets: "
                          f"{', '.join(LORA_PRESETS)}; valid names include {', '.join(valid[:16])}")
+    if args.init_lora:
+        apply_init_lora(args, model)
+    if args.lora_format != "diffusers":
+        check_comfyui_targets(args, model)
 
 
 def unusable_lora_targets(targets, kinds):
@@ -2994,6 +3104,15 @@ def check_resume_processes(args, checkpoint, accelerator):
         raise UsageError(f"--resume_from_checkpoint: {checkpoint} was written by {saved} process{'es' * (saved > 1)}, "
                          f"this run has {accelerator.num_processes}; resume on {saved} (any number of machines), or "
                          "start a new run")
+
+
+def check_batches_early(args, instances, seed, processes):
+    """The batch size, before the model's files are read and class images generated: more class images than asked
+    for only add samples, so this bound holds."""
+    buckets, classes_wanted = resolve_buckets(args), args.num_class_images if args.with_prior_preservation else 0
+    early = sample_groups(instances, buckets, max(len(instances) * args.repeats, classes_wanted))
+    check_batches(args.train_batch_size, BucketBatchSampler(early, args.train_batch_size, seed, num_replicas=processes),
+                  buckets)
 
 
 def check_batches(batch_size, sampler, buckets):
@@ -3672,6 +3791,10 @@ def shift(text):
     return text if text in ("none", "auto") else float(text)
 
 
+def numbers(text):
+    return [float(x) for x in text.split(",")]
+
+
 def _folder_can_be(path, writable=False):
     """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
     existing parent writable."""
@@ -4041,6 +4164,300 @@ def load_pipeline_tokenizer(args):
 def guidance_scale(args, family):
     """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
     return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix O: adapters users bring and take (--init_lora, DoRA, LoKr, LoHa, the ComfyUI file)
+
+COMFYUI_WEIGHTS_NAME = "pytorch_lora_weights_comfyui.safetensors"  # --lora_format both: beside the diffusers file
+# FLUX.2's linear layers: diffusers names (inside transformer_blocks.N / single_transformer_blocks.N, or global) ->
+# the BFL names of the original checkpoint, which ComfyUI's model and ai-toolkit files use; q, k and v are row blocks
+# of one fused qkv there. Read backwards from diffusers' own reader, _convert_non_diffusers_flux2_lora_to_diffusers.
+BFL_DOUBLE = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
+              "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
+              "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", None),
+              "attn.to_add_out": ("txt_attn.proj", None), "ff.linear_in": ("img_mlp.0", None),
+              "ff.linear_out": ("img_mlp.2", None), "ff_context.linear_in": ("txt_mlp.0", None),
+              "ff_context.linear_out": ("txt_mlp.2", None)}
+BFL_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
+BFL_GLOBAL = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+              "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+              "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+              "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+              "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+              "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+              "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+              "single_stream_modulation.linear": "single_stream_modulation.lin"}
+
+
+def bfl_name(module):
+    """diffusers module name -> (BFL module name, row block of the fused qkv or None); ValueError saying why not.
+    norm_out.linear has no exact BFL form: BFL holds (shift, scale) where diffusers holds (scale, shift), and
+    diffusers' LoRA reader renames it without swapping the halves."""
+    m = re.fullmatch(r"(single_)?transformer_blocks\.(\d+)\.(.+)", module)
+    if m and m.group(1) and m.group(3) in BFL_SINGLE:
+        return f"single_blocks.{m.group(2)}.{BFL_SINGLE[m.group(3)]}", None
+    if m and not m.group(1) and m.group(3) in BFL_DOUBLE:
+        bfl, block = BFL_DOUBLE[m.group(3)]
+        return f"double_blocks.{m.group(2)}.{bfl}", block
+    if module in BFL_GLOBAL:
+        return BFL_GLOBAL[module], None
+    raise ValueError(f"{module}: no exact ComfyUI (BFL) name" + (" (its shift and scale halves are in the other "
+                     "order there)" if module == "norm_out.linear" else ""))
+
+
+def to_comfyui(state):
+    """A LoRA (PEFT names, scale folded into lora_B) -> ComfyUI's FLUX.2 layout: diffusion_model.<BFL name>.lora_A /
+    lora_B.weight, the ai-toolkit layout, which diffusers' loader reads too. The fused qkv is exact: A = the three A
+    stacked [r_q + r_k + r_v, in], B block-diagonal [3h, r_q + r_k + r_v] (a projection not adapted is a zero row
+    block), so B @ A stacks the three updates. No .alpha tensors: ComfyUI then applies scale 1, which is the folded
+    scale (and diffusers' reader of this layout refuses .alpha keys)."""
+    out, fused = {}, collections.defaultdict(dict)
+    for key, value in state.items():
+        module, _, part = key.rpartition(".lora_")
+        bfl, block = bfl_name(module)
+        if block is None:
+            out[f"diffusion_model.{bfl}.lora_{part}"] = value
+        else:
+            fused[bfl].setdefault(block, {})[part] = value
+    for bfl, blocks in fused.items():
+        a = torch.cat([blocks[b]["A.weight"] for b in sorted(blocks)])  # [R, in]
+        h = next(iter(blocks.values()))["B.weight"].shape[0]
+        b_matrix, col = a.new_zeros(3 * h, a.shape[0]), 0  # [3h, R]
+        for block in sorted(blocks):
+            r = blocks[block]["A.weight"].shape[0]
+            b_matrix[block * h:(block + 1) * h, col:col + r] = blocks[block]["B.weight"]
+            col += r
+        out[f"diffusion_model.{bfl}.lora_A.weight"], out[f"diffusion_model.{bfl}.lora_B.weight"] = a, b_matrix
+    return out
+
+
+def to_lycoris(state, config):
+    """A LoKr or LoHa (PEFT names) -> the LyCORIS layout ComfyUI reads for FLUX.2: lycoris_<name with _> for the
+    separate q, k and v (ComfyUI applies them to row slices of the fused qkv: a Kronecker or Hadamard product has no
+    block-diagonal form to fuse), diffusion_model.<BFL name> for the rest, and .alpha. ComfyUI scales a LoKr whose
+    two factors are full matrices by 1, where PEFT scales it by alpha / r: then alpha / r goes into lokr_w1 instead."""
+    groups = collections.defaultdict(dict)
+    for key, value in state.items():
+        module, _, part = key.rpartition(".")
+        groups[module][part] = value
+    out = {}
+    for module, parts in groups.items():
+        bfl, block = bfl_name(module)
+        name = f"lycoris_{module.replace('.', '_')}" if block is not None else f"diffusion_model.{bfl}"
+        r = config.rank_pattern.get(module, config.r)
+        alpha = float(config.alpha_pattern.get(module, config.alpha))
+        if "lokr_w1" in parts and "lokr_w2" in parts:  # no factor decomposed
+            out.update({f"{name}.lokr_w1": parts["lokr_w1"] * (alpha / r), f"{name}.lokr_w2": parts["lokr_w2"]})
+        else:
+            out.update({f"{name}.{p}": v for p, v in parts.items()})
+            out[f"{name}.alpha"] = torch.tensor(alpha)
+    return out
+
+
+def check_adapter_flags(args, fsdp):
+    """The adapter's combinations, before anything loads (validate_args calls it)."""
+    special = "DoRA" if args.use_dora else {"lokr": "LoKr", "loha": "LoHa"}.get(args.adapter)
+    unverified = [flag for flag, given in (("FSDP", fsdp), ("--bnb_quantization_config_path", args.bnb_quantization_config_path),
+                                           ("--do_fp8_training", args.do_fp8_training),
+                                           ("--blocks_to_swap", args.blocks_to_swap)) if given]
+    if special and unverified:
+        raise UsageError(f"{special} (--use_dora, --adapter) is not verified with {', '.join(unverified)} here; train a "
+                         "plain LoRA with those, or this adapter without them")
+    if args.adapter != "lora" and (args.use_dora or args.lora_dropout or args.init_lora):
+        raise UsageError(f"--adapter {args.adapter} takes no --use_dora, --lora_dropout or --init_lora (a LoRA file)")
+    if args.use_dora and args.lora_format != "diffusers":
+        raise UsageError("--use_dora with --lora_format comfyui/both: ComfyUI scales DoRA against the base weights' "
+                         "norms, PEFT against the adapted weights' (and ComfyUI's convention is changing), so no "
+                         "ComfyUI file is exact; keep --lora_format diffusers")
+
+
+@dataclass(frozen=True)
+class InitLora:
+    state: dict  # PEFT names, no prefix: lora_A / lora_B [/ lora_magnitude_vector]
+    ranks: dict  # module -> rank
+    scales: dict  # module -> the file's alpha / rank (what its loaders apply)
+    use_dora: bool
+
+    @property
+    def rank(self):  # the most common one; the others go into rank_pattern
+        return collections.Counter(self.ranks.values()).most_common(1)[0][0]
+
+
+@functools.cache
+def read_init_lora(path):
+    """--init_lora (a file, a folder holding pytorch_lora_weights.safetensors, or a Hub id) -> InitLora, read by
+    diffusers' own Flux2Pipeline.lora_state_dict, so every layout it reads works: ours, ai-toolkit/BFL (fused qkv:
+    A duplicated, B split per projection), kohya (alpha folded). Columns of lora_B that are all zero (the other
+    projections' blocks of a fused qkv) are dropped with their rows of lora_A, and modules with no update at all, so a
+    fused file gives back its per-projection ranks and targets. UsageError when it is no FLUX.2 LoRA."""
+    from diffusers import Flux2Pipeline
+    from safetensors.torch import load_file
+
+    file = Path(path) / LORA_WEIGHTS_NAME if Path(path).is_dir() else Path(path)
+    try:
+        source = load_file(str(file)) if file.is_file() else path  # else a Hub repo id, downloaded by diffusers
+        if isinstance(source, dict):
+            for key in [k for k in source if k.startswith("diffusion_model.") and k.endswith(".alpha")]:
+                module = key.removesuffix(".alpha")  # BFL alphas, which diffusers' reader refuses: folded into B
+                down = next(k for k in (f"{module}.lora_A.weight", f"{module}.lora_down.weight") if k in source)
+                up = down.replace("lora_A", "lora_B").replace("lora_down", "lora_up")
+                source[up] = source[up] * (source.pop(key).item() / source[down].shape[0])
+        state, meta = Flux2Pipeline.lora_state_dict(source, return_lora_metadata=True)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - missing, unreadable, not a LoRA diffusers reads: the same advice
+        raise UsageError(f"--init_lora {path}: cannot read a FLUX.2 LoRA from it ({type(e).__name__}: {e})") from None
+    pattern = r"transformer\.(.+)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)"
+    parts = collections.defaultdict(dict)
+    for key, value in state.items():
+        m = re.fullmatch(pattern, key)
+        if m is None:
+            raise UsageError(f"--init_lora {path}: {key} is not a LoRA tensor of the transformer (LoKr, LoHa, text "
+                             "encoder and bias adapters cannot be continued)")
+        parts[m.group(1)][m.group(2)] = value
+    meta = {k.removeprefix("transformer."): v for k, v in (meta or {}).items()}
+    out, ranks, scales = {}, {}, {}
+    for module, t in parts.items():
+        a, b = t["lora_A.weight"], t["lora_B.weight"]
+        keep = b.ne(0).any(dim=0)
+        if not keep.any() and "lora_magnitude_vector" not in t:
+            continue  # a projection's zero block of a fused qkv: no update
+        a, b = a[keep].contiguous(), b[:, keep].contiguous()
+        out.update({f"{module}.lora_A.weight": a, f"{module}.lora_B.weight": b})
+        if "lora_magnitude_vector" in t:
+            out[f"{module}.lora_magnitude_vector"] = t["lora_magnitude_vector"]
+        ranks[module] = a.shape[0]
+        rank = t["lora_A.weight"].shape[0]  # the file's (without metadata: alpha = rank, scale 1)
+        alpha = pattern_value(meta.get("alpha_pattern"), module, meta.get("lora_alpha", rank))
+        scales[module] = alpha / pattern_value(meta.get("rank_pattern"), module, meta.get("r", rank))
+    if not ranks:
+        raise UsageError(f"--init_lora {path}: it holds no update (every lora_B is zero)")
+    return InitLora(out, ranks, scales, any("lora_magnitude_vector" in t for t in parts.values()))
+
+
+def pattern_value(pattern, module, default):
+    """A PEFT rank_pattern / alpha_pattern entry for `module` (its keys match as PEFT matches them), else default."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def apply_init_lora(args, model):
+    """--init_lora: its rank, targets and DoRA become the run's; a conflicting --rank, --lora_layers or --use_dora,
+    or a module this model lacks, is refused (exit 2) naming both. model: the transformer on the meta device."""
+    init, parser = read_init_lora(args.init_lora), build_parser()
+    linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    lacking = sorted(set(init.ranks) - linear)
+    if lacking:
+        raise UsageError(f"--init_lora {args.init_lora}: this transformer has no linear layer {', '.join(lacking[:5])}"
+                         f"{' ...' if len(lacking) > 5 else ''} (a LoRA of another model?)")
+    if args.rank != parser.get_default("rank") and args.rank != init.rank:
+        raise UsageError(f"--rank {args.rank} conflicts with --init_lora {args.init_lora}, which has rank {init.rank}")
+    if args.lora_layers != parser.get_default("lora_layers"):
+        targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
+        named = {n for n in linear if any(n == t or n.endswith("." + t) for t in targets)}
+        if named != set(init.ranks):
+            raise UsageError(f"--lora_layers {args.lora_layers} names other layers than --init_lora {args.init_lora} "
+                             f"adapts ({len(named)} against {len(init.ranks)} layers)")
+    if args.use_dora and not init.use_dora:
+        raise UsageError(f"--use_dora conflicts with --init_lora {args.init_lora}, a plain LoRA")
+    args.rank, args.use_dora = init.rank, init.use_dora
+
+
+def adapter_config(args, transformer):
+    """The PEFT config of the run: a LoRA (DoRA with --use_dora) on --lora_layers, a LoKr or LoHa (--adapter), or the
+    rank and targets of --init_lora."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    if args.init_lora:
+        init = read_init_lora(args.init_lora)
+        targets, pattern = sorted(init.ranks), {m: r for m, r in init.ranks.items() if r != init.rank}
+    else:
+        targets = lora_target_modules(args.lora_layers, transformer.config.num_single_layers, block_linear_names(transformer))
+        pattern = {}
+    if args.adapter == "lokr":
+        return LoKrConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets,
+                          decompose_both=args.lokr_decompose_both, decompose_factor=args.lokr_factor)
+    if args.adapter == "loha":
+        return LoHaConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets)
+    extra = {"use_dora": True} if args.use_dora else {}
+    if pattern:
+        extra["rank_pattern"] = {f"^{m}$": r for m, r in pattern.items()}
+    return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      init_lora_weights="gaussian", target_modules=targets, **extra)
+
+
+def load_init_lora(transformer, args):
+    """Put --init_lora's weights into the fresh adapter, lora_B rescaled from the file's scale to this run's
+    (--lora_alpha / rank of the module): the adapted model starts as the base model with that LoRA applied."""
+    from peft import set_peft_model_state_dict
+
+    init = read_init_lora(args.init_lora)
+    state = {}
+    for key, value in init.state.items():
+        module = key.rsplit(".lora_", 1)[0]
+        rescale = init.scales[module] / (args.lora_alpha / init.ranks[module])
+        state[key] = value * rescale if ".lora_B." in key else value
+    result = set_peft_model_state_dict(transformer, state, adapter_name="default")
+    if result.unexpected_keys:
+        raise UsageError(f"--init_lora {args.init_lora}: {len(result.unexpected_keys)} tensors found no layer "
+                         f"(e.g. {result.unexpected_keys[0]})")
+    logger.info(f"--init_lora {args.init_lora}: {len(init.ranks)} layers start from its weights")
+
+
+def check_comfyui_targets(args, model):
+    """--lora_format comfyui/both: every adapted layer needs a ComfyUI (BFL) name; refused before anything loads."""
+    targets = sorted(read_init_lora(args.init_lora).ranks) if args.init_lora else lora_target_modules(
+        args.lora_layers, model.config.num_single_layers, block_linear_names(model))
+    problems = []
+    for name in (n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)):
+        if any(name == t or name.endswith("." + t) for t in targets):
+            try:
+                bfl_name(name)
+            except ValueError as e:
+                problems.append(str(e))
+    if problems:
+        raise UsageError(f"--lora_format {args.lora_format}: {'; '.join(problems[:3])}; leave those layers out of "
+                         "--lora_layers, or keep --lora_format diffusers")
+
+
+def save_comfyui(accelerator, transformer, state, folder, dtype, weight_name):
+    """The ComfyUI file: a LoRA in BFL layout (its scale folded in), a LoKr or LoHa in the LyCORIS layout."""
+    from safetensors.torch import save_file
+
+    config = accelerator.unwrap_model(transformer).peft_config["default"]
+    state = to_comfyui(portable_lora(state, config.to_dict())) if config.peft_type.value == "LORA" else to_lycoris(state, config)
+    save_file({k: v.to(dtype or v.dtype).contiguous() for k, v in state.items()}, str(Path(folder, weight_name)),
+              metadata={"format": "pt"})
+    follow_umask(Path(folder, weight_name))
+
+
+def write_lora_files(args, accelerator, transformer, state, folder, dtype, weight_name=LORA_WEIGHTS_NAME):
+    """The final LoRA in --lora_format: diffusers' layout, ComfyUI's, or both (ComfyUI's beside, its own name)."""
+    if args.lora_format != "comfyui":
+        save_lora(accelerator, transformer, state, folder, dtype, weight_name)
+    if args.lora_format != "diffusers":
+        name = weight_name if args.lora_format == "comfyui" else weight_name.replace(".safetensors", "_comfyui.safetensors")
+        save_comfyui(accelerator, transformer, state, folder, dtype, name)
+
+
+@contextlib.contextmanager
+def lora_strength(model, scale):
+    """Validation at --validation_lora_scales: every adapter layer's scaling times `scale` inside the block, then
+    restored exactly (dividing back could leave a rounding error in the weights' scale for training)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "scaling")]
+    saved = [dict(m.scaling) for m in layers]
+    for layer in layers:
+        layer.scaling.update({k: v * scale for k, v in layer.scaling.items()})
+    try:
+        yield
+    finally:
+        for layer, scaling in zip(layers, saved):
+            layer.scaling.update(scaling)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,11 @@ REFUSED = {
     "sample_batch_size": ["0"],
     "prior_generation_precision": ["fp8"],
     "resolution": ["0", "-16", "40", "8192"],
+    "adapter": ["lycoris"],
+    "lokr_factor": ["0", "-2", "1.5"],
+    "lora_format": ["kohya"],
+    "validation_prompts_file": ["MISSING", "FOLDER"],
+    "validation_lora_scales": ["", "a", "1,,2"],
     "aspect_ratio_buckets": ["32,33", "abc", ";", "0,32"],
     "max_sequence_length": ["0", "-1"],
     "text_encoder_out_layers": ["-1", "3 3", "x"],
@@ -90,7 +95,8 @@ REFUSED = {
 }
 # Flags that accept any text (prompts, names, Hub ids: the Hub itself is the judge, and only with --push_to_hub)
 FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column", "cond_image_column",
-             "instance_prompt", "class_prompt", "hub_model_id", "hub_token", "validation_prompt", "final_validation_prompt"}
+             "instance_prompt", "class_prompt", "hub_model_id", "hub_token", "validation_prompt", "final_validation_prompt",
+             "init_lora"}  # init_lora: a file, folder or Hub file, read (and judged) later
 # Flags never refused, and why
 NEVER_REFUSED = {"precompute_cache_dir": "the cache never stops a run: a folder it cannot write warns, entries stay in memory"}
 # Edge values that must still be accepted: the ranges are not stricter than they say

@@ -1,0 +1,366 @@
+"""Adapters users bring and take: --init_lora (ours, ai-toolkit/BFL and kohya files, through diffusers' own reader),
+DoRA, LoKr and LoHa (train, checkpoint, resume bit for bit, EMA, caches, two processes), the ComfyUI file (read back
+by diffusers' own converter: the fused weights equal our diffusers file's, for every --lora_layers preset), LyCORIS
+files reloaded through PEFT, and validation at several prompts and strengths."""
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import base_args, launch
+
+# what lora_state_dict and save_lora need of an accelerator: one process
+PLAIN = SimpleNamespace(unwrap_model=lambda model: model, distributed_type=None)
+INPUTS = dict(hidden_states=torch.randn(1, 16, 4, generator=torch.Generator().manual_seed(5)),
+              encoder_hidden_states=torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(6)),
+              timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+              img_ids=torch.zeros(16, 4), txt_ids=torch.zeros(8, 4))
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+def _args(model, *extra):
+    return T.parse_args(["--pretrained_model_name_or_path", str(model), "--instance_data_dir", ".", "--instance_prompt",
+                         "p", "--text_encoder_out_layers", "1", "2", *map(str, extra)])
+
+
+def _adapted(model, accelerator, *extra, seed=1):
+    """The tiny transformer as the script prepares it (prepare_transformer), its adapter weights drawn at random
+    (a fresh LoRA's B, or LoKr's w1, is zero: nothing would show)."""
+    args = _args(model, *extra)
+    transformer = T.prepare_transformer(args, accelerator, T.load_transformer(args, torch.float32))
+    g = torch.Generator().manual_seed(seed)
+    for name, param in transformer.named_parameters():
+        if param.requires_grad:
+            param.data = param.data * (1 + 0.2 * torch.rand(param.shape, generator=g)) if "magnitude" in name else \
+                0.2 * torch.randn(param.shape, generator=g)
+    return args, transformer.eval()
+
+
+def _out(transformer):
+    with torch.no_grad():
+        return transformer(**INPUTS, return_dict=False)[0]
+
+
+def _fresh(model):
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel.from_pretrained(model, subfolder="transformer").eval()
+
+
+def _diffusers_load(model, path):
+    """What Flux2Pipeline.load_lora_weights does, on a fresh transformer: diffusers' reader, then its loader."""
+    from diffusers import Flux2Pipeline
+
+    transformer = _fresh(model)
+    state, meta = Flux2Pipeline.lora_state_dict(str(path), return_lora_metadata=True)
+    Flux2Pipeline.load_lora_into_transformer(state, transformer=transformer, metadata=meta)
+    return transformer
+
+
+def _merged(transformer):
+    """Every Linear's effective weight, adapters merged into it."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in transformer.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    return {n.removesuffix(".base_layer"): m.weight.detach().clone() for n, m in transformer.named_modules()
+            if isinstance(m, torch.nn.Linear) and ".lora_" not in n}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ComfyUI file
+
+
+@pytest.mark.parametrize("preset", ["attention", "default", "all-linear"])
+def test_the_comfyui_file_read_by_diffusers_converter_gives_the_diffusers_files_weights(preset, tiny_model, accelerator,
+                                                                                         tmp_path):
+    args, transformer = _adapted(tiny_model, accelerator, "--lora_layers", preset, "--lora_format", "both", "--rank",
+                                 "3", "--lora_alpha", "6")
+    T.write_lora_files(args, PLAIN, transformer, T.lora_state_dict(PLAIN, transformer), tmp_path, torch.float32)
+    comfy = load_file(str(tmp_path / T.COMFYUI_WEIGHTS_NAME))
+    assert comfy and all(k.startswith("diffusion_model.") and not k.endswith(".alpha") for k in comfy)
+    assert any(".img_attn.qkv." in k for k in comfy)  # q, k and v fused, as ComfyUI's model holds them
+    assert (preset == "all-linear") == any(".img_mlp." in k or ".txt_mlp." in k for k in comfy)
+    ours = _merged(_diffusers_load(tiny_model, tmp_path / T.LORA_WEIGHTS_NAME))
+    theirs = _merged(_diffusers_load(tiny_model, tmp_path / T.COMFYUI_WEIGHTS_NAME))
+    trained = _merged(transformer)
+    base = _merged(_fresh(tiny_model))
+    changed = [n for n in trained if not torch.equal(trained[n], base[n])]
+    assert len(changed) >= 4
+    for name in trained:
+        torch.testing.assert_close(ours[name], trained[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(theirs[name], trained[name], rtol=1e-5, atol=1e-6)
+
+
+def test_comfyui_refuses_a_layer_without_an_exact_comfyui_name(tiny_model):
+    args = _args(tiny_model, "--lora_layers", "attention,norm_out.linear", "--lora_format", "comfyui")
+    with pytest.raises(T.UsageError, match="--lora_format comfyui: norm_out.linear: no exact ComfyUI .BFL. name"):
+        T.check_model_fit(args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoKr and LoHa files (LyCORIS layout) reload through PEFT; DoRA through diffusers
+
+
+def _from_lycoris(state, config):
+    """A LyCORIS file as to_lycoris writes it -> PEFT names: lycoris_<name with _> and diffusion_model.<BFL name>
+    decoded, a LoKr's alpha / r taken back out of lokr_w1 where its file has no .alpha."""
+    bfl_to_diffusers = {}
+    for n in range(4):
+        for sub, (bfl, block) in T.BFL_DOUBLE.items():
+            if block is None:
+                bfl_to_diffusers[f"double_blocks.{n}.{bfl}"] = f"transformer_blocks.{n}.{sub}"
+        for sub, bfl in T.BFL_SINGLE.items():
+            bfl_to_diffusers[f"single_blocks.{n}.{bfl}"] = f"single_transformer_blocks.{n}.{sub}"
+    out, modules = {}, {}
+    for key, value in state.items():
+        prefix, _, part = key.rpartition(".")
+        if prefix.startswith("diffusion_model."):
+            module = bfl_to_diffusers[prefix.removeprefix("diffusion_model.")]
+        else:
+            module = re.sub(r"^lycoris_(single_transformer_blocks|transformer_blocks)_(\d+)_attn_",
+                            r"\1.\2.attn.", prefix)
+        modules.setdefault(module, {})[part] = value
+    for module, parts in modules.items():
+        if "alpha" not in parts and "lokr_w1" in parts:
+            parts["lokr_w1"] = parts["lokr_w1"] / (config.alpha / config.r)
+        out.update({f"{module}.{p}": v for p, v in parts.items() if p != "alpha"})
+    return out
+
+
+def _comfyui_delta(parts):
+    """A module's update as ComfyUI computes it from a LyCORIS file (comfy/weight_adapter/lokr.py, loha.py): LoHa
+    scaled by alpha / rank; LoKr by alpha / dim only when a factor is decomposed (dim: that factor's rank), else 1."""
+    if "hada_w1_a" in parts:
+        delta = (parts["hada_w1_a"] @ parts["hada_w1_b"]) * (parts["hada_w2_a"] @ parts["hada_w2_b"])
+        return delta * (parts["alpha"] / parts["hada_w1_b"].shape[0])
+    w1 = parts["lokr_w1"] if "lokr_w1" in parts else parts["lokr_w1_a"] @ parts["lokr_w1_b"]
+    w2 = parts["lokr_w2"] if "lokr_w2" in parts else parts["lokr_w2_a"] @ parts["lokr_w2_b"]
+    dim = parts["lokr_w2_b"].shape[0] if "lokr_w2_b" in parts else parts["lokr_w1_b"].shape[0] if "lokr_w1_b" in parts else None
+    return torch.kron(w1, w2) * (parts["alpha"] / dim if dim is not None and "alpha" in parts else 1.0)
+
+
+@pytest.mark.parametrize("adapter, rank, extra", [("lokr", 2, ()), ("lokr", 8, ()),  # rank 8: both factors full
+                                                  ("lokr", 2, ("--lokr_decompose_both", "--lokr_factor", "4")),
+                                                  ("loha", 2, ())])
+def test_a_lycoris_file_reloads_through_peft_to_the_trained_outputs(adapter, rank, extra, tiny_model, accelerator,
+                                                                     tmp_path):
+    from peft import set_peft_model_state_dict
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    args, transformer = _adapted(tiny_model, accelerator, "--adapter", adapter, "--lora_format", "comfyui",
+                                 "--lora_layers", "all-linear", "--rank", rank, "--lora_alpha", "3", *extra)
+    T.write_lora_files(args, PLAIN, transformer, T.lora_state_dict(PLAIN, transformer), tmp_path, torch.float32)
+    written = load_file(str(tmp_path / T.LORA_WEIGHTS_NAME))
+    assert any(k.startswith("lycoris_transformer_blocks_0_attn_to_q.") for k in written)  # a row slice in ComfyUI
+    assert any(k.startswith("diffusion_model.single_blocks.0.linear1.") for k in written)
+    config = transformer.peft_config["default"]
+    fresh = _fresh(tiny_model)
+    fresh.add_adapter(config)
+    result = set_peft_model_state_dict(fresh, _from_lycoris(written, config), adapter_name="default")
+    assert not result.unexpected_keys
+    assert not torch.allclose(_out(transformer), _out(_fresh(tiny_model)), atol=1e-4)  # the adapter changes things
+    torch.testing.assert_close(_out(fresh), _out(transformer), rtol=1e-5, atol=1e-6)
+    # what ComfyUI applies from the file is the update PEFT trained, module by module
+    groups = {}
+    for key, value in written.items():
+        prefix, _, part = key.rpartition(".")
+        groups.setdefault(prefix, {})[part] = value
+    layers = {n: m for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)}
+    for name, layer in layers.items():
+        bfl, block = T.bfl_name(name)  # q, k, v: row slices of the fused qkv in ComfyUI; the rest by BFL name
+        prefix = f"lycoris_{name.replace('.', '_')}" if block is not None else f"diffusion_model.{bfl}"
+        torch.testing.assert_close(_comfyui_delta(groups[prefix]), layer.get_delta_weight("default"), rtol=1e-5, atol=1e-7)
+
+
+def test_a_dora_file_loads_with_diffusers_and_gives_the_trained_outputs(tiny_model, accelerator, tmp_path):
+    args, transformer = _adapted(tiny_model, accelerator, "--use_dora", "--rank", "3", "--lora_alpha", "6")
+    T.write_lora_files(args, PLAIN, transformer, T.lora_state_dict(PLAIN, transformer), tmp_path, torch.float32)
+    assert any("lora_magnitude_vector" in k for k in load_file(str(tmp_path / T.LORA_WEIGHTS_NAME)))
+    loaded = _diffusers_load(tiny_model, tmp_path / T.LORA_WEIGHTS_NAME)
+    assert not torch.allclose(_out(transformer), _out(_fresh(tiny_model)), atol=1e-4)
+    torch.testing.assert_close(_out(loaded), _out(transformer), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--adapter", "lokr", "--use_dora"], "--adapter lokr takes no --use_dora"),
+    (["--adapter", "loha", "--lora_dropout", "0.1"], "--adapter loha takes no"),
+    (["--use_dora", "--lora_format", "both"], "no ComfyUI file is exact"),
+    (["--adapter", "lokr", "--do_fp8_training"], "LoKr .--use_dora, --adapter. is not verified with --do_fp8_training"),
+])
+def test_adapter_combinations_that_cannot_work_are_refused(extra, message, tmp_path):
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "p",
+                         "--output_dir", str(tmp_path), *extra])
+    with pytest.raises(T.UsageError, match=message):
+        T.check_adapter_flags(args, fsdp=False)
+    if "--do_fp8_training" not in extra:
+        with pytest.raises(T.UsageError, match=message):
+            T.validate_args(args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --init_lora
+
+
+def _kohya(bfl_state, alpha):
+    """A kohya file of the same update: lora_unet_<BFL name with _>.lora_down / lora_up, and an alpha (its scale
+    alpha / rank taken out of lora_up)."""
+    out = {}
+    for key, value in bfl_state.items():
+        module, _, part = key.removeprefix("diffusion_model.").rpartition(".lora_")
+        name = "lora_unet_" + module.replace(".", "_")
+        if part == "A.weight":
+            out[f"{name}.lora_down.weight"] = value
+            out[f"{name}.alpha"] = torch.tensor(float(alpha))
+        else:
+            out[f"{name}.lora_up.weight"] = value / (alpha / value.shape[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_files(tiny_model, accelerator, tmp_path_factory):
+    """One update in three layouts: ours (rank 3, alpha 6: the scale folded in), ai-toolkit/BFL, kohya."""
+    folder = tmp_path_factory.mktemp("loras")
+    args, transformer = _adapted(tiny_model, accelerator, "--rank", "3", "--lora_alpha", "6", "--lora_format", "both",
+                                 "--lora_layers", "attention,to_qkv_mlp_proj,ff.linear_in")
+    T.write_lora_files(args, PLAIN, transformer, T.lora_state_dict(PLAIN, transformer), folder, torch.float32)
+    (folder / "ours").mkdir()
+    (folder / T.LORA_WEIGHTS_NAME).rename(folder / "ours" / T.LORA_WEIGHTS_NAME)
+    bfl = load_file(str(folder / T.COMFYUI_WEIGHTS_NAME))
+    save_file(_kohya(bfl, alpha=2.0), str(folder / "kohya.safetensors"))
+    return {"ours": folder / "ours", "bfl": folder / T.COMFYUI_WEIGHTS_NAME, "kohya": folder / "kohya.safetensors"}
+
+
+@pytest.mark.parametrize("layout", ["ours", "bfl", "kohya"])
+def test_init_lora_starts_from_the_model_that_load_lora_weights_makes(layout, lora_files, tiny_model, accelerator):
+    from accelerate import PartialState
+    from diffusers import Flux2Pipeline
+    from transformers import AutoTokenizer
+
+    PartialState()
+    args = _args(tiny_model, "--init_lora", lora_files[layout], "--lora_alpha", "5")  # a scale of its own: rescaled
+    T.check_model_fit(args)  # reads the file: its rank and layers become the run's
+    assert args.rank == 3 and set(T.read_init_lora(str(lora_files[layout])).ranks.values()) == {3}  # as trained
+    ours = T.prepare_transformer(args, accelerator, T.load_transformer(args, torch.float32)).eval()
+    pipe = Flux2Pipeline.from_pretrained(tiny_model, tokenizer=None)
+    pipe.tokenizer = AutoTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
+    pipe.load_lora_weights(str(lora_files[layout]))
+    expected = _out(pipe.transformer.eval())
+    assert not torch.allclose(expected, _out(_fresh(tiny_model)), atol=1e-4)
+    torch.testing.assert_close(_out(ours), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rank", "8"], r"--rank 8 conflicts with --init_lora .* which has rank 3"),
+    (["--lora_layers", "attention"], r"--lora_layers attention names other layers than --init_lora"),
+    (["--use_dora"], r"--use_dora conflicts with --init_lora .*, a plain LoRA"),
+])
+def test_init_lora_conflicts_are_refused_naming_both(extra, message, lora_files, tiny_model):
+    from accelerate import PartialState
+
+    PartialState()
+    with pytest.raises(T.UsageError, match=message):
+        T.check_model_fit(_args(tiny_model, "--init_lora", lora_files["ours"], *extra))
+    T.check_model_fit(_args(tiny_model, "--init_lora", lora_files["ours"], "--rank", "3"))  # the same: fine
+
+
+def test_init_lora_refuses_layers_the_model_lacks(lora_files, tiny_model, tmp_path):
+    from accelerate import PartialState
+
+    PartialState()
+    state = load_file(str(lora_files["ours"] / T.LORA_WEIGHTS_NAME))
+    state = {k.replace("transformer_blocks.0.", "transformer_blocks.7."): v for k, v in state.items()}
+    save_file(state, str(tmp_path / "other.safetensors"))
+    with pytest.raises(T.UsageError, match="has no linear layer single_transformer_blocks.7.attn.to_qkv_mlp_proj"):
+        T.check_model_fit(_args(tiny_model, "--init_lora", tmp_path / "other.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole runs: every adapter trains, checkpoints, resumes bit for bit, with EMA, cached latents and two processes
+
+
+def _tensors(path):
+    return load_file(str(path))
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("adapter", [["--use_dora"], ["--adapter", "lokr", "--lokr_decompose_both"],
+                                     ["--adapter", "loha"], ["--init_lora", "FILE"]],
+                         ids=["dora", "lokr", "loha", "init_lora"])
+def test_each_adapter_trains_checkpoints_and_resumes_bit_for_bit(adapter, lora_files, tiny_model, images, tmp_path):
+    adapter = [str(lora_files["ours"]) if a == "FILE" else a for a in adapter]
+    common = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--use_ema", "--cache_latents", "--rank", "3",
+              *adapter]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(base_args(tiny_model, images, straight, *common))
+    resumed.mkdir()
+    import shutil
+
+    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    launch(base_args(tiny_model, images, resumed, *common, "--resume_from_checkpoint", "latest"))
+    for name in (T.LORA_WEIGHTS_NAME, T.RAW_LORA_WEIGHTS_NAME):
+        assert _equal(_tensors(straight / name), _tensors(resumed / name)), name
+    assert not _equal(_tensors(straight / T.LORA_WEIGHTS_NAME), _tensors(straight / "checkpoint-2" / T.LORA_WEIGHTS_NAME))
+    two = launch(base_args(tiny_model, images, tmp_path / "two", *common), num_processes=2)
+    prints = re.findall(r"\[RANK (\d)\] LoRA fingerprint (\w+)", two.stderr)
+    assert sorted(r for r, _ in prints) == ["0", "1"] and prints[0][1] == prints[1][1], two.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation at several prompts and strengths
+
+
+def test_validation_prompts_file_syntax(tmp_path):
+    good = tmp_path / "good.txt"
+    good.write_text("# a comment\n\na photo of sks dog\na sks dog on a beach --size 48x32 --seed 3 --steps 2 --guidance 4.5\n")
+    specs = T.read_validation_prompts(str(good))
+    assert specs == [T.ValidationSpec("a photo of sks dog"),
+                     T.ValidationSpec("a sks dog on a beach", height=32, width=48, seed=3, steps=2, guidance=4.5)]
+    for line, message in (("a dog --size 40x32", "line 1: --size 40x32: expected --size WxH"),
+                          ("a dog --steps 0", "line 1: --steps 0"), ("a dog --colour red", "--colour red"),
+                          ("--seed 3", "line 1: no prompt")):
+        bad = tmp_path / f"bad{len(message)}.txt"
+        bad.write_text(line + "\n")
+        with pytest.raises(T.UsageError, match=message):
+            T.read_validation_prompts(str(bad))
+
+
+def test_validation_shows_each_prompt_at_each_strength_beside_the_base_model(tiny_model, images, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a sks dog on a beach --size 48x32 --seed 3\na red car --steps 3\n")
+    out = tmp_path / "out"
+    launch(base_args(tiny_model, images, out, "--max_train_steps", "4", "--learning_rate", "1e-2",
+                     "--validation_prompt", "a photo of sks dog", "--validation_prompts_file", prompts,
+                     "--validation_lora_scales", "0,1", "--num_validation_images", "1"))
+    folder = out / "validation"
+    rows = [np.asarray(Image.open(folder / f"final-{r}.png")) for r in range(6)]  # 3 prompts x 2 strengths
+    base = [np.asarray(Image.open(folder / f"base-{r}.png")) for r in range(6)]
+    assert not (folder / "final-6.png").exists()
+    assert rows[2].shape == (32, 48, 3) and rows[0].shape == (32, 32, 3)  # the second prompt's --size
+    for prompt in range(3):
+        zero, one = 2 * prompt, 2 * prompt + 1
+        assert np.array_equal(rows[zero], base[zero])  # strength 0 is the base model
+        assert not np.array_equal(rows[one], base[one])  # strength 1, the trained LoRA
+    assert not np.array_equal(base[0], base[4])  # other prompts
+    sheet = Image.open(folder / "progress-0.png")
+    assert sheet.height > 6 * 32  # a row per prompt and strength
+    card = (out / "README.md").read_text()
+    assert "validation/final-5.png" in card
