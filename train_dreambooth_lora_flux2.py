@@ -30,13 +30,14 @@ What is cached and what stays random:
 Reading map. Above the appendix banner is the whole training path, readable top to bottom:
   Flags          the command line by group (each flag's rule is its type=), validate_args for combinations
   Data           image records; buckets and crops; the dataset, the bucket sampler, collate; SampleCache
-  Model maths    the VAE and text encodings, noise levels and their shift, the loss, one training step
+  Model maths    the VAE encoding, noise levels and their shift, the loss, one training step
   The recipe     what the stages share (Data, Caches, Run)
   Stages 1-6     prepare_data, precompute, setup_training, checkpoints, train, finish; then main()
 Below '# Appendix: optional machinery', one section per feature, each reached from the core by a call or two:
   A disk cache, B block swapping, C edit geometry, D EMA, E validation extras, F pre-flight checks, G distributed
   extras, H class images, I speed and memory levers, J image files and masks, K the command line, L checkpoint
-  files, M stopping on a signal, N the FLUX.2 families.
+  files, M stopping on a signal, N the FLUX.2 families (and their prompt encodings), O adapters users bring and
+  take, P trigger words and output preservation.
 """
 
 from __future__ import annotations
@@ -126,18 +127,21 @@ def _data_flags(p):
     g.add_argument("--cond_image_column", help="Edit training: the condition image column of --dataset_name; a list of images in a row gives several references.")
     g.add_argument("--cond_data_dir", type=EXISTING_FOLDER, help="Edit training: folder of condition images; the condition of <instance_data_dir>/x.png is x.<any image extension> here.")
     g.add_argument("--instance_prompt", help="Prompt of the images without a caption, e.g. 'a photo of sks dog'; needed unless captions cover every image.")
+    g.add_argument("--trigger_word", help="The subject's word: fills [trigger] in captions and prompts, and is put before each caption line that lacks it ('WORD, caption').")
     g.add_argument("--repeats", type=integer(1), default=1, help="Samples per instance image in one epoch.")
     g.add_argument("--with_prior_preservation", action="store_true", help="Also train on class images (--class_data_dir, --class_prompt) so the class keeps its look.")
     g.add_argument("--class_data_dir", type=FOLDER_TO_WRITE, help="Folder of class images; missing ones are generated into it with the base model.")
     g.add_argument("--class_prompt", help="Prompt of the class images, e.g. 'a photo of a dog'.")
     g.add_argument("--num_class_images", type=integer(1), default=100, help="Class images wanted; missing ones are generated, every image in the folder is used.")
     g.add_argument("--prior_loss_weight", type=NON_NEGATIVE, default=1.0, help="Weight of the class images' loss.")
+    g.add_argument("--output_preservation", action="store_true", help="Keep the class's look without class images: on each step's noisy latents, the prediction for the caption with --trigger_word replaced by --class_word is trained toward the base model's.")
+    g.add_argument("--class_word", help="What --output_preservation puts in place of --trigger_word, e.g. 'dog'.")
+    g.add_argument("--output_preservation_weight", type=NON_NEGATIVE, default=1.0, help="Weight of the --output_preservation loss.")
     g.add_argument("--sample_batch_size", type=integer(1), default=4, help="Batch size of class-image generation.")
     g.add_argument("--prior_generation_precision", choices=["fp32", "fp16", "bf16"], help="dtype of class-image generation; default: bf16 on a GPU, fp32 on the CPU.")
-    # FLUX.2 samples up to 4 MP (2048^2); 4096 leaves room for buckets, beyond it one image is over 65k tokens
-    g.add_argument("--resolution", type=integer(16, 4096, multiple=16), default=512, help="Training side in pixels; also the pixel budget (side^2) of automatic buckets.")
+    g.add_argument("--resolution", type=SIDES, default=512, help="Training side in pixels, and the pixel budget (side^2) of automatic buckets; several (512,768,1024): each image is a sample at each.")
     g.add_argument("--use_aspect_ratio_buckets", action="store_true", help="Train each image in the bucket of its aspect ratio, from a ladder of about --resolution^2 pixels.")
-    g.add_argument("--aspect_ratio_buckets", type=Accepts("'h,w;h,w;...' with sides multiples of 16", lambda v: bool(parse_buckets(v))), help="Explicit buckets instead of the ladder.")
+    g.add_argument("--aspect_ratio_buckets", type=Accepts("'h,w;h,w;...' with sides multiples of 16 (with several --resolution sides, a list per side, separated by |)", lambda v: all(map(parse_buckets, v.split("|")))), help="Explicit buckets instead of the ladder.")
     g.add_argument("--center_crop", action="store_true", help="Crop the centre of each resized image (default: a random crop, drawn afresh each epoch unless latents are cached).")
     g.add_argument("--random_flip", action="store_true", help="Flip images horizontally at random, drawn at every use.")
     g.add_argument("--max_sequence_length", type=integer(1), default=512, help="Text tokens per prompt, the chat template's system message included.")
@@ -227,6 +231,7 @@ def _memory_flags(p):
     g.add_argument("--blocks_to_swap", type=integer(0), default=0, help="Keep the frozen weights of the last N transformer blocks in host memory, each copied in just before it runs (CUDA, with --gradient_checkpointing).")
     g.add_argument("--do_fp8_training", action="store_true", help="torchao float8 matmuls in the transformer's linear layers (CUDA, compute capability 8.9 or newer).")
     g.add_argument("--remote_text_encoder", action="store_true", help="[dev]: prompt embeddings from the Hugging Face remote text encoder instead of loading the 24B model (uses your Hub login).")
+    g.add_argument("--text_encoder_quantization", choices=["none", "int8", "nf4"], default="none", help="Encode prompts with int8 (torchao; any device) or NF4 (bitsandbytes; CUDA) text-encoder weights: [dev]'s 24B encoder in about 25 or 15 GB instead of 48.")
     g.add_argument("--fsdp_text_encoder", action="store_true", help="Shard the text encoder over the processes while prompts are encoded (each holds 1/N of it).")
     g.add_argument("--remote_text_encoder_url", type=Accepts("an http(s) URL", lambda v: re.fullmatch(r"https?://[^/\s]+(/\S*)?", v) is not None), default="https://remote-text-encoder-flux-2.huggingface.co/predict", help="Endpoint of --remote_text_encoder.")
 
@@ -274,7 +279,11 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
+    args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
+    args.resolution = max(args.resolutions)
+    return args
 
 
 def validate_args(args):
@@ -305,6 +314,7 @@ def validate_args(args):
         refuse(args.with_prior_preservation and not args.class_data_dir,
                "--with_prior_preservation needs --class_data_dir (missing class images are generated there)")
     check_edit_flags(args)
+    check_trigger_flags(args)
     refuse(args.do_fp8_training and args.bnb_quantization_config_path, "--do_fp8_training and --bnb_quantization_config_path exclude each other")
     refuse(args.do_fp8_training and not (cuda and torch.cuda.get_device_capability() >= (8, 9)),
            "--do_fp8_training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)")
@@ -321,6 +331,11 @@ def validate_args(args):
     if args.blocks_to_swap:
         check_block_swap(args, cuda, fsdp)
     check_adapter_flags(args, fsdp)
+    refuse(args.text_encoder_quantization == "nf4" and not cuda, "--text_encoder_quantization nf4 needs a CUDA GPU "
+           "(bitsandbytes); int8 works on any device")
+    refuse(args.text_encoder_quantization != "none" and (args.remote_text_encoder or args.fsdp_text_encoder),
+           "--text_encoder_quantization quantises the text encoder this process loads: leave out --remote_text_encoder "
+           "and --fsdp_text_encoder")
     refuse(args.fsdp_text_encoder and (processes < 2 or args.remote_text_encoder), "--fsdp_text_encoder shards the text "
            "encoder over several processes: launch 2 or more, without --remote_text_encoder")
     refuse(args.use_ema and fsdp, "--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
@@ -357,6 +372,11 @@ class ImageRecord:
     def load(self):
         image = Image.open(self.path) if self.path is not None else self.image
         return to_rgb(ImageOps.exif_transpose(image))
+
+
+def caption_lines(caption):
+    """A caption's alternatives: each non-empty line of a caption file (or entry of a list column), stripped."""
+    return [line.strip() for line in (caption or "").splitlines() if line.strip()]
 
 
 def seed_for(*parts):
@@ -404,18 +424,31 @@ def image_to_tensor(image, transform, bucket):
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
+def ladder_buckets(buckets):
+    """A bucket list, or one list per --resolution -> (the ladders, all their buckets in one list)."""
+    ladders = [list(ladder) for ladder in buckets] if isinstance(buckets[0][0], (tuple, list)) else [list(buckets)]
+    return ladders, list(dict.fromkeys(b for ladder in ladders for b in ladder))
+
+
+def image_buckets(instances, buckets):
+    """[R][I]: each image's bucket per ladder, as an index into the list of all buckets (ladder_buckets)."""
+    ladders, flat = ladder_buckets(buckets)
+    return [[flat.index(ladder[nearest_bucket(r.size[1], r.size[0], ladder)]) for r in instances] for ladder in ladders]
+
+
 def sample_groups(instances, buckets, num_samples):
-    """(bucket id, condition images) of every sample (sample i shows instance image i % I), for the batch sampler: a
-    batch shares both, so its rows have the same number of target and reference tokens."""
-    groups = [(nearest_bucket(r.size[1], r.size[0], buckets), len(r.conditions)) for r in instances]
-    return [groups[i % len(instances)] for i in range(num_samples)]
+    """(bucket id, condition images) of every sample (sample i shows instance image i % I at resolution (i // I) % R),
+    for the batch sampler: a batch shares both, so its rows have the same number of target and reference tokens."""
+    ids, count = image_buckets(instances, buckets), len(instances)
+    return [(ids[(i // count) % len(ids)][i % count], len(instances[i % count].conditions)) for i in range(num_samples)]
 
 
 class DreamBoothDataset(torch.utils.data.Dataset):
     """Samples of a DreamBooth run, addressed by (epoch, index), the pairs the batch sampler yields (so DataLoader
     workers that live for the whole run draw each epoch's crops and flips unasked); items carry their "index".
-    Sample i shows instance image i % I in its bucket and, with prior preservation, class image i % C resized into
-    the same bucket (len = max(I * repeats, C)); an edit target's condition images travel with it (condition_keys).
+    Sample i shows instance image i % I in its bucket of ladder (i // I) % R (`buckets`: a list, or one per
+    --resolution) and, with prior preservation, class image i % C resized into the same bucket (len = max(I * R *
+    repeats, C)); an edit target's condition images travel with it (condition_keys).
     Slot i is sample i's instance part, slot N + i its class part: the order in which a batch is laid out."""
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), class_prompt=None, seed=0,
@@ -424,11 +457,11 @@ class DreamBoothDataset(torch.utils.data.Dataset):
             raise UsageError("no instance images found")
         self.instances, self.classes = list(instances), list(classes)
         self.instance_prompt, self.class_prompt = instance_prompt, class_prompt
-        self.buckets, self.seed = list(buckets), seed
+        (self.ladders, self.buckets), self.seed = ladder_buckets(buckets), seed
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
         self.fixed_crops, self.with_masks = fixed_crops, with_masks  # fixed: crops drawn once (epoch 0), flips live
-        self.num_samples = max(len(self.instances) * repeats, len(self.classes))
-        self.image_buckets = [nearest_bucket(r.size[1], r.size[0], self.buckets) for r in self.instances]
+        self.num_samples = max(len(self.instances) * len(self.ladders) * repeats, len(self.classes))
+        self.image_buckets = image_buckets(self.instances, self.ladders)  # [R][I]
         # edit training: condition images numbered in one list; instance image i has the ids cond_ids[i]
         self.conditions, self.cond_ids = [], []
         for record in self.instances:
@@ -439,7 +472,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def sample_buckets(self):
-        return sample_groups(self.instances, self.buckets, self.num_samples)
+        return sample_groups(self.instances, self.ladders, self.num_samples)
 
     @property
     def num_slots(self):
@@ -452,7 +485,8 @@ class DreamBoothDataset(torch.utils.data.Dataset):
 
     def _source(self, slot):
         i = slot % self.num_samples
-        bucket = self.buckets[self.image_buckets[i % len(self.instances)]]
+        count = len(self.instances)
+        bucket = self.buckets[self.image_buckets[(i // count) % len(self.ladders)][i % count]]
         if slot < self.num_samples:
             return "instance", i % len(self.instances), bucket
         return "class", i % len(self.classes), bucket
@@ -487,11 +521,16 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         keys = keys + [k[:-1] + (not k[-1],) for k in keys] if self.random_flip else keys
         return keys + [c for k in keys for c in self.condition_keys(k)]
 
-    def prompt_key(self, slot):
-        """The text of a slot: its image's caption or the instance prompt; the class prompt for class slots."""
+    def prompt_keys(self, slot):
+        """Every text a slot can show: its image's caption alternatives (or the instance prompt); the class prompt."""
         if slot >= self.num_samples:
-            return self.class_prompt
-        return self.instances[slot % len(self.instances)].caption or self.instance_prompt
+            return [self.class_prompt]
+        return caption_lines(self.instances[slot % len(self.instances)].caption) or [self.instance_prompt]
+
+    def prompt_key(self, slot, epoch):
+        """The text of a slot in an epoch: one of its alternatives, drawn by (seed, epoch, slot), so resumes repeat it."""
+        texts = self.prompt_keys(slot)
+        return texts[0] if len(texts) == 1 else random.Random(seed_for("caption", self.seed, epoch, slot)).choice(texts)
 
     def pixels(self, key):
         """Decode and transform the image a latent key names -> [3, H, W] in [-1, 1]."""
@@ -625,20 +664,6 @@ def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
     return torch.stack([mean, std], dim=1)
 
 
-def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
-    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
-    encodes them ([dev]: Mistral chat with FLUX.2's system message; [klein]: Qwen3 chat)."""
-    import diffusers
-
-    kwargs = dict(text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts),
-                  max_sequence_length=max_sequence_length, hidden_states_layers=list(out_layers))
-    if family.pipeline == "Flux2KleinPipeline":
-        return diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(**kwargs)
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-    return diffusers.Flux2Pipeline._get_mistral_3_small_prompt_embeds(system_message=SYSTEM_MESSAGE, **kwargs)
-
-
 def draw_latents(params, generator):
     """Cached posterior -> training latents. params: [B, C, h, w] (mode: the mean, used as is) or
     [B, 2, C, h, w] (sample: mean and std, drawn z = mean + std * eps from `generator`)."""
@@ -708,13 +733,15 @@ class StepConfig:
     prior_loss_weight: float
     timestep_shift: str | float = "none"  # --timestep_shift
     shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift auto matches
+    preservation_weight: float = 0.0  # --output_preservation_weight
 
 
 def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None,
-                       conditions=()):
+                       conditions=(), preserve=None):
     """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's dtype;
     mask: [B, 1, h, w] or None; conditions (edit training): R clean condition latents [B, C, h', w'], whose tokens
-    follow the noisy target's in the sequence as in Flux2Pipeline (the loss covers the target's); returns a scalar."""
+    follow the noisy target's in the sequence as in Flux2Pipeline (the loss covers the target's); preserve
+    (--output_preservation): [P, L, D] the first P rows' preservation prompts (Appendix P); returns a scalar."""
     from diffusers import Flux2Pipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
@@ -733,19 +760,24 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
         tokens, ids = reference_tokens(conditions, prompt_embeds.dtype)
         hidden, img_ids = torch.cat([packed, tokens], dim=1), torch.cat([img_ids, ids], dim=1)
     guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
-    pred = transformer(
+    inputs = dict(
         hidden_states=hidden,
         timestep=sigma,  # the transformer takes timestep / 1000 == sigma
         guidance=guidance,
         encoder_hidden_states=prompt_embeds,
         txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device),  # [B, L, 4]
         img_ids=img_ids,
-        return_dict=False,
-    )[0][:, : packed.shape[1]]  # the target's tokens: the references' predictions are not trained
+    )
+    if preserve is not None:  # + P rows, and the base model's prediction for them
+        inputs, base = preservation_inputs(transformer, inputs, preserve)
+    pred = transformer(**inputs, return_dict=False)[0][:, : packed.shape[1]]  # target tokens (references untrained)
     target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction, float32
     weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
     mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
-    return flow_matching_loss(pred, target, weighting, num_instance, cfg.prior_loss_weight, mask)
+    loss = flow_matching_loss(pred[:bsz], target, weighting, num_instance, cfg.prior_loss_weight, mask)
+    if preserve is not None:
+        loss = loss + cfg.preservation_weight * (pred[bsz:].float() - base.float()).pow(2).mean()
+    return loss
 
 
 def lora_target_modules(spec, num_single_layers, block_linears):
@@ -774,16 +806,6 @@ def add_lora(transformer, lora_config):
         if param.requires_grad:
             param.data = param.data.float()
     return transformer
-
-
-@contextlib.contextmanager
-def adapters_off(model):
-    """The base model inside the block: the LoRA layers pass their input through unchanged."""
-    model.disable_adapters()
-    try:
-        yield model
-    finally:
-        model.enable_adapters()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -856,34 +878,6 @@ def setup_accelerator(args):
     return accelerator
 
 
-def load_instance_images(args, cache, accelerator):
-    if args.dataset_name:
-        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
-                               args.cache_dir, args.cond_image_column)
-    records = scan_folder(args.instance_data_dir, cache, accelerator)
-    if not records:
-        raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
-    if args.cond_data_dir:
-        conditions = scan_folder(args.cond_data_dir, cache, accelerator, read_captions=False)
-        records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
-    return records
-
-
-def agree_seed(args, checkpoint, accelerator):
-    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
-    seed = args.seed
-    if checkpoint is not None:
-        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
-        if seed is not None and seed != saved:
-            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
-                           "continue the original one exactly")
-        seed = saved if seed is None else seed
-    if seed is None:
-        seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
-        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
-    return seed
-
-
 def build_data(args, instances, classes, seed, accelerator):
     """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
     dataset = DreamBoothDataset(instances, args.instance_prompt, resolve_buckets(args), repeats=args.repeats,
@@ -930,6 +924,7 @@ def prepare_data(args, accelerator, cache):
     check_model_fit(args)
     if cache.manifest is None:
         classes = load_class_images(args, accelerator, seed, family, cache) if args.with_prior_preservation else []
+    instances = apply_trigger(args, instances)
     check_same_images(accelerator, instances, classes)
     dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
     return Data(family, checkpoint, seed, dataset, sampler, loader, edit_validation_condition(args, dataset))
@@ -970,7 +965,8 @@ def open_cache(args):
 def needed_prompts(args, dataset, family):
     """Every text whose embedding the run reads: training slots, validation prompts, and the empty prompt for
     dropped captions and the negative prompt of [klein] validation with CFG."""
-    keys = [dataset.prompt_key(s) for s in range(dataset.num_slots)] + validation_prompts(args)
+    keys = [text for s in range(dataset.num_slots) for text in dataset.prompt_keys(s)]
+    keys += preservation_prompts(args, keys) + validation_prompts(args)
     cfg = validation_prompts(args) and uses_cfg(args, family)
     return list(dict.fromkeys(keys + ([""] if args.caption_dropout > 0 or cfg else [])))
 
@@ -1009,13 +1005,15 @@ def prompt_encoder(args, accelerator, family, weight_dtype):
 
     logger.info("loading the text encoder", main_process_only=False)
     tokenizer = load_pipeline_tokenizer(args)
-    text_encoder = getattr(transformers, family.text_encoder).from_pretrained(
-        args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision, variant=args.variant,
-        torch_dtype=weight_dtype, cache_dir=args.cache_dir).eval()
-    if args.fsdp_text_encoder:
-        shard_text_encoder(text_encoder, accelerator)
+    load = functools.partial(getattr(transformers, family.text_encoder).from_pretrained, args.pretrained_model_name_or_path,
+                             subfolder="text_encoder", revision=args.revision, variant=args.variant,
+                             torch_dtype=weight_dtype, cache_dir=args.cache_dir)
+    if args.text_encoder_quantization != "none":  # Appendix I: int8 or NF4 weights, loaded onto the device
+        text_encoder = quantized_text_encoder(load, args.text_encoder_quantization, accelerator.device, weight_dtype)
+    elif args.fsdp_text_encoder:
+        text_encoder = shard_text_encoder(load().eval(), accelerator)
     else:
-        text_encoder.to(accelerator.device)
+        text_encoder = load().eval().to(accelerator.device)
     return functools.partial(encode_prompts, family, text_encoder, tokenizer,
                              max_sequence_length=args.max_sequence_length, out_layers=args.text_encoder_out_layers)
 
@@ -1179,7 +1177,8 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
                sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
                ema=LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None,
                step_config=StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
-                                      args.prior_loss_weight, args.timestep_shift, default_sampling_steps(data.family)))
+                                      args.prior_loss_weight, args.timestep_shift, default_sampling_steps(data.family),
+                                      args.output_preservation_weight))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1309,6 +1308,7 @@ def start_logging(args, accelerator, run, global_step):
                 + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
                    f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
                    ", images decoded in the main process"))
+    logger.info(describe_captions(args, data.dataset))
     if data.dataset.conditions:
         logger.info(describe_edit_data(data.dataset))
 
@@ -1327,25 +1327,29 @@ class StepInputs:
     masks: torch.Tensor | None  # loss masks beside `images`: [V, 1, h, w] cached, [B', 1, H, W] in pixels
     encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
     references: int = 0  # edit training: condition images per row (R)
+    preserved: int = 0  # --output_preservation: the last P of embed_rows are the instance rows' preservation prompts
 
 
-def gather_inputs(batch, dataset, caches, caption_dropout, rng):
-    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout. Edit
-    training: each row's condition images are looked up from its target's latent key, so they cannot part."""
-    slots = dataset.slots(batch["indices"])
-    texts = drop_captions([dataset.prompt_key(s) for s in slots], len(batch["indices"]), caption_dropout, rng)
-    embeds, embed_rows = caches.prompts.gather_unique(texts)
+def gather_inputs(batch, dataset, caches, caption_dropout, rng, preserve=None):
+    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout; `preserve`
+    (--output_preservation) maps an instance text to its preservation prompt. Edit training: each row's condition
+    images are looked up from its target's latent key, so they cannot part."""
+    slots, num_instance = dataset.slots(batch["indices"]), len(batch["indices"])
+    texts = [dataset.prompt_key(s, batch["epoch"]) for s in slots]
+    preserved = [preserve(t) for t in texts[:num_instance]] if preserve else []
+    embeds, embed_rows = caches.prompts.gather_unique(drop_captions(texts, num_instance, caption_dropout, rng) + preserved)
     if caches.latents is None:
         cond = batch.get("cond_pixels")
         images = batch["pixel_values"] if cond is None else torch.cat([batch["pixel_values"], cond])
         return StepInputs(embeds, embed_rows, images, torch.arange(len(images)), batch.get("masks"), encoded=False,
-                          references=len(images) // len(slots) - 1)
+                          references=len(images) // len(slots) - 1, preserved=len(preserved))
     keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
     references = [dataset.condition_keys(k) for k in keys]  # [B'][R]
     keys += [refs[r] for r in range(len(references[0])) for refs in references]  # reference-major, as collate
     latents, image_rows = caches.latents.gather_unique(keys)
     masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None
-    return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True, references=len(references[0]))
+    return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True, references=len(references[0]),
+                      preserved=len(preserved))
 
 
 def model_inputs(inputs, run, generator, offload, latent_sampling):
@@ -1353,7 +1357,7 @@ def model_inputs(inputs, run, generator, offload, latent_sampling):
     [B', L, D], loss mask [B', 1, h, w] or None, condition latents (R of [B', 4C, h, w]: the posterior mean, as the
     pipeline encodes references). Uncached pixels are encoded here; `generator` draws posterior samples."""
     embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # expanded on the device
-    rows = len(inputs.embed_rows)
+    rows = len(inputs.embed_rows) - inputs.preserved
     if inputs.encoded:
         params = inputs.images[inputs.image_rows]
         mask = None if inputs.masks is None else inputs.masks[inputs.image_rows[:rows]]
@@ -1374,8 +1378,9 @@ def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sa
     generator = torch.Generator(accelerator.device).manual_seed(
         seed_for("step", run.data.seed, micro, accelerator.process_index))
     latents, embeds, mask, references = model_inputs(inputs, run, generator, offload, latent_sampling)
-    loss = flow_matching_step(run.transformer, latents, embeds, num_instance, run.sigmas, run.step_config, generator,
-                              mask, references)
+    rows = len(latents)  # the preservation prompts' embeddings (if any) follow the rows'
+    loss = flow_matching_step(run.transformer, latents, embeds[:rows], num_instance, run.sigmas, run.step_config,
+                              generator, mask, references, embeds[rows:] if inputs.preserved else None)
     accelerator.backward(loss)
     return loss.detach(), list(latents.shape[-2:])
 
@@ -1414,7 +1419,8 @@ def train(args, accelerator, run, global_step):
     data.sampler.set_epoch(*divmod(micro, batches_per_epoch))
     prefetcher = Prefetcher(data.loader, micro, lambda m, batch: gather_inputs(
         batch, data.dataset, run.caches, args.caption_dropout,
-        random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index))), accelerator.device)
+        random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index)), preserver(args)),
+        accelerator.device)
     finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
     bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
     # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
@@ -1557,7 +1563,7 @@ def finish(args, accelerator, run):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with writing(Path(args.output_dir, "README.md")):
-            write_model_card(args, paths, prompt, run.data.family, edit=bool(run.data.dataset.conditions))
+            write_model_card(args, paths, prompt, run.data.family, run.data.dataset)
         if args.push_to_hub:
             push_to_hub(args)
 
@@ -2024,6 +2030,7 @@ def cache_identity(args, weight_dtype, family, manifest=None):
                [fingerprint_folder(component_folder(args, "text_encoder")), fingerprint_folder(component_folder(args, "tokenizer"))])
     prompts = [*encoder, args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype),
                family.pipeline, SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None]
+    prompts += [] if args.text_encoder_quantization == "none" else [args.text_encoder_quantization]  # other embeddings
     latents = ([fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling]
                if args.cache_latents else None)
     return CacheIdentity(prompts, latents)
@@ -2140,7 +2147,8 @@ def write_manifest(args, accelerator, dataset, family, disk):
         return
     data = {flag: getattr(args, flag) for flag in MANIFEST_DATA_FLAGS}
     data.update(buckets=[list(b) for b in dataset.buckets], seed=dataset.seed, caption_dropout=args.caption_dropout,
-                validation_prompts=validation_prompts(args))
+                validation_prompts=validation_prompts(args), resolutions=list(args.resolutions),
+                ladders=[[list(b) for b in ladder] for ladder in dataset.ladders])
     model = {"pretrained_model_name_or_path": args.pretrained_model_name_or_path, "revision": args.revision,
              "family": family.pipeline, "prompt_identity": disk.identity.prompts, "latent_identity": disk.identity.latents}
     latents = [((k[0], dataset.record(k[0], k[1]).name, *k[2:]), entry) for k, entry in disk.paths.get("latents", {}).items()]
@@ -2158,7 +2166,9 @@ def apply_manifest(args, manifest):
             logger.warning(f"--{flag} {getattr(args, flag)} ignored: the cached data were made with {data[flag]!r} "
                            "(from the manifest)")
         setattr(args, flag, data[flag])
-    args.aspect_ratio_buckets, args.use_aspect_ratio_buckets = ";".join(f"{h},{w}" for h, w in data["buckets"]), False
+    args.resolutions = tuple(data.get("resolutions", [data["resolution"]]))
+    args.aspect_ratio_buckets = "|".join(";".join(f"{h},{w}" for h, w in ladder) for ladder in data.get("ladders", [data["buckets"]]))
+    args.use_aspect_ratio_buckets = False
     args.seed = data["seed"] if args.seed is None else args.seed
     args.num_class_images = len(manifest["classes"])
     instances, classes = manifest_records(manifest["instances"]), manifest_records(manifest["classes"])
@@ -2461,10 +2471,11 @@ def edit_validation_condition(args, dataset):
         image = ImageRecord("", (0, 0), path=args.validation_image).load()
     except Exception as e:  # noqa: BLE001 - truncated, corrupt, a decompression bomb: not an image to use
         raise UsageError(f"--validation_image {args.validation_image}: cannot be decoded ({e})") from None
-    problem = validation_image_problem(image.size, dataset.buckets)
+    buckets = dataset.ladders[args.resolutions.index(args.resolution)]  # several sides: validate at the largest
+    problem = validation_image_problem(image.size, buckets)
     if problem:
         raise UsageError(f"--validation_image {args.validation_image}: {problem}")
-    return fit_to_bucket(image, dataset.buckets)
+    return fit_to_bucket(image, buckets)
 
 
 def describe_edit_data(dataset):
@@ -2611,9 +2622,11 @@ def read_validation_prompts(path):
 
 
 def validation_specs(args, prompt):
-    """What a validation generates: `prompt` (if any), then every line of --validation_prompts_file."""
+    """What a validation generates: `prompt` (if any), then every line of --validation_prompts_file ([trigger]
+    filled by --trigger_word)."""
     listed = read_validation_prompts(args.validation_prompts_file) if args.validation_prompts_file else []
-    return ([ValidationSpec(prompt)] if prompt else []) + list(listed)
+    listed = [dataclasses.replace(s, prompt=with_trigger(s.prompt, args.trigger_word)) for s in listed]
+    return ([ValidationSpec(prompt)] if prompt else []) + listed
 
 
 def uses_cfg(args, family):
@@ -2712,9 +2725,10 @@ def progress_sheet(columns, pad=4):
     return sheet
 
 
-def write_model_card(args, image_paths, prompt, family, edit=False):
-    """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub. `edit`: an image-to-image
-    (edit) LoRA, used with a condition image."""
+def write_model_card(args, image_paths, prompt, family, dataset):
+    """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub. An edit dataset makes an
+    image-to-image LoRA, used with a condition image."""
+    edit = bool(dataset.conditions)
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
     widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
     gallery = "\n".join(f"![{prompt}]({p})" for p in images)
@@ -2747,6 +2761,7 @@ widget:
 
 {kind} adapters (rank {args.rank}, alpha {args.lora_alpha}) for `{args.pretrained_model_name_or_path}`, trained with
 DreamBooth on {f"the prompt `{args.instance_prompt}`" if args.instance_prompt else "its dataset's captions"} for {args.max_train_steps} steps at learning rate {args.learning_rate}.
+{describe_captions(args, dataset)}
 {files}
 
 {gallery}
@@ -2807,8 +2822,18 @@ def generate_images(pipeline, call, count):
 
 def validation_prompts(args):
     """Prompts whose embeddings the run needs after the text encoder is gone."""
-    listed = [spec.prompt for spec in read_validation_prompts(args.validation_prompts_file)] if args.validation_prompts_file else []
+    listed = [spec.prompt for spec in validation_specs(args, None)]
     return [p for p in dict.fromkeys([args.validation_prompt, args.final_validation_prompt, *listed]) if p]
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model inside the block: the LoRA layers pass their input through unchanged."""
+    model.disable_adapters()
+    try:
+        yield model
+    finally:
+        model.enable_adapters()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3110,9 +3135,9 @@ def check_batches_early(args, instances, seed, processes):
     """The batch size, before the model's files are read and class images generated: more class images than asked
     for only add samples, so this bound holds."""
     buckets, classes_wanted = resolve_buckets(args), args.num_class_images if args.with_prior_preservation else 0
-    early = sample_groups(instances, buckets, max(len(instances) * args.repeats, classes_wanted))
+    early = sample_groups(instances, buckets, max(len(instances) * len(args.resolutions) * args.repeats, classes_wanted))
     check_batches(args.train_batch_size, BucketBatchSampler(early, args.train_batch_size, seed, num_replicas=processes),
-                  buckets)
+                  ladder_buckets(buckets)[1])
 
 
 def check_batches(batch_size, sampler, buckets):
@@ -3202,6 +3227,7 @@ def shard_text_encoder(text_encoder, accelerator):
         fully_shard(layer)
     fully_shard(text_encoder)
     logger.info(f"text encoder sharded over {accelerator.num_processes} processes ({len(layers)} layers)")
+    return text_encoder
 
 
 def loads_from_rank_0(accelerator, quantized):
@@ -3526,6 +3552,8 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
                              "metadata.jsonl, name it <something>_file_name)")
         refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
                      for j, c in enumerate(cond))
+        if isinstance(caption, (list, tuple)):  # a list of captions: alternatives, as the lines of a caption file
+            caption = "\n".join(c for c in caption if c)
         records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), caption=(caption or "").strip() or None,
                                    image=image, conditions=refs))
     if empty:
@@ -3574,6 +3602,23 @@ OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpoin
               "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
               "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
               "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
+
+
+def quantized_text_encoder(load, mode, device, dtype):
+    """--text_encoder_quantization: the text encoder, for precompute only, with int8 weights (torchao weight-only:
+    any device; each linear layer goes to the device and is quantised there, so the bf16 model never is whole on
+    it) or NF4 (bitsandbytes, loaded onto a CUDA device). [dev]'s 24B Mistral: 48 GB in bf16, about 25 GB int8, 15 GB
+    NF4 (embeddings and, for NF4, the output layer stay bf16). Embeddings change a little: docs/quantization.md."""
+    if mode == "nf4":
+        import transformers
+
+        config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        return load(quantization_config=config, device_map={"": device}).eval()
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    text_encoder = load().eval()
+    quantize_(text_encoder, Int8WeightOnlyConfig(), device=device)
+    return text_encoder.to(device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3702,8 +3747,8 @@ def load_mask(record):
 
 
 def warn_small_images(dataset):
-    small = [r.name for r, b in zip(dataset.instances, dataset.image_buckets)
-             if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]]
+    small = list(dict.fromkeys(r.name for ids in dataset.image_buckets for r, b in zip(dataset.instances, ids)
+                               if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]))
     if small:
         logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
                        f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
@@ -3745,6 +3790,19 @@ def scan_folder(folder, cache, accelerator, read_captions=True):
         records = scan_image_folder(folder, read_captions, index, progress=accelerator.is_local_main_process)
     logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
                 f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
+    return records
+
+
+def load_instance_images(args, cache, accelerator):
+    if args.dataset_name:
+        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
+                               args.cache_dir, args.cond_image_column)
+    records = scan_folder(args.instance_data_dir, cache, accelerator)
+    if not records:
+        raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    if args.cond_data_dir:
+        conditions = scan_folder(args.cond_data_dir, cache, accelerator, read_captions=False)
+        records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
     return records
 
 
@@ -3791,6 +3849,17 @@ def shift(text):
     return text if text in ("none", "auto") else float(text)
 
 
+def sides(text):
+    """'512' -> 512; '512,768,1024' -> (512, 768, 1024)."""
+    values = tuple(int(v) for v in text.split(","))
+    return values[0] if len(values) == 1 else values
+
+
+def _sides_ok(value):
+    values = (value,) if isinstance(value, int) else value
+    return len(set(values)) == len(values) and all(16 <= v <= 4096 and v % 16 == 0 for v in values)
+
+
 def numbers(text):
     return [float(x) for x in text.split(",")]
 
@@ -3824,6 +3893,8 @@ EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_d
 READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK))
 # existing download and class folders may be read-only (a shared model cache, class images all there)
 FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be)
+# FLUX.2 samples up to 4 MP (2048^2); 4096 leaves room for buckets, beyond it one image is over 65k tokens
+SIDES = Accepts("sides from 16 to 4096, multiples of 16, distinct, comma-separated", _sides_ok, sides)
 PROBABILITY, BELOW_ONE, POSITIVE, NON_NEGATIVE = number(0, 1), number(0, 1, high_open=True), number(0, low_open=True), number(0)
 
 
@@ -3883,9 +3954,16 @@ def parse_buckets(text):
 
 
 def resolve_buckets(args):
+    """The buckets: a list, or with several --resolution sides one list per side (--aspect_ratio_buckets: lists
+    separated by |, one per side)."""
     if args.aspect_ratio_buckets:
-        return parse_buckets(args.aspect_ratio_buckets)
-    return bucket_ladder(args.resolution) if args.use_aspect_ratio_buckets else [(args.resolution, args.resolution)]
+        ladders = [parse_buckets(part) for part in args.aspect_ratio_buckets.split("|")]
+        if len(ladders) != len(args.resolutions):
+            raise UsageError(f"--aspect_ratio_buckets gives {len(ladders)} bucket list(s) for {len(args.resolutions)} "
+                             "--resolution side(s); separate one list per side with |")
+    else:
+        ladders = [bucket_ladder(r) if args.use_aspect_ratio_buckets else [(r, r)] for r in args.resolutions]
+    return ladders[0] if len(ladders) == 1 else ladders
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -4007,6 +4085,21 @@ def list_checkpoints(output_dir):
 
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
+
+
+def agree_seed(args, checkpoint, accelerator):
+    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
+    seed = args.seed
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
+        if seed is not None and seed != saved:
+            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
+                           "continue the original one exactly")
+        seed = saved if seed is None else seed
+    if seed is None:
+        seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
+        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
+    return seed
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -4164,6 +4257,20 @@ def load_pipeline_tokenizer(args):
 def guidance_scale(args, family):
     """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
     return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
+
+
+def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
+    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
+    encodes them ([dev]: Mistral chat with FLUX.2's system message; [klein]: Qwen3 chat)."""
+    import diffusers
+
+    kwargs = dict(text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts),
+                  max_sequence_length=max_sequence_length, hidden_states_layers=list(out_layers))
+    if family.pipeline == "Flux2KleinPipeline":
+        return diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(**kwargs)
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return diffusers.Flux2Pipeline._get_mistral_3_small_prompt_embeds(system_message=SYSTEM_MESSAGE, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -4458,6 +4565,121 @@ def lora_strength(model, scale):
     finally:
         for layer, scaling in zip(layers, saved):
             layer.scaling.update(scaling)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Appendix P: trigger words and output preservation (--trigger_word, --output_preservation)
+
+TRIGGER = "[trigger]"  # the placeholder ai-toolkit's captions use
+
+
+def with_trigger(text, word):
+    """`text` with the [trigger] placeholder filled by `word` (no word, or no text: unchanged)."""
+    return text.replace(TRIGGER, word) if word and text else text
+
+
+def mentions(text, word):
+    """Whether `word` stands in `text` as a word of its own (not inside another)."""
+    return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text or "") is not None
+
+
+def check_trigger_flags(args):
+    """Flag combinations, before anything loads; fills [trigger] in the prompts given as flags."""
+    placed = [f for f in ("instance_prompt", "class_prompt", "validation_prompt", "final_validation_prompt")
+              if TRIGGER in (getattr(args, f) or "")]
+    if placed and not args.trigger_word:
+        raise UsageError(f"{TRIGGER} in --{placed[0]}: give --trigger_word, the word it stands for")
+    for flag in placed:
+        setattr(args, flag, with_trigger(getattr(args, flag), args.trigger_word))
+    if args.class_word and not args.output_preservation:
+        raise UsageError("--class_word is the word --output_preservation puts in place of --trigger_word; add "
+                         "--output_preservation, or leave --class_word out")
+    if not args.output_preservation:
+        return
+    for refused, why in ((not (args.trigger_word and args.class_word), "needs --trigger_word and --class_word (the "
+                          "preservation prompt is the caption with the one replaced by the other)"),
+                         (args.with_prior_preservation, "and --with_prior_preservation are two ways to the same end: "
+                          "choose one"),
+                         (args.cond_data_dir or args.cond_image_column, "is not supported for edit training"),
+                         (args.compile, "is not supported with --compile (switching the adapters off for the base "
+                          "prediction would compile the blocks twice)")):
+        if refused:
+            raise UsageError(f"--output_preservation {why}")
+    if mentions(args.class_word, args.trigger_word):
+        raise UsageError(f"--class_word {args.class_word!r} contains --trigger_word {args.trigger_word!r}")
+
+
+def apply_trigger(args, instances):
+    """--trigger_word: [trigger] filled in every caption, and 'WORD, ' put before each caption alternative that lacks
+    the word -> the records with their new captions. A [trigger] without the word, or images without a caption whose
+    --instance_prompt lacks it, are refused with their names (the run would train a subject it cannot name)."""
+    word, bare = args.trigger_word, [r.name for r in instances if not r.caption]
+    if not word:
+        placed = [r.name for r in instances if TRIGGER in (r.caption or "")]
+        if placed:
+            raise UsageError(f"{TRIGGER} in the captions of {', '.join(placed[:5])}{', ...' * (len(placed) > 5)}: give "
+                             "--trigger_word, the word it stands for")
+        return instances
+    args.instance_prompt = with_trigger(args.instance_prompt, word)
+    if bare and not mentions(args.instance_prompt, word):
+        raise UsageError(f"--trigger_word {word}: --instance_prompt {args.instance_prompt!r}, the prompt of "
+                         f"{len(bare)} image(s) without a caption ({', '.join(bare[:3])}), does not contain it; write "
+                         f"it in (or {TRIGGER} where it goes)")
+
+    def fill(line):
+        line = with_trigger(line, word)
+        return line if mentions(line, word) else f"{word}, {line}"
+
+    return [dataclasses.replace(r, caption="\n".join(map(fill, caption_lines(r.caption)))) if r.caption else r
+            for r in instances]
+
+
+def describe_captions(args, dataset):
+    """One sentence for the log and the model card: captions, their alternatives, the trigger word, preservation."""
+    counts = [len(caption_lines(r.caption)) for r in dataset.instances]
+    captioned = sum(1 for c in counts if c)
+    text = (f"{captioned} of {len(counts)} images captioned, {sum(counts)} caption alternatives (one drawn per sample "
+            f"and epoch)" if captioned else f"{len(counts)} images, all with the instance prompt")
+    if args.trigger_word:
+        text += f"; trigger word `{args.trigger_word}`"
+    if args.output_preservation:
+        text += (f"; output preservation: `{args.trigger_word}` -> `{args.class_word}`, weight "
+                 f"{args.output_preservation_weight}")
+    return text + "."
+
+
+def preservation_text(text, word, class_word):
+    """An instance text with the trigger word replaced by the class word: what output preservation keeps unchanged."""
+    return re.sub(rf"(?<!\w){re.escape(word)}(?!\w)", class_word.replace("\\", r"\\"), text)
+
+
+def preserver(args):
+    """--output_preservation: instance text -> its preservation prompt; else None."""
+    if not args.output_preservation:
+        return None
+    return functools.partial(preservation_text, word=args.trigger_word, class_word=args.class_word)
+
+
+def preservation_prompts(args, texts):
+    """The preservation prompts of `texts` (instance texts and others: a text without the word maps to itself)."""
+    preserve = preserver(args)
+    return [preserve(t) for t in texts] if preserve else []
+
+
+def preservation_inputs(transformer, inputs, embeds):
+    """--output_preservation's share of a step. inputs: the transformer's keyword arguments for B rows; embeds:
+    [P, L, D] the preservation prompts of the first P rows. The base model (adapters off, no gradients) predicts
+    the first P rows' noisy latents under those prompts; the returned inputs append the same P rows, so one forward
+    gives the adapted model's prediction to train toward it -> (inputs of B + P rows, base prediction [P, T, C]).
+    Cost: one forward of P rows without gradients, and P more rows in the trained forward and backward."""
+    from accelerate.utils import extract_model_from_parallel
+
+    p = embeds.shape[0]
+    extra = {k: None if v is None else v[:p] for k, v in inputs.items()}
+    extra["encoder_hidden_states"] = embeds
+    with torch.no_grad(), adapters_off(extract_model_from_parallel(transformer)):
+        base = transformer(**extra, return_dict=False)[0]
+    return {k: None if v is None else torch.cat([v, extra[k]]) for k, v in inputs.items()}, base
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ the card's measured bf16 matmul rate (forward = 2 x block parameters x tokens + 
     python benchmarks/gpu_step.py --tiny                  # the same code on a tiny model on the CPU (CI smoke test)
     python benchmarks/gpu_step.py --memory --references 0,1   # edit training: one condition image per row
 
+--preservation 0,1 adds --output_preservation rows: the base model's forward of the batch without gradients, then
+the batch and its preservation rows trained together (twice the rows); MFU counts all three.
+--memory also prints the text encoder's peak while prompts are encoded, per --text_encoder_quantization.
+
 --references R: edit (image-to-image) training, each row with R condition images of the target's size whose tokens
 follow the target's (the script's own dataset, caches and step), so the sequence holds (1 + R) x the image tokens.
 
@@ -69,6 +73,8 @@ def parse(argv=None):
     p.add_argument("--precision", default="bf16,fp8", help="bf16, fp8 (--do_fp8_training), nf4 (bitsandbytes 4-bit)")
     p.add_argument("--swap", default="0", help="--blocks_to_swap: numbers, 'half' or 'max'")
     p.add_argument("--references", default="0", help="condition images per row (edit training); 0: text-to-image")
+    p.add_argument("--preservation", default="0", help="0 and/or 1: --output_preservation (a forward without "
+                   "gradients, then twice the rows trained)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lora_layers", default="default", help="the script's --lora_layers")
     p.add_argument("--baseline", action="store_true", help="add the diffusers example's step as the first row of each "
@@ -104,13 +110,16 @@ def rows(args):
         if args.baseline:
             yield dict(model=model, mode="eager", attention="native", gc="on", resolution=int(split(args.resolutions)[-1]),
                        batch=int(split(args.batch)[0]), precision="bf16", swap="0", references=0, baseline=True)
-        for mode, attention, gc_, res, batch, precision, swap, refs in itertools.product(
+        for mode, attention, gc_, res, batch, precision, swap, refs, keep in itertools.product(
                 split(args.modes), split(args.attention), split(args.gc), split(args.resolutions), split(args.batch),
-                split(args.precision), split(args.swap), split(args.references)):
-            if swap != "0" and gc_ == "off" or swap_count(swap, MODELS[model]) > num_blocks(MODELS[model]):
-                continue  # the script refuses swapping without gradient checkpointing, or more blocks than exist
+                split(args.precision), split(args.swap), split(args.references), split(args.preservation)):
+            if (swap != "0" and gc_ == "off" or swap_count(swap, MODELS[model]) > num_blocks(MODELS[model])
+                    or keep == "1" and mode == "compile"):
+                continue  # the script refuses swapping without gradient checkpointing, more blocks than exist,
+                # and output preservation with --compile
             yield dict(model=model, mode=mode, attention=attention, gc=gc_, resolution=int(res), batch=int(batch),
-                       precision=precision, swap=swap, references=int(refs), baseline=False)
+                       precision=precision, swap=swap, references=int(refs), baseline=False,
+                       **({"preservation": 1} if keep == "1" else {}))
 
 
 def num_blocks(config):
@@ -140,6 +149,32 @@ def script_args(row, config, rank, lora_layers="default"):
 GIB = 2**30
 CARDS = (24, 48, 80)  # GB of the cards the README plans for
 NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes NF4: 4 bits a weight + one float32 absmax per block of 64
+
+
+# The text encoders (held only while precompute encodes prompts, freed before training): parameters, and those no
+# quantisation touches here (the input embeddings; bitsandbytes also keeps the output layer), from their configs:
+# [dev] Mistral Small 3.1 24B (vocabulary 131,072 x 5,120, untied), [klein] 4B Qwen3 4B (151,936 x 2,560, tied),
+# [klein] 9B Qwen3 8B (151,936 x 4,096, untied)
+TEXT_ENCODERS = {"dev": (24.0e9, 2 * 131072 * 5120), "klein4b": (4.02e9, 151936 * 2560),
+                 "klein9b": (8.19e9, 2 * 151936 * 4096), "tiny": (1e6, 1e5)}
+TEXT_BYTES = {"none": 2.0, "int8": 1.0 + 2 / 1024, "nf4": NF4_BYTES}  # int8 weight-only: a bf16 scale a row of ~1k
+
+
+def text_encoder_gib(model, quantization, activations_gib=1.0):
+    """Peak GPU memory while prompts are encoded, GiB: the weights (--text_encoder_quantization) + about 1 GiB for
+    a batch's hidden states (every layer's is returned: 41 x 512 x 5,120 bf16 for [dev], 0.2 GB a prompt)."""
+    total, kept = TEXT_ENCODERS[model]
+    return (kept * 2 + (total - kept) * TEXT_BYTES[quantization]) / GIB + activations_gib
+
+
+def text_encoder_table(models):
+    lines = ["Text encoder while prompts are encoded (precompute; freed before training), estimated",
+             "| model | --text_encoder_quantization | GiB | fits |", "|---|---|---|---|"]
+    for model in models:
+        for mode in ("none", "int8", "nf4"):
+            gib = text_encoder_gib(model, mode)
+            lines.append(f"| {model} | {mode} | {gib:.1f} | {', '.join(f'{gb} GB' for gb in fits(gib)) or 'none'} |")
+    return "\n".join(lines)
 
 
 def estimate(row, config, rank, text_tokens, lora_layers="default"):
@@ -345,7 +380,8 @@ def cached_inputs(row, config, text_tokens, dtype, seed=0):
     for key in dataset.cached_latent_keys():
         latents.put(key, torch.randn(1, config["in_channels"], side // PATCH, side // PATCH, generator=g).to(dtype))
     prompts = T.SampleCache()
-    prompts.put("x", torch.randn(1, text_tokens, config["joint_attention_dim"], generator=g).to(dtype))
+    for text in ("x", "x class"):  # the instance prompt and its --output_preservation prompt
+        prompts.put(text, torch.randn(1, text_tokens, config["joint_attention_dim"], generator=g).to(dtype))
     sampler = T.BucketBatchSampler(dataset.sample_buckets(), row["batch"], seed)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=T.collate)
     return T.Data(None, None, seed, dataset, sampler, loader), T.Caches(prompts, latents)
@@ -376,10 +412,12 @@ def time_row(row, bench, accelerator, rate):
                 optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
                 noise_scheduler=scheduler, sigmas=scheduler.sigmas.float(), named_params=named, ema=None,
                 step_config=T.StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
-                                         3.5 if config["guidance_embeds"] else None, 1.0))
+                                         3.5 if config["guidance_embeds"] else None, 1.0,
+                                         preservation_weight=1.0 if row.get("preservation") else 0.0))
     prefetch = not row["baseline"]
+    preserve = (lambda text: text + " class") if row.get("preservation") else None
     prefetcher = T.Prefetcher(data.loader, 0, lambda m, batch: T.gather_inputs(
-        batch, data.dataset, caches, 0.0, random.Random(m)), device)
+        batch, data.dataset, caches, 0.0, random.Random(m), preserve), device)
     if not prefetch:
         prefetcher.stream = None  # synchronous copies from pageable memory, as the example does
     transformer.train()
@@ -401,7 +439,10 @@ def time_row(row, bench, accelerator, rate):
         if len(times) == bench.warmup + bench.steps:
             break
     seconds = statistics.median(times[bench.warmup:])
-    flops = forward_flops(config, row["batch"], image_tokens_of(row), text_tokens) * (3 if row["gc"] == "on" else 2)
+    rows_trained = row["batch"] * (2 if row.get("preservation") else 1)  # preservation: twice the rows trained
+    flops = forward_flops(config, rows_trained, image_tokens_of(row), text_tokens) * (3 if row["gc"] == "on" else 2)
+    if row.get("preservation"):  # and the base model's forward of the batch, without gradients
+        flops += forward_flops(config, row["batch"], image_tokens_of(row), text_tokens)
     result = dict(row, s_per_step=seconds, warmup_s=sum(times[:bench.warmup]),
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                   mfu=flops / seconds / rate if rate else None, loss=loss.item())
@@ -419,6 +460,7 @@ def cleanup(accelerator):
 def describe(row):
     swap = f" swap {row['swap']}" if row["swap"] != "0" else ""
     swap += f" edit x{row['references']}" if row.get("references") else ""
+    swap += " +preservation" if row.get("preservation") else ""
     name = "example-like baseline" if row["baseline"] else f"{row['mode']} {row['attention']}"
     return (f"{row['model']:8} {name:26} gc {row['gc']:3} {row['resolution']:4}px b{row['batch']} "
             f"{row['precision']:4}{swap}")
@@ -436,6 +478,7 @@ def main(argv=None):
             print("\n" + table([dict(row, **estimate(row, MODELS[row["model"]], bench.rank,
                                                      TEXT_TOKENS.get(row["model"], 512), bench.lora_layers)) for row in rows(bench)],
                                 "estimated, not measured (no GPU)", memory=True))
+            print("\n" + text_encoder_table(dict.fromkeys(r["model"] for r in rows(bench))))
         return 0
     from accelerate import Accelerator
 
@@ -466,6 +509,8 @@ def main(argv=None):
             out.write(json.dumps(dict(result, device=device_name, date=time.strftime("%Y-%m-%d"))) + "\n")
             out.flush()
     print("\n" + table(results, device_name, bench.memory))
+    if bench.memory:
+        print("\n" + text_encoder_table(dict.fromkeys(r["model"] for r in results)))
     return 1 if bench.tiny and any("error" in r for r in results) else 0  # the CI smoke test fails on any error
 
 
@@ -486,8 +531,8 @@ def table(results, device_name, memory=False):
     lines = [f"{device_name}, {time.strftime('%Y-%m-%d')}", head, "|" + "---|" * 12]
     for r in results:
         step = "example-like" if r["baseline"] else r["mode"]
-        cells = [r["model"], step, r["attention"], r["gc"], r["resolution"], r["batch"], r["precision"], r["swap"],
-                 r.get("references", 0)]
+        cells = [r["model"], step + " +preservation" * bool(r.get("preservation")), r["attention"], r["gc"],
+                 r["resolution"], r["batch"], r["precision"], r["swap"], r.get("references", 0)]
         if "error" in r:
             cells += [r["error"], f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-", "-"]
         else:

@@ -69,8 +69,8 @@ def scenario(batch, distinct_prompts, kind, folder, repeats, embed=EMBED, latent
     caches = T.Caches(T.SampleCache(prompt_store), T.SampleCache(latent_store))
     g = torch.Generator().manual_seed(0)
     for s in range(dataset.num_slots):
-        if dataset.prompt_key(s) not in caches.prompts.store:
-            caches.prompts.put(dataset.prompt_key(s), torch.randn(embed, generator=g).bfloat16())
+        if dataset.prompt_key(s, 0) not in caches.prompts.store:
+            caches.prompts.put(dataset.prompt_key(s, 0), torch.randn(embed, generator=g).bfloat16())
     for key in dataset.cached_latent_keys():
         caches.latents.put(key, torch.randn(latent, generator=g).bfloat16())
     sampler = T.BucketBatchSampler(dataset.sample_buckets(), batch, seed=0)
@@ -79,7 +79,7 @@ def scenario(batch, distinct_prompts, kind, folder, repeats, embed=EMBED, latent
         batch_ = {"indices": indices, "epoch": 0}
         slots = dataset.slots(indices)
         tic = time.perf_counter()  # the old path: every row looked up and concatenated
-        embeds = torch.cat([caches.prompts[dataset.prompt_key(s)] for s in slots])
+        embeds = torch.cat([caches.prompts[dataset.prompt_key(s, 0)] for s in slots])
         latents = torch.cat([caches.latents[dataset.latent_key(s, 0)] for s in slots])
         before.append(time.perf_counter() - tic)
         moved_before = embeds.nbytes + latents.nbytes

@@ -3,9 +3,7 @@ DoRA, LoKr and LoHa (train, checkpoint, resume bit for bit, EMA, caches, two pro
 by diffusers' own converter: the fused weights equal our diffusers file's, for every --lora_layers preset), LyCORIS
 files reloaded through PEFT, and validation at several prompts and strengths."""
 
-import json
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np

@@ -141,7 +141,7 @@ def test_each_condition_travels_with_its_target_over_reshuffled_epochs(cached):
     sampler = T.BucketBatchSampler(dataset.sample_buckets(), 2, seed=3)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=T.collate)
     caches = T.Caches(T.SampleCache())
-    for text in {dataset.prompt_key(s) for s in range(dataset.num_slots)}:
+    for text in {t for s in range(dataset.num_slots) for t in dataset.prompt_keys(s)}:
         caches.prompts.put(text, torch.zeros(1, 2, 2))
     if cached:  # the "latents" of this cache are the crops' pixels: what the VAE would have been given
         caches = T.Caches(caches.prompts, T.SampleCache())

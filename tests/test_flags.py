@@ -29,7 +29,9 @@ REFUSED = {
     "prior_loss_weight": ["-0.5", "nan", "inf"],
     "sample_batch_size": ["0"],
     "prior_generation_precision": ["fp8"],
-    "resolution": ["0", "-16", "40", "8192"],
+    "resolution": ["0", "-16", "40", "8192", "512,512", "512,40", "512,", "512;768"],
+    "output_preservation_weight": ["-1", "nan"],
+    "text_encoder_quantization": ["int4", "fp8"],
     "adapter": ["lycoris"],
     "lokr_factor": ["0", "-2", "1.5"],
     "lora_format": ["kohya"],
@@ -96,12 +98,12 @@ REFUSED = {
 # Flags that accept any text (prompts, names, Hub ids: the Hub itself is the judge, and only with --push_to_hub)
 FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column", "cond_image_column",
              "instance_prompt", "class_prompt", "hub_model_id", "hub_token", "validation_prompt", "final_validation_prompt",
-             "init_lora"}  # init_lora: a file, folder or Hub file, read (and judged) later
+             "trigger_word", "class_word", "init_lora"}  # init_lora: a file, folder or Hub file, read (and judged) later
 # Flags never refused, and why
 NEVER_REFUSED = {"precompute_cache_dir": "the cache never stops a run: a folder it cannot write warns, entries stay in memory"}
 # Edge values that must still be accepted: the ranges are not stricter than they say
 ACCEPTED = {
-    "resolution": ["16", "4096"], "caption_dropout": ["0", "1"], "ema_decay": ["0", "0.9999"], "seed": ["0", str(2**32 - 1)],
+    "resolution": ["16", "4096", "512,768,1024", "1024,512"], "caption_dropout": ["0", "1"], "ema_decay": ["0", "0.9999"], "seed": ["0", str(2**32 - 1)],
     "mode_scale": ["-1", "1.75"], "lora_dropout": ["0"], "lr_warmup_steps": ["0"], "num_validation_images": ["0"],
     "precompute_cache_max_gb": ["0"], "prior_loss_weight": ["0"], "logit_mean": ["-3"], "text_encoder_out_layers": ["0 2"],
     "dataloader_num_workers": ["0"], "blocks_to_swap": ["0"], "timestep_shift": ["auto", "none", "3"], "report_to": ["none", "all", "tensorboard,wandb"],

@@ -134,7 +134,7 @@ def test_slots_and_prompt_keys_lay_out_instance_then_class():
     ds = DreamBoothDataset(_records([(32, 32)] * 2, ["cap a", None]), "sks", BUCKETS, repeats=2,
                            classes=_records([(32, 32)]), class_prompt="a dog", with_pixels=False)
     assert ds.slots([3, 0]) == [3, 0, 7, 4]
-    assert [ds.prompt_key(s) for s in range(ds.num_slots)] == ["cap a", "sks", "cap a", "sks"] + ["a dog"] * 4
+    assert [ds.prompt_key(s, 0) for s in range(ds.num_slots)] == ["cap a", "sks", "cap a", "sks"] + ["a dog"] * 4
 
 
 def test_class_image_follows_its_instance_bucket():
@@ -270,7 +270,7 @@ def test_dataset_keys_share_repeats_and_captions():
     ds = DreamBoothDataset(_records([(32, 32)] * 3, ["same", "same", None]), "sks", BUCKETS, repeats=4,
                            center_crop=True, with_pixels=False, fixed_crops=True)
     assert len(set(ds.cached_latent_keys())) == 3  # 12 samples, one encode per image
-    assert len({ds.prompt_key(s) for s in range(ds.num_slots)}) == 2  # 12 samples, two distinct texts
+    assert len({ds.prompt_key(s, 0) for s in range(ds.num_slots)}) == 2  # 12 samples, two distinct texts
 
 
 def test_disk_store_round_trip_atomic_and_damage_is_recomputed_or_stops_the_run(tmp_path, caplog, monkeypatch):

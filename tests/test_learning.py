@@ -5,7 +5,6 @@ default run learns."""
 import json
 import os
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

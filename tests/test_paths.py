@@ -6,7 +6,6 @@ import logging
 import signal
 import sys
 import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

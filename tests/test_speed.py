@@ -20,8 +20,9 @@ def _args(tiny_model, images, tmp_path, *extra):
     return T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--rank", "4", *extra))
 
 
-def _train(args, tiny_model, shapes, steps_per_shape=2):
-    """A few steps of the script's own step on fixed inputs -> (losses, LoRA state). Each shape is a bucket."""
+def _train(args, tiny_model, shapes, steps_per_shape=2, preservation=0.0):
+    """A few steps of the script's own step on fixed inputs -> (losses, LoRA state). Each shape is a bucket. With a
+    `preservation` weight each step also has two preservation prompts (--output_preservation)."""
     from accelerate import Accelerator
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -35,13 +36,15 @@ def _train(args, tiny_model, shapes, steps_per_shape=2):
                 latent_stats=None, transformer=transformer, optimizer=optimizer,
                 lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), noise_scheduler=scheduler,
                 sigmas=scheduler.sigmas.float(), named_params=named, ema=None,
-                step_config=T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, 1.0))
+                step_config=T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, 1.0, preservation_weight=preservation))
     g = torch.Generator().manual_seed(1)
     losses, micro = [], 0
     for h, w in shapes:
         for _ in range(steps_per_shape):
-            inputs = T.StepInputs(torch.randn(1, MAX_SEQUENCE_LENGTH, JOINT_ATTENTION_DIM, generator=g), torch.zeros(2, dtype=torch.long),
-                                  torch.randn(2, 4, h, w, generator=g), torch.arange(2), None, encoded=True)
+            prompts = 2 if preservation else 1  # [the rows' prompt, their preservation prompt]
+            inputs = T.StepInputs(torch.randn(prompts, MAX_SEQUENCE_LENGTH, JOINT_ATTENTION_DIM, generator=g),
+                                  torch.tensor([0, 0] + [1, 1] * bool(preservation)), torch.randn(2, 4, h, w, generator=g),
+                                  torch.arange(2), None, encoded=True, preserved=2 if preservation else 0)
             loss, _ = T.micro_step(accelerator, run, inputs, 2, micro, False, "mode")
             T.optimizer_step(args, accelerator, run)
             losses.append(loss.item())
@@ -135,7 +138,7 @@ def test_prefetched_inputs_equal_a_plain_lookup():
     dataset = T.DreamBoothDataset(_records([(32, 32)] * 3, ["same", "same", None]), "sks", [(32, 32)], repeats=2,
                                   seed=0, center_crop=True, random_flip=True, with_pixels=False, fixed_crops=True)
     prompts, latents, masks = T.SampleCache(), T.SampleCache(), T.SampleCache()
-    for text in {dataset.prompt_key(s) for s in range(dataset.num_slots)} | {""}:
+    for text in {t for s in range(dataset.num_slots) for t in dataset.prompt_keys(s)} | {""}:
         prompts.put(text, torch.randn(1, 8, 4))
     for key in dataset.cached_latent_keys():
         latents.put(key, torch.randn(1, 4, 2, 2))
@@ -148,7 +151,7 @@ def test_prefetched_inputs_equal_a_plain_lookup():
     for step, (micro, batch, inputs) in enumerate(prefetcher):
         assert micro == 10 + step
         slots = dataset.slots(batch["indices"])
-        texts = T.drop_captions([dataset.prompt_key(s) for s in slots], 3, 0.5, random.Random(micro))
+        texts = T.drop_captions([dataset.prompt_key(s, batch["epoch"]) for s in slots], 3, 0.5, random.Random(micro))
         keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
         assert inputs.embeds.shape[0] == len(set(texts)) and inputs.images.shape[0] == len(set(keys))  # each once
         assert torch.equal(inputs.embeds[inputs.embed_rows], torch.cat([prompts[t] for t in texts]))

@@ -112,7 +112,7 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
             with torch.no_grad():
                 expected_embeds, _ = pipe.encode_prompt(texts, device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
                                                         text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
-            unique, rows = prompts.gather_unique([dataset.prompt_key(s) for s in slots])
+            unique, rows = prompts.gather_unique([dataset.prompt_key(s, 0) for s in slots])
             cached = unique[rows]
             torch.testing.assert_close(cached, expected_embeds, rtol=1e-5, atol=1e-5)
     assert seen == set(range(len(dataset)))  # reshuffles reached every sample

@@ -129,6 +129,17 @@ def test_training_with_swapped_blocks_equals_training_without(deep_model, images
     assert all(torch.equal(swapped_lora[k], plain_lora[k]) for k in plain_lora)
 
 
+def test_output_preservation_with_swapped_blocks_equals_it_without(deep_model, images, tmp_path):
+    """--output_preservation adds a forward without gradients (adapters off) before the trained one: the swapper
+    serves it as any pass, and training is the same bit for bit."""
+    shapes = [(4, 4), (4, 6)]
+    plain = _train(_args(deep_model, images, tmp_path, "--gradient_checkpointing"), deep_model, shapes, preservation=1.0)
+    args = _args(deep_model, images, tmp_path, "--gradient_checkpointing", "--blocks_to_swap", "3")
+    swapped = _train(args, deep_model, shapes, preservation=1.0)
+    assert swapped[0] == plain[0] and all(torch.equal(swapped[1][k], plain[1][k]) for k in plain[1])
+    assert plain[0] != _train(_args(deep_model, images, tmp_path, "--gradient_checkpointing"), deep_model, shapes)[0]
+
+
 def test_fp8_weights_swap_like_bf16_ones(deep_model, images, tmp_path):
     """--do_fp8_training (torchao float8 matmuls, which run on the CPU too) with 3 blocks swapped: the swapped
     blocks' layers are float8 ones, and training equals fp8 training without swapping bit for bit."""
