@@ -208,7 +208,7 @@ def test_no_network_access_without_push_to_hub(tiny_model, images, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--instance_data_dir", "/nonexistent/images"], "--instance_data_dir /nonexistent/images: expected an existing"),
-    (["--resolution", "40"], "--resolution 40: expected an integer from 16 to 4096, a multiple of 16"),
+    (["--resolution", "40"], "--resolution 40: expected sides from 16 to 4096, multiples of 16"),
     (["--train_batch_size", "7"], "--train_batch_size 7 leaves no full batch"),
     (["--with_prior_preservation", "--class_data_dir", "c"], "--with_prior_preservation needs --class_prompt"),
     (["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], "no such checkpoint"),
