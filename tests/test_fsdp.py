@@ -124,3 +124,20 @@ def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_loa
     params = list(empty.parameters())
     assert {p.device.type for p in params} == {"cpu"} and any(p.requires_grad for p in params)
     assert len({p.data_ptr() for p in params}) == len(params)
+
+
+def test_output_preservation_under_fsdp_trains_like_ddp(tiny_model, images, tmp_path):
+    """--output_preservation's base prediction switches the adapters off on the sharded model and runs a forward
+    without gradients before the trained one: FSDP2 gathers for both and gives DDP's LoRA."""
+    (tmp_path / "force").mkdir()
+    (tmp_path / "force" / "sitecustomize.py").write_text(FORCE_FSDP)
+    common = ["--max_train_steps", "3", "--trigger_word", "sks", "--output_preservation", "--class_word", "dog",
+              "--output_preservation_weight", "5"]
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    launch(base_args(tiny_model, images, ddp, *common), num_processes=2)
+    proc = launch(base_args(tiny_model, images, fsdp, *common), num_processes=2,
+                  env={**FSDP_ENV, "PYTHONPATH": f"{tmp_path / 'force'}:{ROOT}"})
+    assert "FSDP (each process holds a shard of the model) over 2 processes" in proc.stderr
+    reference, ours = (load_file(str(out / "pytorch_lora_weights.safetensors")) for out in (ddp, fsdp))
+    assert ours.keys() == reference.keys()
+    assert all(torch.allclose(ours[k], reference[k], rtol=1e-5, atol=1e-6) for k in ours)
