@@ -335,3 +335,17 @@ def test_the_run_encodes_every_alternative_and_preservation_prompt_and_says_so(t
     sizes = {tuple(json.loads(line)["latent_hw"]) for line in
              (together.straight / "logs" / "samples-0.jsonl").read_text().splitlines()}
     assert len(sizes) >= 2, sizes
+
+
+def test_a_manifest_of_several_resolutions_restores_their_buckets(tmp_path):
+    from accelerate import PartialState
+
+    PartialState()  # apply_manifest logs through accelerate's logger
+    data = {flag: None for flag in T.MANIFEST_DATA_FLAGS}
+    data.update(instance_prompt="a sks dog", repeats=1, resolution=48, seed=7, resolutions=[32, 48],
+                buckets=[[32, 32], [48, 48]], ladders=[[[32, 32]], [[48, 48]]])
+    manifest = T.build_manifest(data, {}, [], [], [], [], tmp_path)
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--from_manifest", __file__])
+    T.apply_manifest(args, manifest)
+    assert args.resolutions == (32, 48) and args.resolution == 48
+    assert T.resolve_buckets(args) == [[(32, 32)], [(48, 48)]]
