@@ -3055,6 +3055,8 @@ def surprising_values(args):
                                      "empty prompt, so the subject is barely tied to its prompt"),
         (args.with_prior_preservation and args.prior_loss_weight == 0,
          "--prior_loss_weight 0: the class images are encoded and trained on, but their loss counts for nothing"),
+        (args.output_preservation and args.output_preservation_weight == 0,
+         "--output_preservation_weight 0: every step pays for the base model's prediction, which counts for nothing"),
         (not args.with_prior_preservation and (args.class_data_dir or args.class_prompt) is not None,
          "--class_data_dir/--class_prompt without --with_prior_preservation: no class images are used"),
         (args.max_sequence_length < 64, f"--max_sequence_length {args.max_sequence_length}: the chat template's system "
