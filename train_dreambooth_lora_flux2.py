@@ -488,7 +488,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         count = len(self.instances)
         bucket = self.buckets[self.image_buckets[(i // count) % len(self.ladders)][i % count]]
         if slot < self.num_samples:
-            return "instance", i % len(self.instances), bucket
+            return "instance", i % count, bucket
         return "class", i % len(self.classes), bucket
 
     def record(self, kind, image_id):
@@ -760,14 +760,9 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
         tokens, ids = reference_tokens(conditions, prompt_embeds.dtype)
         hidden, img_ids = torch.cat([packed, tokens], dim=1), torch.cat([img_ids, ids], dim=1)
     guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
-    inputs = dict(
-        hidden_states=hidden,
-        timestep=sigma,  # the transformer takes timestep / 1000 == sigma
-        guidance=guidance,
-        encoder_hidden_states=prompt_embeds,
-        txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device),  # [B, L, 4]
-        img_ids=img_ids,
-    )
+    # the transformer takes timestep / 1000 == sigma; txt_ids: [B, L, 4]
+    inputs = dict(hidden_states=hidden, timestep=sigma, guidance=guidance, encoder_hidden_states=prompt_embeds,
+                  txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device), img_ids=img_ids)
     if preserve is not None:  # + P rows, and the base model's prediction for them
         inputs, base = preservation_inputs(transformer, inputs, preserve)
     pred = transformer(**inputs, return_dict=False)[0][:, : packed.shape[1]]  # target tokens (references untrained)
@@ -2189,10 +2184,11 @@ def check_manifest_model(args, manifest, family):
 
 def missing_entries_message(disk, dataset, prompts, latents, needed):
     """--from_manifest refusal: how many entries are missing and which images (or prompts) they came from."""
-    images = list(dict.fromkeys(dataset.record(k[0], k[1]).name for k in latents))
-    for text in prompts:  # a prompt's images: those whose caption (or the instance prompt) it is
-        images += [r.name for r in dataset.instances if (r.caption or dataset.instance_prompt) == text]
-    others = [repr(t) for t in prompts if not any((r.caption or dataset.instance_prompt) == t for r in dataset.instances)]
+    images = [dataset.record(k[0], k[1]).name for k in latents]
+    texts = {r.name: caption_lines(r.caption) or [dataset.instance_prompt] for r in dataset.instances}
+    for text in prompts:  # a prompt's images: those it is a caption alternative of (or the instance prompt)
+        images += [name for name, alternatives in texts.items() if text in alternatives]
+    others = [repr(t) for t in prompts if not any(t in alternatives for alternatives in texts.values())]
     sources = list(dict.fromkeys(images)) + [f"prompt {t}" for t in others]
     return (f"--from_manifest: {len(prompts) + len(latents)} of {needed} cache entries are missing from {disk.root} "
             f"(from {', '.join(sources[:10])}{', ...' if len(sources) > 10 else ''}); the manifest was written with "
@@ -3610,7 +3606,7 @@ def quantized_text_encoder(load, mode, device, dtype):
     """--text_encoder_quantization: the text encoder, for precompute only, with int8 weights (torchao weight-only:
     any device; each linear layer goes to the device and is quantised there, so the bf16 model never is whole on
     it) or NF4 (bitsandbytes, loaded onto a CUDA device). [dev]'s 24B Mistral: 48 GB in bf16, about 25 GB int8, 15 GB
-    NF4 (embeddings and, for NF4, the output layer stay bf16). Embeddings change a little: docs/quantization.md."""
+    NF4 (embeddings and, for NF4, the output layer stay bf16). Embeddings change a little: docs/memory.md."""
     if mode == "nf4":
         import transformers
 

@@ -345,3 +345,11 @@ def test_a_manifest_of_several_resolutions_restores_their_buckets(tmp_path):
     T.apply_manifest(args, manifest)
     assert args.resolutions == (32, 48) and args.resolution == 48
     assert T.resolve_buckets(args) == [[(32, 32)], [(48, 48)]]
+
+
+def test_a_missing_caption_alternative_is_traced_to_its_image():
+    ds = T.DreamBoothDataset([_record("a.png", "first\nsecond"), _record("b.png")], "a photo of sks", [(32, 32)],
+                             with_pixels=False)
+    disk = SimpleNamespace(root="/cache", manifest={"cache": "/cache"})
+    message = T.missing_entries_message(disk, ds, ["second", "a photo of sks", "elsewhere"], [], 9)
+    assert "3 of 9 cache entries" in message and "from a.png, b.png, prompt 'elsewhere'" in message, message
