@@ -28,7 +28,7 @@ $(VENV)/.test-tools: $(VENV)/.installed tests/requirements.txt
 	touch $@
 
 test: $(VENV)/.test-tools
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 tests $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests $(PYTEST_ARGS)
 
 # docs/flags.md from the script's parser (a test fails while it is stale)
 docs: install

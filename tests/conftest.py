@@ -15,6 +15,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the tests may reach the Hub
 # so no test reuses another's entries. This session-wide folder covers fixtures wider than one test.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="flux2-tests-xdg-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+# torch.compile's kernel cache, fresh for each session and shared by its workers (they inherit it from the process
+# that starts them), as on a CI machine: the user's warm one (/tmp/torchinductor_$USER) made the compile tests here
+# about 3 CPU-minutes faster than on CI, and the suite's time a false promise
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="flux2-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 # pytest-xdist workers share the cores: each (and every script it launches) gets its share of math threads, where
 # each would otherwise start one per core (4 busy threads on 2 cores: slower than 2, the suite took 2 min longer)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -26,6 +32,33 @@ sys.path.insert(0, str(ROOT))
 
 from tests.tiny_flux2 import (MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, build_tiny_flux2,  # noqa: E402
                                build_tiny_flux2_klein, make_images)
+
+
+# `make test` runs `pytest -n 2 --dist loadgroup`: each test goes to whichever worker is free, except the tests of
+# these modules, which share module-scoped runs and go to one worker together (each worker would otherwise build
+# them again: about 40 s of the multinode runs alone).
+SHARED_RUN_MODULES = ("test_adapters.py", "test_captions_preservation.py", "test_memory.py", "test_multinode.py",
+                      "test_swap.py")
+# The longest tests start first, so that the last minute is not one worker finishing a proof while the other waits
+# (seconds on 2 cores, `--durations`): longest-first is the usual cure for an idle tail.
+LONGEST_FIRST = ("test_preservation.py::",  # 121 s
+                 "test_edit_learning.py::",  # 100 s
+                 "test_fsdp.py::test_fsdp_trains_checkpoints_and_resumes_like_ddp",  # 95 s (inductor's cache cold)
+                 "test_speed.py::test_compile_trains_like_eager_with_bounded_recompiles",  # 87 s (the same)
+                 "test_learning.py::test_a_default_run_learns_the_subject",  # 70 s
+                 "test_speed.py::test_gpu_benchmark_tiny_mode_runs_the_script_step")  # 63 s (the same)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SHARED_RUN_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+    def rank(item):
+        where = f"{item.path.name}::{item.name}"
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if where.startswith(prefix)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: everything else keeps its order
 
 
 @pytest.fixture(autouse=True)

@@ -36,21 +36,34 @@ FORCE_FSDP = textwrap.dedent("""
 """)
 
 
-def test_fsdp_trains_checkpoints_and_resumes_like_ddp(tiny_model, images, tmp_path):
+def test_fsdp_trains_checkpoints_and_resumes_like_ddp_and_the_sharded_text_encoder_encodes_alike(tiny_model, images,
+                                                                                                  tmp_path):
     """The same LoRA as DDP, loading lean (cpu_ram_efficient_loading) or not (the resumed run), and resuming with
-    compiled blocks (--compile under FSDP: rtol 1e-4, inductor reorders float32 sums)."""
+    compiled blocks (--compile under FSDP: rtol 1e-4, inductor reorders float32 sums). The FSDP run also encodes its
+    prompts with --fsdp_text_encoder (each process holding half of the text encoder; 7 unique prompts over 2
+    processes, so the padding that keeps the shards in step is exercised): the same cache entries as DDP's unsharded
+    encoder. One test, so that these two-process runs are started once (each start costs more than its training)."""
     (tmp_path / "force").mkdir()
     (tmp_path / "force" / "sitecustomize.py").write_text(FORCE_FSDP)
     fsdp_env = {**FSDP_ENV, "PYTHONPATH": f"{tmp_path / 'force'}:{ROOT}"}
     common = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--validation_prompt", "a dog",
               "--num_validation_images", "1"]
     ddp, fsdp, resumed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
-    assert "data parallel (every process a full copy, gradients averaged) over 2 processes" in launch(base_args(tiny_model, images, ddp, *common), num_processes=2).stderr
+    proc = launch(base_args(tiny_model, images, ddp, *common, "--precompute_cache_dir", tmp_path / "cache-plain"),
+                  num_processes=2)
+    assert "data parallel (every process a full copy, gradients averaged) over 2 processes" in proc.stderr
     # lean loading: process 1 builds an empty model and receives process 0's weights (and LoRA) while sharding
-    proc = launch(base_args(tiny_model, images, fsdp, *common), num_processes=2,
+    proc = launch(base_args(tiny_model, images, fsdp, *common, "--fsdp_text_encoder", "--precompute_cache_dir",
+                            tmp_path / "cache-sharded"), num_processes=2,
                   env={**fsdp_env, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})
     assert "FSDP (each process holds a shard of the model) over 2 processes" in proc.stderr
     assert "process 1: an empty transformer" in proc.stderr and "process 0: an empty" not in proc.stderr
+    assert "text encoder sharded over 2 processes" in proc.stderr
+    assert "[RANK 0] encoded 4 of 7 missing prompts" in proc.stderr and "[RANK 1] encoded 3 of 7" in proc.stderr
+    plain, sharded = ({p.name: load_file(str(p))["value"] for p in (tmp_path / cache / "prompts").rglob("*.safetensors")}
+                      for cache in ("cache-plain", "cache-sharded"))
+    assert plain.keys() == sharded.keys() and len(plain) == 7
+    assert all(torch.allclose(plain[k], sharded[k], atol=1e-6) for k in plain)
     resumed.mkdir()
     import shutil
 
@@ -67,23 +80,6 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp(tiny_model, images, tmp_pa
     ckpt = load_file(str(fsdp / "checkpoint-2" / "pytorch_lora_weights.safetensors"))
     assert all(v.shape == load_file(str(ddp / "checkpoint-2" / "pytorch_lora_weights.safetensors"))[k].shape
                for k, v in ckpt.items())  # full tensors, not shards
-
-
-def test_fsdp_text_encoder_shards_and_gives_the_same_embeddings(tiny_model, images, tmp_path):
-    """Two processes, each holding half of the text encoder; different numbers of prompts per process (7 unique
-    prompts over 2), so the padding that keeps the shards in step is exercised. Same LoRA as unsharded."""
-    common = ["--max_train_steps", "2", "--validation_prompt", "a dog", "--num_validation_images", "0",
-              "--precompute_cache_dir"]
-    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
-    launch(base_args(tiny_model, images, plain, *common, tmp_path / "cache-plain"), num_processes=2)
-    proc = launch(base_args(tiny_model, images, sharded, *common, tmp_path / "cache-sharded", "--fsdp_text_encoder"),
-                  num_processes=2)
-    assert "text encoder sharded over 2 processes" in proc.stderr
-    assert "[RANK 0] encoded 4 of 7 missing prompts" in proc.stderr and "[RANK 1] encoded 3 of 7" in proc.stderr
-    a = {p.name: load_file(str(p))["value"] for p in (tmp_path / "cache-plain").rglob("*.safetensors")}
-    b = {p.name: load_file(str(p))["value"] for p in (tmp_path / "cache-sharded").rglob("*.safetensors")}
-    assert a.keys() == b.keys() and len(a) == 7
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
 def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_load_nothing(tiny_model):

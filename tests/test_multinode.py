@@ -47,8 +47,10 @@ STEPS = 30  # 10 epochs of 3 batches per rank
 # checkpoint's RNG state is restored
 COMMON = ["--max_train_steps", str(STEPS), "--checkpointing_steps", "10", "--cache_latents", "--lora_dropout", "0.1"]
 VALIDATION = ["--validation_prompt", "a dog", "--num_validation_images", "1", "--validation_steps", "10"]
-NODE_TIMEOUT = 120
-ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+NODE_TIMEOUT = 300  # a run takes about 12 s; CI machines have been seen 10x slower than this one, never 25x
+# PYTHONFAULTHANDLER: a timed-out run's ranks get SIGABRT before they are killed and print where each thread was
+ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+       "PYTHONFAULTHANDLER": "1"}
 SLOW_STEPS = """
 import time
 import torch.optim
@@ -79,6 +81,26 @@ def _local_rank(pid):
     except OSError:
         return None
     return env.get(b"LOCAL_RANK")
+
+
+def _dump_stacks(pid, launcher=True):
+    """SIGABRT to every training process under launcher `pid` (or to `pid` itself when it is the script): with
+    PYTHONFAULTHANDLER each prints its threads' Python stacks to its stderr (where a hang is) and dies."""
+    if not launcher:
+        ranks = [pid]
+    else:
+        os.kill(pid, signal.SIGSTOP)  # torchrun would stop the other ranks as soon as the first one dies
+        ranks, stack = [], [pid]
+        while stack:
+            p = stack.pop()
+            stack += _children(p)
+            ranks += [p] if _local_rank(p) is not None else []
+    for p in ranks:
+        try:
+            os.kill(p, signal.SIGABRT)
+            time.sleep(1)  # one rank at a time: their stacks would interleave on the shared stderr
+        except ProcessLookupError:
+            pass
 
 
 def _kill_tree(pid):
@@ -152,6 +174,8 @@ def _report(nodes):
 
 
 def _kill(nodes):
+    for n in nodes:
+        _dump_stacks(n.proc.pid)
     report = _report(nodes)
     for n in nodes:
         _kill_tree(n.proc.pid)
@@ -221,8 +245,17 @@ def one_node(args, processes, check=True):
     """One node: the script directly (one process) or under torchrun (several)."""
     cmd = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                     str(processes), "--master_port", str(free_port())]
-    proc = subprocess.run([*cmd, str(SCRIPT_UNDER_TEST), *map(str, args)], cwd=ROOT, env={**os.environ, **ENV},
-                          capture_output=True, text=True, timeout=NODE_TIMEOUT, check=False)
+    proc = subprocess.Popen([*cmd, str(SCRIPT_UNDER_TEST), *map(str, args)], cwd=ROOT, env={**os.environ, **ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=NODE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _dump_stacks(proc.pid, launcher=processes > 1)
+        _kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the run did not end within {NODE_TIMEOUT} s; its ranks' stacks and output:\n"
+                             f"{stderr[-12000:]}") from None
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if check:
         assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return proc
