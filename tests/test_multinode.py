@@ -89,7 +89,10 @@ def _dump_stacks(pid, launcher=True):
     if not launcher:
         ranks = [pid]
     else:
-        os.kill(pid, signal.SIGSTOP)  # torchrun would stop the other ranks as soon as the first one dies
+        try:
+            os.kill(pid, signal.SIGSTOP)  # torchrun would stop the other ranks as soon as the first one dies
+        except ProcessLookupError:  # the launcher has ended (and been reaped): so have its ranks
+            return
         ranks, stack = [], [pid]
         while stack:
             p = stack.pop()
@@ -173,9 +176,11 @@ def _report(nodes):
                      f"{[c for c in _children(n.proc.pid) if alive(c)]})\n{n.output[-6000:]}" for n in nodes)
 
 
-def _kill(nodes):
+def _kill(nodes, stacks=True):
+    """Kill both nodes -> their output, with every live rank's Python stacks first unless not `stacks`."""
     for n in nodes:
-        _dump_stacks(n.proc.pid)
+        if stacks and n.proc.poll() is None:
+            _dump_stacks(n.proc.pid)
     report = _report(nodes)
     for n in nodes:
         _kill_tree(n.proc.pid)
@@ -215,7 +220,7 @@ def start_nodes(args_of, env_of=lambda rank: None):
             nodes[0].reader.join(10)
         if nodes[0].proc.poll() is None or "EADDRINUSE" not in nodes[0].output:
             return nodes
-        _kill(nodes)
+        _kill(nodes, stacks=False)  # a lost port race, not a hang
     raise AssertionError(f"no free port for the rendezvous after 3 tries\n{_report(nodes)}")
 
 
