@@ -859,12 +859,14 @@ def setup_accelerator(args):
     import diffusers
     import transformers
 
-    trackers = available_trackers(args.report_to)
+    trackers, missing = available_trackers(args.report_to)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision,
         log_with=trackers or None, project_config=ProjectConfiguration(
             project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    for tracker in missing:  # accelerate's logger works once the Accelerator exists
+        logger.warning(f"--report_to {tracker}: not installed, not reporting to it")
     for library in (transformers, diffusers):  # a default run shows this script's lines and bars alone
         library.utils.logging.set_verbosity_error()
         library.utils.logging.disable_progress_bar()
@@ -2792,15 +2794,12 @@ def push_to_hub(args):
 
 
 def available_trackers(report_to):
-    """--report_to -> the trackers to start; one that is not installed is skipped with a warning."""
+    """--report_to -> (the trackers to start, those not installed: skipped with a warning)."""
     from accelerate.utils import is_tensorboard_available, is_wandb_available
 
     wanted = {"all": ["tensorboard", "wandb"], "none": []}.get(report_to, report_to.split(","))
     available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
-    for tracker in wanted:
-        if not available.get(tracker, True):
-            logger.warning(f"--report_to {tracker}: not installed, not reporting to it")
-    return [t for t in wanted if available.get(t, True)]
+    return [t for t in wanted if available.get(t, True)], [t for t in wanted if not available.get(t, True)]
 
 
 def tracker_config(args):
