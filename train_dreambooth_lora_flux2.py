@@ -27,18 +27,23 @@ What is cached and what stays random:
   a generator seeded by (seed, micro-step, process). A checkpoint records the global step, from which the epoch and
   the position in it follow: a resumed run sees exactly the batches a straight run would have.
 
-Reading map. Above the appendix banner is the whole training path, readable top to bottom:
-  Flags          the command line by group (each flag's rule is its type=), validate_args for combinations
-  Data           image records; buckets and crops; the dataset, the bucket sampler, collate; SampleCache
-  Model maths    the VAE encoding, noise levels and their shift, the loss, one training step
-  The recipe     what the stages share (Data, Caches, Run)
-  Stages 1-6     prepare_data, precompute, setup_training, checkpoints, train, finish; then main()
-Below '# Appendix: optional machinery', one section per feature, each reached from the core by a call or two:
-  A disk cache, B block swapping, C edit geometry, D EMA, E validation extras, F pre-flight checks, G distributed
-  extras, H class images, I speed and memory levers, J image files and masks, K the command line, L checkpoint
-  files, M stopping on a signal, N the FLUX.2 families (and their prompt encodings), O adapters users bring and
-  take, P trigger words and output preservation.
+Reading map: three parts, drawn by what runs.
+  Part 1, the recipe: everything the command above executes, top to bottom. Flags; the seam to the options (Option,
+    Hooks); data (records, buckets, the dataset, the bucket sampler, collate, SampleCache); model maths (encoding,
+    noise levels, the loss, one step); what the stages share (Data, Caches, Run); stages 1-6 (prepare_data,
+    precompute, setup_training, checkpoints, train, finish); main().
+  Part 2, the plumbing every run uses (read it when it breaks): the command line's validators, pre-flight checks,
+    checkpoint files, the FLUX.2 families, image files and the folder scan, the disk cache, small helpers, several
+    processes, the outputs (progress sheet, model card).
+  Part 3, the options (delete what you do not use): one '# Option: NAME' section each, with its own flags, called
+    only through the seam while it is on: the manifest, class images, edit training, EMA, adapters and the ComfyUI
+    file, trigger words and output preservation, text encoders, Prodigy, FSDP, block swapping, attention backends,
+    compile, fp8 and 8-bit, validation extras.
 """
+
+# ================================================================================================================
+# Part 1: the recipe (what the README's first command executes, top to bottom)
+# ================================================================================================================
 
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -63,39 +69,36 @@ import signal
 import sys
 import time
 import warnings
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, gather_object, set_seed
 from PIL import Image, ImageOps
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
 logger = get_logger(__name__)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Constants
-
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
+TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
 # The double-stream blocks' image attention: all that the copy of diffusers' [dev] example we checked adapts by
 # default, and only 8 of [dev]'s 56 blocks. The `default` preset adds every single-stream block (about 73% of [dev]'s
 # weights), as diffusers #13011 and its [klein] example do.
 ATTENTION_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 LORA_PRESETS = ("attention", "default", "all-linear")
-
+# A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), two or three
+# captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
+DEFAULT_CACHE_MAX_GB = 50.0
 
 class UsageError(Exception):
     """A problem with the user's flags or files: reported as one message, exit status 2, no traceback."""
-
 
 class TrainingStopped(Exception):
     """Training ended early for a reason the user can act on: reported as one message, exit status `code`."""
@@ -106,284 +109,317 @@ class TrainingStopped(Exception):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Flags: what each one accepts is its type=, checked as the command line is parsed
-
-
-def _model_flags(p):
-    g = p.add_argument_group("model")
-    g.add_argument("--pretrained_model_name_or_path", required=True, type=Accepts("a local checkpoint folder or a Hub id (name or owner/name)", lambda v: Path(v).is_dir() or (not Path(v).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v) is not None)), help="The FLUX.2 [dev] or [klein] checkpoint (a diffusers folder); the family is read from its model_index.json.")
-    g.add_argument("--revision", help="Hub revision (branch, tag or commit) of the checkpoint; default: its main branch.")
-    g.add_argument("--variant", help="Weights variant of the checkpoint, e.g. fp16; default: the plain weights.")
-    g.add_argument("--cache_dir", type=FOLDER_TO_WRITE, help="Where downloaded models and datasets are stored; default: the Hugging Face cache.")
-
-
-def _data_flags(p):
-    g = p.add_argument_group("data")
-    g.add_argument("--instance_data_dir", type=EXISTING_FOLDER, help="Folder of the subject's images; a same-stem .txt file holds an image's caption (UTF-8), <stem>_mask.png its loss mask.")
-    g.add_argument("--dataset_name", help="A Hugging Face `datasets` name or local folder, instead of --instance_data_dir.")
-    g.add_argument("--dataset_config_name", help="Config of --dataset_name; default: its only one.")
-    g.add_argument("--image_column", default="image", help="Image column of --dataset_name (edit training: the target).")
-    g.add_argument("--caption_column", help="Caption column of --dataset_name; default: every row uses --instance_prompt.")
-    g.add_argument("--cond_image_column", help="Edit training: the condition image column of --dataset_name; a list of images in a row gives several references.")
-    g.add_argument("--cond_data_dir", type=EXISTING_FOLDER, help="Edit training: folder of condition images; the condition of <instance_data_dir>/x.png is x.<any image extension> here.")
-    g.add_argument("--instance_prompt", help="Prompt of the images without a caption, e.g. 'a photo of sks dog'; needed unless captions cover every image.")
-    g.add_argument("--trigger_word", help="The subject's word: fills [trigger] in captions and prompts, and is put before each caption line that lacks it ('WORD, caption').")
-    g.add_argument("--repeats", type=integer(1), default=1, help="Samples per instance image in one epoch.")
-    g.add_argument("--with_prior_preservation", action="store_true", help="Also train on class images (--class_data_dir, --class_prompt) so the class keeps its look.")
-    g.add_argument("--class_data_dir", type=FOLDER_TO_WRITE, help="Folder of class images; missing ones are generated into it with the base model.")
-    g.add_argument("--class_prompt", help="Prompt of the class images, e.g. 'a photo of a dog'.")
-    g.add_argument("--num_class_images", type=integer(1), default=100, help="Class images wanted; missing ones are generated, every image in the folder is used.")
-    g.add_argument("--prior_loss_weight", type=NON_NEGATIVE, default=1.0, help="Weight of the class images' loss.")
-    g.add_argument("--output_preservation", action="store_true", help="Keep the class's look without class images: on each step's noisy latents, the prediction for the caption with --trigger_word replaced by --class_word is trained toward the base model's.")
-    g.add_argument("--class_word", help="What --output_preservation puts in place of --trigger_word, e.g. 'dog'.")
-    g.add_argument("--output_preservation_weight", type=NON_NEGATIVE, default=1.0, help="Weight of the --output_preservation loss.")
-    g.add_argument("--sample_batch_size", type=integer(1), default=4, help="Batch size of class-image generation.")
-    g.add_argument("--prior_generation_precision", choices=["fp32", "fp16", "bf16"], help="dtype of class-image generation; default: bf16 on a GPU, fp32 on the CPU.")
-    g.add_argument("--resolution", type=SIDES, default=512, help="Training side in pixels, and the pixel budget (side^2) of automatic buckets; several (512,768,1024): each image is a sample at each.")
-    g.add_argument("--use_aspect_ratio_buckets", action="store_true", help="Train each image in the bucket of its aspect ratio, from a ladder of about --resolution^2 pixels.")
-    g.add_argument("--aspect_ratio_buckets", type=Accepts("'h,w;h,w;...' with sides multiples of 16 (with several --resolution sides, a list per side, separated by |)", lambda v: all(map(parse_buckets, v.split("|")))), help="Explicit buckets instead of the ladder.")
-    g.add_argument("--center_crop", action="store_true", help="Crop the centre of each resized image (default: a random crop, drawn afresh each epoch unless latents are cached).")
-    g.add_argument("--random_flip", action="store_true", help="Flip images horizontally at random, drawn at every use.")
-    g.add_argument("--max_sequence_length", type=integer(1), default=512, help="Text tokens per prompt, the chat template's system message included.")
-    # hidden_states[k] of the text encoder: 0 is the embeddings; the upper end is checked against the model's config
-    g.add_argument("--text_encoder_out_layers", type=integer(0), nargs="+", help="Text-encoder hidden layers stacked into the prompt embedding; default: the family's ([dev] 10 20 30, [klein] 9 18 27).")
-    g.add_argument("--dataloader_num_workers", type=integer(0), help="Processes decoding images; default: none with --cache_latents, else a share of the cores (at most 8).")
-
-
-def _caching_flags(p):
-    g = p.add_argument_group("caching")
-    g.add_argument("--cache_latents", action="store_true", help="Encode every (image, crop) once before training, both orientations with --random_flip; frees the VAE unless validation needs it.")
-    g.add_argument("--precompute_cache_dir", type=Accepts("none, or a folder (one that cannot be written warns and keeps entries in memory)"), help=f"Disk cache of prompt embeddings and cached latents, reused by later runs; default: $XDG_CACHE_HOME/{TRAINER_NAME}; 'none': in memory.")
-    g.add_argument("--precompute_cache_max_gb", type=NON_NEGATIVE, default=DEFAULT_CACHE_MAX_GB, help="Bound of the disk cache in GB: least-recently-used entries no live run uses are deleted after precompute.")
-    g.add_argument("--from_manifest", type=READABLE_FILE, help="Train from a dataset_manifest.json and the disk cache alone: no images, no text encoder (needs --cache_latents).")
-    g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode", help="Train on the VAE posterior's mean, or on a draw from it at every use.")
-
-
-def _training_quality_flags(p):
-    g = p.add_argument_group("training quality")
-    g.add_argument("--caption_dropout", type=PROBABILITY, default=0.0, help="Probability of training an instance sample on the empty prompt (class samples never).")
-    g.add_argument("--use_ema", action="store_true", help="Keep an exponential moving average of the LoRA; it is validated and saved as the LoRA.")
-    g.add_argument("--ema_decay", type=BELOW_ONE, default=0.999, help="EMA decay, warmed up as min(decay, (1 + t) / (10 + t)).")
-    g.add_argument("--ema_device", type=Accepts("cpu, or a CUDA device of this machine (cuda, cuda:N)", _ema_device), default="cpu", help="Where the EMA lives (cpu: no GPU memory).")
-    g.add_argument("--masked_loss", action="store_true", help="Weight the loss by a mask: <stem>_mask.png beside an image, else its alpha channel.")
-
-
-def _lora_flags(p):
-    g = p.add_argument_group("LoRA")
-    g.add_argument("--rank", type=integer(1), default=4, help="LoRA rank.")
-    g.add_argument("--lora_alpha", type=integer(1), default=4, help="LoRA alpha: the update is scaled by alpha / rank (the saved file has the scale folded in).")
-    g.add_argument("--lora_dropout", type=BELOW_ONE, default=0.0, help="Dropout on the LoRA path.")
-    g.add_argument("--adapter", choices=["lora", "lokr", "loha"], default="lora", help="The adapter: LoRA, or LyCORIS' LoKr (Kronecker factors) or LoHa (Hadamard product); LoKr and LoHa files are written for ComfyUI (--lora_format).")
-    g.add_argument("--use_dora", action="store_true", help="DoRA: a LoRA whose weights keep a learned magnitude per output row (PEFT's use_dora).")
-    g.add_argument("--lokr_factor", type=Accepts("-1 or an integer >= 1", lambda v: v == -1 or v >= 1, int), default=-1, help="LoKr: the factor its Kronecker split aims for (-1: the most balanced one).")
-    g.add_argument("--lokr_decompose_both", action="store_true", help="LoKr: decompose the first Kronecker factor into rank --rank too.")
-    g.add_argument("--init_lora", help="Start from this LoRA (a .safetensors file, a folder holding pytorch_lora_weights.safetensors, or a Hub id): ours, ai-toolkit/BFL or kohya; its rank and layers become the run's. Default: a fresh LoRA.")
-    g.add_argument("--lora_format", choices=["diffusers", "comfyui", "both"], default="diffusers", help="Layout of the final LoRA file: diffusers', ComfyUI's (BFL names, fused q, k, v; LoKr and LoHa in LyCORIS names), or both (the ComfyUI file beside as pytorch_lora_weights_comfyui.safetensors).")
-    g.add_argument("--lora_layers", type=Accepts("presets and module names, comma-separated", lambda v: any(t.strip() for t in v.split(","))), default="default", help="What to adapt: 'attention' (the double-stream blocks' q, k, v and out projections), 'default' (that and each single-stream block's fused input and output projections), 'all-linear' (every linear layer of the blocks), module names.")
-
-
-def _optimisation_flags(p):
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--learning_rate", type=POSITIVE, default=1e-4, help="Peak learning rate.")
-    g.add_argument("--scale_lr", action="store_true", help="Multiply the learning rate by batch size x accumulation x processes.")
-    g.add_argument("--lr_scheduler", default="constant", choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"], help="Learning-rate schedule over the optimizer steps.")
-    g.add_argument("--lr_warmup_steps", type=integer(0), default=500, help="Warm-up, in optimizer steps (not with 'constant').")
-    g.add_argument("--lr_num_cycles", type=integer(1), default=1, help="Hard restarts of cosine_with_restarts.")
-    g.add_argument("--lr_power", type=POSITIVE, default=1.0, help="Power of the polynomial schedule.")
-    g.add_argument("--optimizer", type=str.lower, default="adamw", choices=["adamw", "prodigy"], help="AdamW, or Prodigy (needs the prodigyopt package; its learning rate is a multiplier, usually 1.0).")
-    g.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW (with --optimizer adamw).")
-    g.add_argument("--adam_beta1", type=BELOW_ONE, default=0.9, help="First-moment decay of AdamW and Prodigy.")
-    g.add_argument("--adam_beta2", type=BELOW_ONE, default=0.999, help="Second-moment decay of AdamW and Prodigy.")
-    g.add_argument("--adam_weight_decay", type=NON_NEGATIVE, default=1e-4, help="Decoupled weight decay of the LoRA weights.")
-    g.add_argument("--adam_epsilon", type=POSITIVE, default=1e-8, help="Denominator epsilon of AdamW and Prodigy.")
-    g.add_argument("--prodigy_beta3", type=BELOW_ONE, help="Prodigy's step-size decay; default: sqrt(--adam_beta2).")
-    g.add_argument("--prodigy_decouple", type=BOOL, default=True, help="Prodigy: decoupled weight decay.")
-    g.add_argument("--prodigy_use_bias_correction", type=BOOL, default=True, help="Prodigy: Adam's bias correction.")
-    g.add_argument("--prodigy_safeguard_warmup", type=BOOL, default=True, help="Prodigy: keep the step size from growing during warm-up.")
-    g.add_argument("--max_grad_norm", type=POSITIVE, default=1.0, help="Gradient clipping norm.")
-    g.add_argument("--train_batch_size", type=integer(1), default=4, help="Instance samples per batch and process (prior preservation adds as many class samples).")
-    g.add_argument("--num_train_epochs", type=integer(1), default=1, help="Epochs to train when --max_train_steps is not given.")
-    g.add_argument("--max_train_steps", type=integer(1), help="Optimizer steps; default: --num_train_epochs epochs' worth.")
-    g.add_argument("--gradient_accumulation_steps", type=integer(1), default=1, help="Batches per optimizer step.")
-    g.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in the backward pass: far less memory, about a third slower.")
-    g.add_argument("--weighting_scheme", default="none", choices=["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"], help="Density of the training noise levels and their loss weighting (diffusers' SD3/FLUX recipe).")
-    g.add_argument("--timestep_shift", type=Accepts("none, auto or a number > 0", lambda v: v in ("none", "auto") or (math.isfinite(v) and v > 0), shift), default="none", help="Shift of the training noise levels: none (the diffusers example's), auto (as the family's pipeline samples each image size), or a fixed shift.")
-    g.add_argument("--logit_mean", type=number(), default=0.0, help="Mean of the logit_normal density.")
-    g.add_argument("--logit_std", type=POSITIVE, default=1.0, help="Standard deviation of the logit_normal density.")
-    # the mode density maps u in [0, 1] onto [0, 1] monotonically only for -1 <= scale <= 1 / (pi / 2 - 1) = 1.75
-    g.add_argument("--mode_scale", type=number(-1, 1.75), default=1.29, help="Scale of the mode density.")
-    g.add_argument("--guidance_scale", type=NON_NEGATIVE, default=3.5, help="FLUX.2 [dev]'s guidance embedding in training and validation ([klein] has none).")
-    g.add_argument("--seed", type=integer(0, 2**32 - 1), help="Seed of everything random; default: drawn and logged (a resume takes the checkpoint's).")  # numpy's legacy seeding takes 32 bits
-    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="Training dtype of the frozen weights; default: the accelerate config's.")
-    g.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere and newer GPUs.")
-
-
-def _speed_flags(p):
-    g = p.add_argument_group("speed")
-    g.add_argument("--compile", action="store_true", help="torch.compile the transformer's blocks: a one-off compile of tens of seconds, then faster steps.")
-    g.add_argument("--attention_backend", type=Accepts(f"a diffusers attention backend with a backward pass that works here: {', '.join(b for b in TRAINING_ATTENTION_BACKENDS if b not in BROKEN_ATTENTION_BACKENDS)}", lambda v: v == "native" or check_attention_backend(v) is None), default="native", help="Attention kernel of training and validation (one whose package or GPU is missing is refused).")
-
-
-def _memory_flags(p):
-    g = p.add_argument_group("memory")
-    g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it encodes or decodes.")
-    g.add_argument("--bnb_quantization_config_path", type=READABLE_FILE, help="JSON of a bitsandbytes config, e.g. {\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}: a quantised frozen transformer (QLoRA; CUDA).")
-    g.add_argument("--blocks_to_swap", type=integer(0), default=0, help="Keep the frozen weights of the last N transformer blocks in host memory, each copied in just before it runs (CUDA, with --gradient_checkpointing).")
-    g.add_argument("--do_fp8_training", action="store_true", help="torchao float8 matmuls in the transformer's linear layers (CUDA, compute capability 8.9 or newer).")
-    g.add_argument("--remote_text_encoder", action="store_true", help="[dev]: prompt embeddings from the Hugging Face remote text encoder instead of loading the 24B model (uses your Hub login).")
-    g.add_argument("--text_encoder_quantization", choices=["none", "int8", "nf4"], default="none", help="Encode prompts with int8 (torchao; any device) or NF4 (bitsandbytes; CUDA) text-encoder weights: [dev]'s 24B encoder in about 25 or 15 GB instead of 48.")
-    g.add_argument("--fsdp_text_encoder", action="store_true", help="Shard the text encoder over the processes while prompts are encoded (each holds 1/N of it).")
-    g.add_argument("--remote_text_encoder_url", type=Accepts("an http(s) URL", lambda v: re.fullmatch(r"https?://[^/\s]+(/\S*)?", v) is not None), default="https://remote-text-encoder-flux-2.huggingface.co/predict", help="Endpoint of --remote_text_encoder.")
-
-
-def _checkpointing_and_outputs_flags(p):
-    g = p.add_argument_group("checkpointing and outputs")
-    g.add_argument("--output_dir", type=Accepts("a folder, existing or to be created, that this user can write", lambda v: _folder_can_be(v, writable=True)), default="flux2-dreambooth-lora", help="Where the LoRA, checkpoints, validation images and logs go.")
-    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow an --output_dir that already holds a finished LoRA.")
-    g.add_argument("--checkpointing_steps", type=integer(1), default=500, help="Save a resumable checkpoint every N optimizer steps.")
-    g.add_argument("--checkpoints_total_limit", type=integer(1), help="Keep the newest N checkpoints; default: all.")
-    g.add_argument("--resume_from_checkpoint", type=Accepts("a checkpoint folder, the name of one in --output_dir, or 'latest' (checked with --output_dir)"), help="A checkpoint folder, its name in --output_dir (checkpoint-N), or 'latest'.")
-    g.add_argument("--upcast_before_saving", action="store_true", help="Save the LoRA in float32 instead of the training dtype.")
-    g.add_argument("--report_to", type=Accepts(f"none, all, or trackers among {', '.join(TRACKERS)} (comma-separated)", lambda v: v in ("none", "all") or all(t in TRACKERS for t in v.split(","))), default="tensorboard", help="Trackers that receive the step figures and validation images; one not installed is skipped with a warning.")
-    g.add_argument("--logging_steps", type=integer(1), default=50, help="A log line every N optimizer steps (and at each checkpoint and validation); the progress bar and trackers get every step.")
-    g.add_argument("--logging_dir", type=Accepts("a folder, relative to --output_dir (checked with it)"), default="logs", help="Tracker and sample-log folder, relative to --output_dir.")
-    g.add_argument("--push_to_hub", action="store_true", help="Upload the LoRA and model card; the only flag that uses the network.")
-    g.add_argument("--hub_model_id", help="Hub repository of --push_to_hub; default: the name of --output_dir.")
-    g.add_argument("--hub_token", help="Hub token of --push_to_hub; never logged or saved; prefer `hf auth login`.")
-
-
-def _validation_flags(p):
-    g = p.add_argument_group("validation")
-    g.add_argument("--validation_prompt", help="Prompt of the images made during training (and at the end); default: none are made.")
-    g.add_argument("--validation_prompts_file", type=Accepts("a readable text file of prompts (checked line by line)", lambda v: read_validation_prompts(v) is not None), help="More validation prompts, one a line, each optionally ending in --size WxH --seed N --steps N --guidance X; validated with --validation_prompt at every validation.")
-    g.add_argument("--validation_lora_scales", type=Accepts("comma-separated numbers >= 0", lambda v: all(math.isfinite(x) and x >= 0 for x in v), numbers), default="1", help="The LoRA's strengths each validation shows, e.g. 0.5,1,1.5: a row of the progress sheet per prompt and strength.")
-    g.add_argument("--validation_image", type=Accepts("a readable image file", _image_file), help="Edit training: the condition image validation edits, fitted into its bucket.")
-    g.add_argument("--validation_epochs", type=integer(1), default=50, help="Validate every N epochs.")
-    g.add_argument("--validation_steps", type=integer(1), help="Also validate every N optimizer steps; default: only by epochs.")
-    g.add_argument("--num_validation_images", type=integer(0), default=4, help="Images per validation, the same noise every time.")
-    g.add_argument("--validation_inference_steps", type=integer(1), help="Denoising steps of validation images; default: the pipeline's (4 for distilled [klein]).")
-    g.add_argument("--validation_guidance_scale", type=NON_NEGATIVE, help="[klein]: classifier-free guidance of validation images; default: the pipeline's (1.0 when distilled). [dev] uses --guidance_scale.")
-    g.add_argument("--final_validation_prompt", help="Prompt of the final images when --validation_prompt is not given.")
-    g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
-
+# Flags: a flag's rule is its type= (Part 2), its options' flags are declared in their sections (Part 3)
 
 def build_parser():
     """Flags by group; names and meanings follow the diffusers example where it has them."""
     p = _Parser(description="DreamBooth LoRA training for FLUX.2 [dev] and [klein] (README.md: commands per GPU size).",
                 usage="accelerate launch %(prog)s --pretrained_model_name_or_path MODEL --instance_data_dir DIR "
                       "--instance_prompt TEXT [flags]", formatter_class=_HelpFormatter)
-    for add_flags in (_model_flags, _data_flags, _caching_flags, _training_quality_flags, _lora_flags,
-                      _optimisation_flags, _speed_flags, _memory_flags, _checkpointing_and_outputs_flags, _validation_flags):
-        add_flags(p)
+    g = p.add_argument_group("model")
+    g.add_argument("--pretrained_model_name_or_path", required=True, type=model_source,
+                   help="The FLUX.2 [dev] or [klein] checkpoint; the family is read from its model_index.json.")
+    g.add_argument("--revision", help="Hub revision (branch, tag or commit); default: main.")
+    g.add_argument("--variant", help="Weights variant, e.g. fp16; default: the plain weights.")
+    g.add_argument("--cache_dir", type=folder_to_write, help="Downloaded models and datasets; default: the HF cache.")
+    g = p.add_argument_group("data")
+    g.add_argument("--instance_data_dir", type=existing_folder,
+                   help="The subject's images; x.txt is x's caption (UTF-8), x_mask.png its loss mask.")
+    g.add_argument("--dataset_name", help="A Hugging Face `datasets` name or folder, instead of --instance_data_dir.")
+    g.add_argument("--dataset_config_name", help="Config of --dataset_name; default: its only one.")
+    g.add_argument("--image_column", default="image", help="Image column of --dataset_name.")
+    g.add_argument("--caption_column", help="Caption column of --dataset_name; default: --instance_prompt.")
+    g.add_argument("--instance_prompt", help="Prompt of images without a caption, e.g. 'a photo of sks dog'.")
+    g.add_argument("--repeats", type=positive_int, default=1, help="Samples per instance image in one epoch.")
+    g.add_argument("--resolution", type=sides, default=512,
+                   help="Training side in pixels (several, e.g. 512,768,1024: each image at each).")
+    g.add_argument("--use_aspect_ratio_buckets", action="store_true",
+                   help="Train each image in the bucket of its aspect ratio (about --resolution^2 pixels).")
+    g.add_argument("--aspect_ratio_buckets", type=bucket_lists, help="Explicit buckets instead of the ladder.")
+    g.add_argument("--center_crop", action="store_true", help="Crop the centre (default: a random crop).")
+    g.add_argument("--random_flip", action="store_true", help="Flip images horizontally at random, at every use.")
+    g.add_argument("--max_sequence_length", type=positive_int, default=512,
+                   help="Text tokens per prompt, the chat template's system message included.")
+    # hidden_states[k] of the text encoder: 0 is the embeddings; the upper end is checked against the model's config
+    g.add_argument("--text_encoder_out_layers", type=non_negative_int, nargs="+",
+                   help="Text-encoder layers stacked into an embedding; default: the family's.")
+    g.add_argument("--dataloader_num_workers", type=non_negative_int,
+                   help="Processes decoding images; default: none with --cache_latents, else a share of the cores.")
+    g = p.add_argument_group("caching")
+    g.add_argument("--cache_latents", action="store_true", help="Encode every (image, crop) once before training.")
+    g.add_argument("--precompute_cache_dir", type=cache_folder,
+                   help=f"Disk cache that later runs reuse; default: $XDG_CACHE_HOME/{TRAINER_NAME}.")
+    g.add_argument("--precompute_cache_max_gb", type=non_negative, default=DEFAULT_CACHE_MAX_GB,
+                   help="Bound of the disk cache: least-recently-used entries are deleted.")
+    g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode",
+                   help="Train on the VAE posterior's mean, or a draw from it at every use.")
+    g = p.add_argument_group("training quality")
+    g.add_argument("--caption_dropout", type=probability, default=0.0,
+                   help="Probability of training an instance sample on the empty prompt.")
+    g.add_argument("--masked_loss", action="store_true",
+                   help="Weight the loss by x_mask.png beside an image, else its alpha channel.")
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--rank", type=positive_int, default=4, help="LoRA rank.")
+    g.add_argument("--lora_alpha", type=positive_int, default=4,
+                   help="The update is scaled by alpha / rank (folded into the saved file).")
+    g.add_argument("--lora_dropout", type=below_one, default=0.0, help="Dropout on the LoRA path.")
+    g.add_argument("--lora_layers", type=layer_list, default="default",
+                   help="attention, default (and the single-stream blocks), all-linear, or module names.")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--learning_rate", type=positive, default=1e-4, help="Peak learning rate.")
+    g.add_argument("--scale_lr", action="store_true", help="Multiply it by batch x accumulation x processes.")
+    g.add_argument("--lr_scheduler", default="constant", choices=["linear", "cosine", "cosine_with_restarts",
+                   "polynomial", "constant", "constant_with_warmup"], help="Learning-rate schedule.")
+    g.add_argument("--lr_warmup_steps", type=non_negative_int, default=500, help="Warm-up, in optimizer steps.")
+    g.add_argument("--lr_num_cycles", type=positive_int, default=1, help="Hard restarts of cosine_with_restarts.")
+    g.add_argument("--lr_power", type=positive, default=1.0, help="Power of the polynomial schedule.")
+    g.add_argument("--adam_beta1", type=below_one, default=0.9, help="First-moment decay.")
+    g.add_argument("--adam_beta2", type=below_one, default=0.999, help="Second-moment decay.")
+    g.add_argument("--adam_weight_decay", type=non_negative, default=1e-4, help="Decoupled weight decay.")
+    g.add_argument("--adam_epsilon", type=positive, default=1e-8, help="Denominator epsilon.")
+    g.add_argument("--max_grad_norm", type=positive, default=1.0, help="Gradient clipping norm.")
+    g.add_argument("--train_batch_size", type=positive_int, default=4,
+                   help="Instance samples per batch and process (class images add as many).")
+    g.add_argument("--num_train_epochs", type=positive_int, default=1, help="Epochs without --max_train_steps.")
+    g.add_argument("--max_train_steps", type=positive_int, help="Optimizer steps; default: the epochs' worth.")
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per optimizer step.")
+    g.add_argument("--gradient_checkpointing", action="store_true",
+                   help="Recompute activations in the backward pass: far less memory, about a third slower.")
+    g.add_argument("--weighting_scheme", default="none", choices=["sigma_sqrt", "logit_normal", "mode", "cosmap",
+                   "none"], help="Density of the training noise levels and their loss weighting.")
+    g.add_argument("--timestep_shift", type=timestep_shift, default="none",
+                   help="Shift of the training noise levels: none, auto (as the pipeline samples), or a number.")
+    g.add_argument("--logit_mean", type=finite, default=0.0, help="Mean of the logit_normal density.")
+    g.add_argument("--logit_std", type=positive, default=1.0, help="Standard deviation of logit_normal.")
+    g.add_argument("--mode_scale", type=mode_scale, default=1.29, help="Scale of the mode density.")
+    g.add_argument("--guidance_scale", type=non_negative, default=3.5, help="[dev]'s embedded guidance.")
+    g.add_argument("--seed", type=seed_value, help="Seed of everything random; default: drawn and logged.")
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"],
+                   help="dtype of the frozen weights; default: the accelerate config's.")
+    g.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere and newer GPUs.")
+    g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it runs.")
+    g = p.add_argument_group("checkpointing and outputs")
+    g.add_argument("--output_dir", type=output_folder, default="flux2-dreambooth-lora",
+                   help="Where the LoRA, checkpoints, validation images and logs go.")
+    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow a folder that holds a finished LoRA.")
+    g.add_argument("--checkpointing_steps", type=positive_int, default=500, help="A checkpoint every N steps.")
+    g.add_argument("--checkpoints_total_limit", type=positive_int, help="Keep the newest N; default: all.")
+    g.add_argument("--resume_from_checkpoint", type=checkpoint_name,
+                   help="A checkpoint folder, its name in --output_dir, or 'latest'.")
+    g.add_argument("--upcast_before_saving", action="store_true", help="Save the LoRA in float32.")
+    g.add_argument("--report_to", type=tracker_list, default="tensorboard",
+                   help="Trackers of the step figures and images; one not installed is skipped.")
+    g.add_argument("--logging_steps", type=positive_int, default=50, help="A log line every N optimizer steps.")
+    g.add_argument("--logging_dir", type=logging_folder, default="logs", help="Tracker folder in --output_dir.")
+    g.add_argument("--push_to_hub", action="store_true", help="Upload the LoRA; the only flag using the network.")
+    g.add_argument("--hub_model_id", help="Hub repository; default: the name of --output_dir.")
+    g.add_argument("--hub_token", help="Hub token (never logged or saved); prefer `hf auth login`.")
+    g = p.add_argument_group("validation")
+    g.add_argument("--validation_prompt", help="Prompt of the images made during and after training.")
+    g.add_argument("--validation_epochs", type=positive_int, default=50, help="Validate every N epochs.")
+    g.add_argument("--validation_steps", type=positive_int, help="Also validate every N optimizer steps.")
+    g.add_argument("--num_validation_images", type=non_negative_int, default=4, help="Images per validation.")
+    g.add_argument("--validation_inference_steps", type=positive_int,
+                   help="Denoising steps; default: the pipeline's (4 for distilled [klein]).")
+    g.add_argument("--validation_guidance_scale", type=non_negative,
+                   help="[klein]'s CFG; default: the pipeline's ([dev] uses --guidance_scale).")
+    g.add_argument("--final_validation_prompt", help="Prompt of the final images without --validation_prompt.")
+    g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
+    for option in OPTIONS:  # each option's flags, under its name
+        g = p.add_argument_group(f"option: {option.name}")
+        for names, settings in option.flags:
+            g.add_argument(*names, **settings)
     return p
-
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
     args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
     args.resolution = max(args.resolutions)
+    resume = args.resume_from_checkpoint
+    if resume not in (None, "latest") and not Path(resume).is_dir():  # a name in --output_dir, as the example takes it
+        if not Path(args.output_dir, resume).is_dir():
+            raise UsageError(f"--resume_from_checkpoint {resume}: no such checkpoint folder (expected a checkpoint "
+                             "folder, the name of one in --output_dir, or 'latest')")
+        args.resume_from_checkpoint = str(Path(args.output_dir, resume))
     return args
 
-
-def validate_args(args):
-    """The checks that combine flags (each flag's own value was checked by its type), before anything heavy loads.
-    Raises UsageError naming the flags."""
+def validate_args(args, hooks=None):
+    """The checks that combine flags (each flag's own value was checked by its type), then the options' checks,
+    before anything heavy loads. hooks: the run's options (default: those `args` turns on). Raises UsageError."""
     def refuse(condition, message):
         if condition:
             raise UsageError(message)
 
+    hooks = hooks or Hooks(args)
     cuda = torch.cuda.is_available()
     layers = args.text_encoder_out_layers or []
-    refuse(len(set(layers)) != len(layers), f"--text_encoder_out_layers {' '.join(map(str, layers))}: expected distinct layers")
-    refuse(not _folder_can_be(Path(args.output_dir, args.logging_dir)),
-           f"--logging_dir {args.logging_dir}: {Path(args.output_dir, args.logging_dir)} cannot be a folder (a file is in the way)")
-    resume = args.resume_from_checkpoint
-    if resume not in (None, "latest") and not Path(resume).is_dir():  # a name in --output_dir, as the example takes it
-        refuse(not Path(args.output_dir, resume).is_dir(), f"--resume_from_checkpoint {resume}: no such checkpoint folder "
-               "(expected a checkpoint folder, the name of one in --output_dir, or 'latest')")
-        args.resume_from_checkpoint = str(Path(args.output_dir, resume))
-    if args.from_manifest:
-        validate_manifest_args(args)
-    else:
-        refuse((args.instance_data_dir is None) == (args.dataset_name is None), "give exactly one of --instance_data_dir or --dataset_name")
+    refuse(len(set(layers)) != len(layers), f"--text_encoder_out_layers {' '.join(map(str, layers))}: expected "
+           "distinct layers")
+    refuse(not folder_can_be(Path(args.output_dir, args.logging_dir)), f"--logging_dir {args.logging_dir}: "
+           f"{Path(args.output_dir, args.logging_dir)} cannot be a folder (a file is in the way)")
+    if not hooks.flag("replaces_data"):
+        refuse((args.instance_data_dir is None) == (args.dataset_name is None),
+               "give exactly one of --instance_data_dir or --dataset_name")
         refuse(not args.instance_prompt and args.dataset_name and not args.caption_column,
                "--instance_prompt is required (unless --from_manifest, or captions cover every image)")
-        refuse(args.caption_column and not args.dataset_name, "--caption_column is a column of --dataset_name; --instance_data_dir reads same-stem .txt captions")
-        refuse(args.with_prior_preservation and not args.class_prompt, "--with_prior_preservation needs --class_prompt")
-        refuse(args.with_prior_preservation and not args.class_data_dir,
-               "--with_prior_preservation needs --class_data_dir (missing class images are generated there)")
-    check_edit_flags(args)
-    check_trigger_flags(args)
-    refuse(args.do_fp8_training and args.bnb_quantization_config_path, "--do_fp8_training and --bnb_quantization_config_path exclude each other")
-    refuse(args.do_fp8_training and not (cuda and torch.cuda.get_device_capability() >= (8, 9)),
-           "--do_fp8_training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)")
-    refuse(args.remote_text_encoder and not hub_token(args), "--remote_text_encoder needs a Hugging Face token: run `hf auth login` (or pass --hub_token)")
-    if args.bnb_quantization_config_path:
-        read_bnb_config(args.bnb_quantization_config_path)
-        refuse(not cuda, "--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
-    refuse(args.mixed_precision == "fp16" and not cuda, "--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
-    refuse(args.mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported(), "--mixed_precision bf16 is not supported by this GPU; use fp16")
-    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir and args.resume_from_checkpoint is None,
-           f"--output_dir {args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose another folder, pass "
-           "--overwrite_output_dir, or --resume_from_checkpoint to continue it")
-    fsdp, processes = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true", int(os.environ.get("WORLD_SIZE", 1))
-    if args.blocks_to_swap:
-        check_block_swap(args, cuda, fsdp)
-    check_adapter_flags(args, fsdp)
-    refuse(args.text_encoder_quantization == "nf4" and not cuda, "--text_encoder_quantization nf4 needs a CUDA GPU "
-           "(bitsandbytes); int8 works on any device")
-    refuse(args.text_encoder_quantization != "none" and (args.remote_text_encoder or args.fsdp_text_encoder),
-           "--text_encoder_quantization quantises the text encoder this process loads: leave out --remote_text_encoder "
-           "and --fsdp_text_encoder")
-    refuse(args.fsdp_text_encoder and (processes < 2 or args.remote_text_encoder), "--fsdp_text_encoder shards the text "
-           "encoder over several processes: launch 2 or more, without --remote_text_encoder")
-    refuse(args.use_ema and fsdp, "--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
-    refuse(args.optimizer == "prodigy" and importlib.util.find_spec("prodigyopt") is None, "--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
+        refuse(args.caption_column and not args.dataset_name, "--caption_column is a column of --dataset_name; "
+               "--instance_data_dir reads same-stem .txt captions")
+    hooks.each("check")
+    refuse(args.mixed_precision == "fp16" and not cuda, "--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on "
+           "this machine")
+    refuse(args.mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported(),
+           "--mixed_precision bf16 is not supported by this GPU; use fp16")
+    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir
+           and args.resume_from_checkpoint is None, f"--output_dir {args.output_dir} already holds a finished LoRA "
+           f"({LORA_WEIGHTS_NAME}); choose another folder, pass --overwrite_output_dir, or --resume_from_checkpoint "
+           "to continue it")
     refuse(args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")),
            "--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
+
+def freeze(args):
+    """args once resolved (parse, family defaults, the options' resolutions, the step count): any later change
+    is an error, so a check or stage cannot quietly change what the run does."""
+    args.__class__ = FrozenArgs
+    return args
+
+class FrozenArgs(argparse.Namespace):
+    def __setattr__(self, name, value):
+        raise AttributeError(f"args.{name}: the flags are resolved and frozen by prepare_data")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The seam: how the recipe reaches the options (Part 3)
+
+OPTIONS = []  # the option classes in Part 3's order (chained seams run in it); each section registers its own
+SEAMS = {  # what an option may define, by how the recipe combines the answers (Hooks: each, first, chain, ...)
+    "check", "notes", "resolve", "check_model", "load_images", "class_images", "class_count", "images", "condition",
+    "describe", "adapter_name", "validation_specs", "prompt", "extra_prompts", "prompt_encoder", "text_encoder",
+    "prompt_batch_size",
+    "cache_identity", "cache_held", "load_transformer", "quantization_config", "before_lora", "adapter_config",
+    "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra", "after_optimizer_step",
+    "training_state", "load_training_state", "training_state_problem", "lora_state", "optimizer_state",
+    "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights", "save_final",
+    "write_lora"}
+
+def option(cls):
+    """Registers a Part 3 option (the decorator of every option class)."""
+    OPTIONS.append(cls)
+    return cls
+
+def flag(*names, **settings):
+    """One flag of an option, as argparse's add_argument takes it."""
+    return names, settings
+
+class Option:
+    """A feature of Part 3: its flags and what it does at the recipe's seams (the methods named in SEAMS; see the
+    Hooks calls in the recipe for what each receives). It is on while one of its `switches` (default: all its flags)
+    holds other than the default, its `env` variable is "true", or a flag, prompt or caption holds its
+    `placeholder`; an option that is off is never called. Attributes read with Hooks.flag: replaces_data,
+    no_text_encoder, places_transformer, sharded_text_encoder. An option reads another option's flag with
+    vars(args).get(name): it is absent once that option is deleted."""
+
+    name, flags, switches, env, placeholder = "", (), (), None, None
+
+    def __init__(self, args):
+        self.args = args
+
+    def __init_subclass__(cls):  # a misspelt seam would never be called: refuse it at import
+        unknown = [n for n, v in vars(cls).items() if callable(v) and not n.startswith("_") and n not in SEAMS]
+        if unknown:
+            raise TypeError(f"{cls.__name__}: {unknown} are not seams of the recipe")
+
+    @classmethod
+    def wanted(cls, args, texts=()):
+        if cls.env is not None:
+            return os.environ.get(cls.env, "").lower() == "true"
+        defaults = {}
+        for names, settings in cls.flags:
+            default, convert = settings.get("default"), settings.get("type")
+            defaults[names[0][2:]] = convert(default) if isinstance(default, str) and convert else default
+        on = any(vars(args).get(d) not in (None, False, defaults.get(d)) for d in cls.switches or defaults)
+        return on or bool(cls.placeholder and any(cls.placeholder in (t or "") for t in texts))
+
+class Hooks:
+    """The options that are on, called at the recipe's seams; a default run has none, so each call returns at once.
+    each: every answer; first: the first that is not None (else `default()`); chain: a value passed through them
+    all; collect: their lists joined; context: their context managers, nested."""
+
+    def __init__(self, args):
+        texts = [v for v in vars(args).values() if isinstance(v, str)]  # a [trigger] in a flag turns its option on
+        self.options = [cls(args) for cls in OPTIONS if cls.wanted(args, texts)]
+
+    def wake(self, args, texts):
+        """Also turn on the options whose placeholder is in `texts` (the captions, read after the flags)."""
+        off = [cls for cls in OPTIONS if cls not in {type(o) for o in self.options}]
+        self.options += [cls(args) for cls in off if cls.placeholder and cls.wanted(args, texts)]
+        self.options.sort(key=lambda o: OPTIONS.index(type(o)))
+
+    def _calls(self, seam, *args):
+        return (getattr(o, seam)(*args) for o in self.options if hasattr(o, seam))
+
+    def each(self, seam, *args):
+        return list(self._calls(seam, *args))
+
+    def first(self, seam, *args, default=None):
+        answer = next((a for a in self._calls(seam, *args) if a is not None), None)
+        return default() if answer is None and default is not None else answer
+
+    def chain(self, seam, value, *args):
+        for o in self.options:
+            value = getattr(o, seam)(value, *args) if hasattr(o, seam) else value
+        return value
+
+    def collect(self, seam, *args):
+        return [item for answer in self._calls(seam, *args) for item in answer]
+
+    def flag(self, name):
+        return any(getattr(o, name, False) for o in self.options)
+
+    @contextlib.contextmanager
+    def context(self, seam, *args):
+        with contextlib.ExitStack() as stack:
+            for manager in self._calls(seam, *args):
+                stack.enter_context(manager)
+            yield
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Data: image records, buckets, the dataset, the sampler, collate
 
-
 @dataclass(frozen=True)
 class ImageRecord:
-    """One source image: a file (`path`) or an in-memory dataset row (`image`), its oriented size and caption."""
+    """One image: a file (`path`) or an in-memory PIL image (`image`, from a `datasets` row). `size` is (width,
+    height) as displayed (EXIF orientation applied); `conditions`: an edit target's condition images."""
 
     name: str
-    size: tuple  # (width, height) after EXIF orientation
+    size: tuple
     caption: str | None = None
     path: str | None = None
     image: object = None
-    mask_path: str | None = None  # <stem>_mask.png beside the image
-    sha256: str | None = None  # of the file's bytes, from the folder scan (or a manifest: then there is no file)
-    conditions: tuple = ()  # edit training: the condition (reference) images, ImageRecords, in reference order
+    mask_path: str | None = None
+    sha256: str | None = None  # content hash, computed at scan time
+    conditions: tuple = ()
 
     def content_hash(self):
-        """SHA-256 of the file's bytes (a renamed copy hashes the same), or of a dataset row's pixels."""
         if self.sha256 is not None:
             return self.sha256
         if self.path is not None:
             return file_digest(self.path)
-        return hashlib.sha256(f"{self.image.mode}{self.image.size}".encode() + self.image.tobytes()).hexdigest()
+        return hashlib.sha256(self.load().tobytes()).hexdigest()
 
     def load(self):
         image = Image.open(self.path) if self.path is not None else self.image
         return to_rgb(ImageOps.exif_transpose(image))
 
-
 def caption_lines(caption):
     """A caption's alternatives: each non-empty line of a caption file (or entry of a list column), stripped."""
     return [line.strip() for line in (caption or "").splitlines() if line.strip()]
-
 
 def seed_for(*parts):
     """A 63-bit seed that is a pure function of `parts` (same on every process and Python run)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
 
 def bucket_ladder(resolution):
     """Buckets of about resolution^2 pixels over common aspect ratios (h:w), sides multiples of 16."""
@@ -394,12 +430,10 @@ def bucket_ladder(resolution):
         buckets.append((max(16, round(h / 16) * 16), max(16, round(w / 16) * 16)))
     return list(dict.fromkeys(buckets))
 
-
 def nearest_bucket(height, width, buckets):
     """Index of the bucket whose aspect ratio is closest (in log space) to height/width; ties go to the first."""
     target = math.log(height / width)
     return min(range(len(buckets)), key=lambda i: abs(math.log(buckets[i][0] / buckets[i][1]) - target))
-
 
 def draw_crop(image_size, bucket, center_crop, rng):
     """Resize to cover the bucket (aspect kept), then crop it. Returns (resized_hw, top, left)."""
@@ -410,31 +444,54 @@ def draw_crop(image_size, bucket, center_crop, rng):
         return (rh, rw), (rh - bh) // 2, (rw - bw) // 2
     return (rh, rw), rng.randint(0, rh - bh), rng.randint(0, rw - bw)
 
-
 def transform_image(image, transform, bucket):
     """PIL image + transform ((resized_hw, top, left, flip)) -> the bucket-sized PIL image."""
     (rh, rw), top, left, flip = transform
     image = image.resize((rw, rh), Image.Resampling.BICUBIC).crop((left, top, left + bucket[1], top + bucket[0]))
     return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
 
-
 def image_to_tensor(image, transform, bucket):
     """PIL image + transform -> float tensor [3, H, W] in [-1, 1]."""
     array = np.asarray(transform_image(image, transform, bucket), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
+REFERENCE_MAX_PIXELS = 1024 * 1024  # the FLUX.2 pipelines shrink larger reference (condition) images to this area
+
+def reference_size(bucket):
+    """(h, w) of the condition images of a target in `bucket`: the bucket, or above 1024^2 pixels what the FLUX.2
+    pipelines make of a reference that large (Flux2ImageProcessor._resize_to_target_area, sides floored to multiples
+    of 16), so training sees references at the size inference gives them."""
+    h, w = bucket
+    if h * w <= REFERENCE_MAX_PIXELS:
+        return tuple(bucket)
+    scale = math.sqrt(REFERENCE_MAX_PIXELS / (h * w))
+    return int(h * scale) // 16 * 16, int(w * scale) // 16 * 16
+
+def follow_crop(transform, cond_size, bucket, cond_bucket=None):
+    """The crop of a condition image matching its target's crop `transform` ((resized_hw, top, left) in `bucket`):
+    the condition resized to cover `cond_bucket` (default: the target's bucket), cropped at the same relative place.
+    A condition of the target's size gets exactly the target's transform: aligned pairs stay aligned token for token."""
+    (rh, rw), top, left = transform
+    cond_bucket = bucket if cond_bucket is None else cond_bucket
+    (ch, cw), _, _ = draw_crop(cond_size, cond_bucket, True, None)
+
+    def place(offset, full, side, new, new_side):
+        return (new - new_side) // 2 if full == side else round(offset * (new - new_side) / (full - side))
+    return (ch, cw), place(top, rh, bucket[0], ch, cond_bucket[0]), place(left, rw, bucket[1], cw, cond_bucket[1])
 
 def ladder_buckets(buckets):
     """A bucket list, or one list per --resolution -> (the ladders, all their buckets in one list)."""
     ladders = [list(ladder) for ladder in buckets] if isinstance(buckets[0][0], (tuple, list)) else [list(buckets)]
     return ladders, list(dict.fromkeys(b for ladder in ladders for b in ladder))
 
-
 def image_buckets(instances, buckets):
     """[R][I]: each image's bucket per ladder, as an index into the list of all buckets (ladder_buckets)."""
     ladders, flat = ladder_buckets(buckets)
     return [[flat.index(ladder[nearest_bucket(r.size[1], r.size[0], ladder)]) for r in instances] for ladder in ladders]
 
+def count_samples(num_instances, num_ladders, repeats, num_classes):
+    """Samples of an epoch: each instance image at each size, --repeats times; at least one per class image."""
+    return max(num_instances * num_ladders * repeats, num_classes)
 
 def sample_groups(instances, buckets, num_samples):
     """(bucket id, condition images) of every sample (sample i shows instance image i % I at resolution (i // I) % R),
@@ -442,25 +499,23 @@ def sample_groups(instances, buckets, num_samples):
     ids, count = image_buckets(instances, buckets), len(instances)
     return [(ids[(i // count) % len(ids)][i % count], len(instances[i % count].conditions)) for i in range(num_samples)]
 
-
 class DreamBoothDataset(torch.utils.data.Dataset):
     """Samples of a DreamBooth run, addressed by (epoch, index), the pairs the batch sampler yields (so DataLoader
     workers that live for the whole run draw each epoch's crops and flips unasked); items carry their "index".
     Sample i shows instance image i % I in its bucket of ladder (i // I) % R (`buckets`: a list, or one per
-    --resolution) and, with prior preservation, class image i % C resized into the same bucket (len = max(I * R *
-    repeats, C)); an edit target's condition images travel with it (condition_keys).
+    --resolution) and, with class images, class image i % C in the same bucket (their captions: the class prompt);
+    an edit target's condition images travel with it (condition_keys).
     Slot i is sample i's instance part, slot N + i its class part: the order in which a batch is laid out."""
 
-    def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), class_prompt=None, seed=0,
-                 center_crop=False, random_flip=False, with_pixels=True, fixed_crops=False, with_masks=False):
+    def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), seed=0, center_crop=False,
+                 random_flip=False, with_pixels=True, fixed_crops=False, with_masks=False):
         if not instances:
             raise UsageError("no instance images found")
-        self.instances, self.classes = list(instances), list(classes)
-        self.instance_prompt, self.class_prompt = instance_prompt, class_prompt
+        self.instances, self.classes, self.instance_prompt = list(instances), list(classes), instance_prompt
         (self.ladders, self.buckets), self.seed = ladder_buckets(buckets), seed
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
         self.fixed_crops, self.with_masks = fixed_crops, with_masks  # fixed: crops drawn once (epoch 0), flips live
-        self.num_samples = max(len(self.instances) * len(self.ladders) * repeats, len(self.classes))
+        self.num_samples = count_samples(len(self.instances), len(self.ladders), repeats, len(self.classes))
         self.image_buckets = image_buckets(self.instances, self.ladders)  # [R][I]
         # edit training: condition images numbered in one list; instance image i has the ids cond_ids[i]
         self.conditions, self.cond_ids = [], []
@@ -504,11 +559,10 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         return (kind, image_id, bucket, *crop, flip)
 
     def condition_keys(self, key):
-        """The latent keys of the condition images that travel with a target's latent key, in reference order:
-        the target's bucket (capped at the pipelines' reference size), crop (follow_crop) and flip. Class images have
-        none."""
+        """The latent keys of the condition images travelling with a target's key, in reference order: the target's
+        bucket (capped at the pipelines' reference size), crop (follow_crop) and flip. Class images have none."""
         kind, image_id, bucket, resized, top, left, flip = key
-        if kind != "instance":
+        if kind != "instance" or not self.cond_ids[image_id]:
             return []
         size = reference_size(bucket)
         return [("cond", c, size, *follow_crop((resized, top, left), self.conditions[c].size, bucket, size), flip)
@@ -524,11 +578,11 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     def prompt_keys(self, slot):
         """Every text a slot can show: its image's caption alternatives (or the instance prompt); the class prompt."""
         if slot >= self.num_samples:
-            return [self.class_prompt]
+            return [self.classes[slot % self.num_samples % len(self.classes)].caption]
         return caption_lines(self.instances[slot % len(self.instances)].caption) or [self.instance_prompt]
 
     def prompt_key(self, slot, epoch):
-        """The text of a slot in an epoch: one of its alternatives, drawn by (seed, epoch, slot), so resumes repeat it."""
+        """The text of a slot in an epoch: an alternative drawn by (seed, epoch, slot), so resumes repeat it."""
         texts = self.prompt_keys(slot)
         return texts[0] if len(texts) == 1 else random.Random(seed_for("caption", self.seed, epoch, slot)).choice(texts)
 
@@ -549,7 +603,6 @@ class DreamBoothDataset(torch.utils.data.Dataset):
             if conditions:
                 item["cond_pixels"] = torch.stack([self.pixels(k) for k in conditions])
         return item
-
 
 class BucketBatchSampler(torch.utils.data.Sampler):
     """Batches of (epoch, sample index) pairs from one bucket each, reshuffled every epoch.
@@ -587,8 +640,9 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         return batches[:usable][self.rank::self.num_replicas]
 
     def __len__(self):
-        full = sum(len(m) // self.batch_size if self.drop_last else math.ceil(len(m) / self.batch_size) for m in self.by_bucket.values())
-        return full // self.num_replicas
+        per_bucket = (len(m) // self.batch_size if self.drop_last else math.ceil(len(m) / self.batch_size)
+                      for m in self.by_bucket.values())
+        return sum(per_bucket) // self.num_replicas
 
     def __iter__(self):
         epoch, start = self.epoch, self.start
@@ -596,7 +650,6 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             for batch in self.epoch_batches(epoch)[start:]:
                 yield [(epoch, index) for index in batch]
             epoch, start = epoch + 1, 0
-
 
 def collate(examples):
     """-> {"indices": [B], "epoch": e, "pixel_values": [B * parts, 3, H, W], "masks": [B * parts, 1, H, W]}, rows
@@ -609,18 +662,15 @@ def collate(examples):
             batch[name] = torch.stack([ex[name][k] for k in range(parts) for ex in examples])
     return batch
 
-
 def drop_captions(keys, num_instance, probability, rng):
     """Replace each of the first `num_instance` prompt keys (instance rows) by "" with `probability`."""
     return ["" if i < num_instance and rng.random() < probability else k for i, k in enumerate(keys)]
 
-
 class SampleCache:
-    """Tensors stored once per content key (a caption; an image with its bucket, crop and flip), so repeats
-    and shared captions share one entry. The dataset turns a batch's slots into keys; the cache turns keys
-    into one batch tensor. `store` is a dict in memory or a DiskStore; either way never on the GPU: GPU
-    memory does not grow with the dataset, the loop moves each batch's rows over.
-    """
+    """Tensors stored once per content key (a caption; an image with its bucket, crop and flip), so repeats and
+    shared captions share one entry. The dataset turns a batch's slots into keys; the cache turns keys into one
+    batch tensor. `store` is a dict in memory or a DiskStore; either way never on the GPU: GPU memory does not grow
+    with the dataset, the loop moves each batch's rows over."""
 
     def __init__(self, store=None):
         self.store = {} if store is None else store
@@ -649,12 +699,10 @@ class SampleCache:
 # ----------------------------------------------------------------------------------------------------------------
 # Model maths: encoders, noise levels, loss, one step
 
-
 def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
     """[B, 3, H, W] in [-1, 1] -> the VAE posterior, patchified and normalised as FLUX.2 trains on it:
     mode: its mean [B, 4C, H/16, W/16]; sample: mean and std [B, 2, 4C, H/16, W/16] for draw_latents."""
     from diffusers import Flux2Pipeline
-
     posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist  # diagonal Gaussian, [B, C, H/8, W/8]
     mean = Flux2Pipeline._patchify_latents(posterior.mean)  # 2x2 patches into channels
     mean = (mean - latent_mean.to(mean)) / latent_std.to(mean)
@@ -662,7 +710,6 @@ def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
         return mean
     std = Flux2Pipeline._patchify_latents(posterior.std) / latent_std.to(mean)
     return torch.stack([mean, std], dim=1)
-
 
 def draw_latents(params, generator):
     """Cached posterior -> training latents. params: [B, C, h, w] (mode: the mean, used as is) or
@@ -673,24 +720,20 @@ def draw_latents(params, generator):
     eps = torch.randn(mean.shape, generator=generator, device=generator.device).to(mean)
     return mean + std * eps
 
-
 def sample_sigmas(scheduler_sigmas, batch_size, weighting_scheme, logit_mean, logit_std, mode_scale, generator):
     """Draw one training sigma per sample from the timestep density (diffusers' SD3/FLUX recipe) -> [B].
     scheduler_sigmas: [T] the training schedule (timestep / 1000 of the untouched scheduler, highest first)."""
     from diffusers.training_utils import compute_density_for_timestep_sampling
-
     u = compute_density_for_timestep_sampling(weighting_scheme, batch_size, logit_mean, logit_std, mode_scale,
                                               device=generator.device, generator=generator)
     num_timesteps = scheduler_sigmas.shape[0]
     index = (u * num_timesteps).long().clamp(0, num_timesteps - 1)
     return scheduler_sigmas.to(u.device)[index]
 
-
 def shift_sigmas(sigmas, shift):
     """FLUX's time shift: sigma -> shift * sigma / (1 + (shift - 1) * sigma). It is the scheduler's exponential
     shift exp(mu) / (exp(mu) + 1 / sigma - 1) with shift = exp(mu): it moves noise levels up, keeping 0 and 1."""
     return shift * sigmas / (1 + (shift - 1) * sigmas)
-
 
 def timestep_shift_for(mode, image_tokens, num_steps):
     """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) latent tokens: None for none; for auto the
@@ -700,10 +743,8 @@ def timestep_shift_for(mode, image_tokens, num_steps):
         return None
     if mode == "auto":
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # [klein]'s is a copy of it
-
         return math.exp(compute_empirical_mu(image_tokens, num_steps))
     return float(mode)
-
 
 def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight, mask=None):
     """Weighted MSE per sample -> instance loss + prior_loss_weight * class loss (the first `num_instance` rows are
@@ -720,8 +761,7 @@ def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight,
         loss = loss + prior_loss_weight * per_sample[num_instance:].mean()
     return loss
 
-
-@dataclass
+@dataclass(frozen=True)
 class StepConfig:
     """Settings of one training step that do not change during a run."""
 
@@ -730,25 +770,34 @@ class StepConfig:
     logit_std: float
     mode_scale: float
     guidance_scale: float | None  # None for checkpoints without a guidance embedding
-    prior_loss_weight: float
+    prior_loss_weight: float = 1.0  # the class images' share of the loss
     timestep_shift: str | float = "none"  # --timestep_shift
     shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift auto matches
-    preservation_weight: float = 0.0  # --output_preservation_weight
 
+def reference_tokens(conditions, dtype):
+    """Edit training: condition latents, a list of R [B, C, h, w], -> (tokens [B, R*h*w, C] in `dtype`, image ids
+    [B, R*h*w, 4] int64), packed and numbered as Flux2Pipeline.prepare_image_latents does: reference r at time
+    coordinate 10 + 10 r, each one's rows and columns from 0, concatenated in reference order."""
+    from diffusers import Flux2Pipeline
+    bsz = conditions[0].shape[0]
+    tokens = torch.cat([Flux2Pipeline._pack_latents(c) for c in conditions], dim=1).to(dtype)
+    ids = Flux2Pipeline._prepare_image_ids([c[:1] for c in conditions]).to(conditions[0].device)
+    return tokens, ids.repeat(bsz, 1, 1)
 
 def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None,
-                       conditions=(), preserve=None):
+                       conditions=(), extra=None):
     """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's dtype;
     mask: [B, 1, h, w] or None; conditions (edit training): R clean condition latents [B, C, h', w'], whose tokens
-    follow the noisy target's in the sequence as in Flux2Pipeline (the loss covers the target's); preserve
-    (--output_preservation): [P, L, D] the first P rows' preservation prompts (Appendix P); returns a scalar."""
+    follow the noisy target's in the sequence as in Flux2Pipeline (the loss covers the target's); extra (an option's
+    rows in the same forward, output preservation): inputs -> (inputs with P more rows, their pred [P, T, C] -> a
+    loss term). Returns a scalar."""
     from diffusers import Flux2Pipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
-
     bsz = latents.shape[0]
     latents = latents.float()  # the path and its target in float32; only the transformer's input is cast
     noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(latents.device)
-    sigma = sample_sigmas(sigmas_table, bsz, cfg.weighting_scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, generator)
+    sigma = sample_sigmas(sigmas_table, bsz, cfg.weighting_scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale,
+                          generator)
     shift = timestep_shift_for(cfg.timestep_shift, latents.shape[-2] * latents.shape[-1], cfg.shift_steps)
     sigma = (sigma if shift is None else shift_sigmas(sigma, shift)).to(latents.device)
     s = sigma.view(-1, 1, 1, 1)
@@ -763,49 +812,66 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
     # the transformer takes timestep / 1000 == sigma; txt_ids: [B, L, 4]
     inputs = dict(hidden_states=hidden, timestep=sigma, guidance=guidance, encoder_hidden_states=prompt_embeds,
                   txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device), img_ids=img_ids)
-    if preserve is not None:  # + P rows, and the base model's prediction for them
-        inputs, base = preservation_inputs(transformer, inputs, preserve)
+    extra_loss = None
+    if extra is not None:
+        inputs, extra_loss = extra(transformer, inputs)
     pred = transformer(**inputs, return_dict=False)[0][:, : packed.shape[1]]  # target tokens (references untrained)
     target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction, float32
     weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
     mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
     loss = flow_matching_loss(pred[:bsz], target, weighting, num_instance, cfg.prior_loss_weight, mask)
-    if preserve is not None:
-        loss = loss + cfg.preservation_weight * (pred[bsz:].float() - base.float()).pow(2).mean()
-    return loss
+    return loss if extra_loss is None else loss + extra_loss(pred[bsz:])
 
+def peft_matches(name, targets):
+    """Whether PEFT's target_modules `targets` name module `name`: the whole name or a dotted suffix."""
+    return any(name == t or name.endswith("." + t) for t in targets)
 
 def lora_target_modules(spec, num_single_layers, block_linears):
-    """--lora_layers -> PEFT target_modules. spec: comma-separated presets and module names (PEFT matches a name
-    as the whole module name or a dotted suffix); num_single_layers: from the transformer's config;
-    block_linears: full names of the linear layers inside its blocks (for 'all-linear')."""
+    """--lora_layers -> PEFT target_modules. spec: comma-separated presets and module names; num_single_layers: from
+    the transformer's config; block_linears: full names of the linear layers inside its blocks ('all-linear')."""
     targets = []
     for entry in (t.strip() for t in (spec or "default").split(",")):
         if entry in ("attention", "default"):
             targets += ATTENTION_LORA_TARGETS
         if entry == "default":  # single-stream blocks: the fused QKV+MLP input and the output projection.
             # Their `attn.to_out` is named per block: in double-stream blocks that name is a ModuleList
-            targets += ["to_qkv_mlp_proj", *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(num_single_layers))]
+            targets += ["to_qkv_mlp_proj", *(f"single_transformer_blocks.{i}.attn.to_out"
+                                             for i in range(num_single_layers))]
         elif entry == "all-linear":
             targets += block_linears
         elif entry and entry != "attention":
             targets.append(entry)
     return list(dict.fromkeys(targets))
 
+def lora_config(args, transformer):
+    """The run's PEFT config: a LoRA on --lora_layers (options may replace it: adapter_config)."""
+    from peft import LoraConfig
+    targets = lora_target_modules(args.lora_layers, transformer.config.num_single_layers,
+                                  block_linear_names(transformer))
+    return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      init_lora_weights="gaussian", target_modules=targets)
 
-def add_lora(transformer, lora_config):
+def add_lora(transformer, config):
     """Attach the adapter and keep its parameters in float32 whatever the base dtype (fp16/bf16 updates of
     small LoRA deltas lose precision; the frozen base stays in the low-precision dtype)."""
-    transformer.add_adapter(lora_config)
+    transformer.add_adapter(config)
     for param in transformer.parameters():
         if param.requires_grad:
             param.data = param.data.float()
     return transformer
 
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model inside the block (the one way to switch adapters off): LoRA layers pass their input through."""
+    model.disable_adapters()
+    try:
+        yield model
+    finally:
+        model.enable_adapters()
+
 
 # ----------------------------------------------------------------------------------------------------------------
-# The recipe: what the stages share
-
+# What the stages share
 
 @dataclass(frozen=True)  # a misspelt field is an error, not a new attribute
 class Data:
@@ -817,17 +883,17 @@ class Data:
     dataset: DreamBoothDataset
     sampler: BucketBatchSampler
     loader: torch.utils.data.DataLoader
-    condition: tuple | None = None  # edit validation: (--validation_image fitted to its bucket, that bucket)
-
+    condition: tuple | None = None  # edit validation: (the condition image fitted to its bucket, that bucket)
+    hooks: Hooks | None = None  # the options that are on
+    specs: tuple = ()  # the options' validation prompts (ValidationSpec), beside --validation_prompt
 
 @dataclass(frozen=True)
 class Caches:
-    """Precomputed inputs on the CPU or disk, never the GPU: prompt embeddings; with --cache_latents latents and masks."""
+    """Precomputed inputs on the CPU or disk, never the GPU: prompt embeddings; with --cache_latents latents, masks."""
 
     prompts: SampleCache
     latents: SampleCache | None = None
     masks: SampleCache | None = None
-
 
 @dataclass(frozen=True)
 class Run:
@@ -845,20 +911,21 @@ class Run:
     noise_scheduler: object  # FlowMatchEulerDiscreteScheduler; validation builds its pipeline from its config
     sigmas: torch.Tensor  # [T] training sigmas, highest first
     named_params: dict  # trainable (LoRA) parameters by name
-    ema: LoraEMA | None
     step_config: StepConfig
+
+    @property
+    def hooks(self):
+        return self.data.hooks
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: data (prepare_data)
-
 
 def setup_accelerator(args):
     import logging
 
     import diffusers
     import transformers
-
     trackers, missing = available_trackers(args.report_to)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision,
@@ -874,13 +941,21 @@ def setup_accelerator(args):
         torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator
 
+def resolve_model_flags(args, hooks):
+    """The flags that depend on the checkpoint: the family's defaults, then the options' (--init_lora's rank, the
+    trigger word filled in); then what must fit the model is checked (its config files only) -> the family."""
+    family = detect_family(args)
+    resolve_family_defaults(args, family)
+    hooks.each("resolve", family)
+    check_model_fit(args, hooks)
+    return family
 
 def build_data(args, instances, classes, seed, accelerator):
     """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
     dataset = DreamBoothDataset(instances, args.instance_prompt, resolve_buckets(args), repeats=args.repeats,
-                                classes=classes, class_prompt=args.class_prompt, seed=seed, center_crop=args.center_crop,
-                                random_flip=args.random_flip, with_pixels=not args.cache_latents,
-                                fixed_crops=args.cache_latents, with_masks=args.masked_loss)
+                                classes=classes, seed=seed, center_crop=args.center_crop, random_flip=args.random_flip,
+                                with_pixels=not args.cache_latents, fixed_crops=args.cache_latents,
+                                with_masks=args.masked_loss)
     sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
     if accelerator.is_main_process:
@@ -888,94 +963,107 @@ def build_data(args, instances, classes, seed, accelerator):
     check_batches(args.train_batch_size, sampler, dataset.buckets)
     # One iterator for the whole run (the sampler is a flat stream of epochs), so workers start once. Own
     # generator: iter() draws a worker seed, which must not consume the global RNG (LoRA init and dropout).
-    workers = loader_workers(args.dataloader_num_workers, args.cache_latents, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    workers = loader_workers(args.dataloader_num_workers, args.cache_latents, local_processes(accelerator))
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                                          generator=torch.Generator().manual_seed(seed))
     return dataset, sampler, loader
 
-
-def prepare_data(args, accelerator, cache):
-    """Everything that can fail on the user's input, before any weights load: the images (or the --from_manifest
-    records), the resume point and seed, flags that depend on the model family and must fit its configs; then
-    class images and the data."""
-    if cache.manifest is None:
-        instances = load_instance_images(args, cache, accelerator)
-        uncaptioned = [r.name for r in instances if not r.caption]
-        if uncaptioned and not args.instance_prompt:
-            source = (f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption"
-                      if args.dataset_name else f"--instance_data_dir {args.instance_data_dir}: {len(uncaptioned)} "
-                      "image(s) have no .txt caption")
-            raise UsageError(f"{source} ({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
-                             "--instance_prompt for them")
-    else:
-        instances, classes = apply_manifest(args, cache.manifest)
+def prepare_data(args, accelerator, cache, hooks=None):
+    """Everything that can fail on the user's input, before any weights load: the images, the resume point and seed,
+    the flags the model family resolves and that must fit its configs; then class images and the data. Resolves
+    and then freezes `args`. hooks: the run's options (default: those `args` turns on)."""
+    hooks = hooks or Hooks(args)
+    instances = hooks.first("load_images", cache, accelerator, default=lambda: load_instance_images(
+        args, cache, accelerator))
+    hooks.wake(args, [r.caption for r in instances])
+    uncaptioned = [r.name for r in instances if not r.caption]
+    if uncaptioned and not args.instance_prompt:
+        source = (f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption"
+                  if args.dataset_name else f"--instance_data_dir {args.instance_data_dir}: {len(uncaptioned)} "
+                  "image(s) have no .txt caption")
+        raise UsageError(f"{source} ({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
+                         "--instance_prompt for them")
     checkpoint = find_resume_checkpoint(args)
     check_resume_processes(args, checkpoint, accelerator)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
-    check_batches_early(args, instances, seed, accelerator.num_processes)  # before class images are generated
-    family = detect_family(args)  # the model's small JSON files only
-    if cache.manifest is not None:
-        check_manifest_model(args, cache.manifest, family)
-    resolve_family_defaults(args, family)
-    check_model_fit(args)
-    if cache.manifest is None:
-        classes = load_class_images(args, accelerator, seed, family, cache) if args.with_prior_preservation else []
-    instances = apply_trigger(args, instances)
+    # the batch size, before class images are generated: more class images than asked for only add samples
+    check_batches_early(args, instances, seed, accelerator.num_processes, hooks.first("class_count") or 0)
+    family = resolve_model_flags(args, hooks)
+    classes = hooks.first("class_images", accelerator, seed, family, cache) or []
+    instances = hooks.chain("images", instances)
     check_same_images(accelerator, instances, classes)
     dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
-    return Data(family, checkpoint, seed, dataset, sampler, loader, edit_validation_condition(args, dataset))
+    if args.max_train_steps is None:
+        args.max_train_steps = args.num_train_epochs * math.ceil(len(sampler) / args.gradient_accumulation_steps)
+    specs = option_validation_specs(hooks)
+    condition = hooks.first("condition", dataset, bool(args.validation_prompt or args.final_validation_prompt or specs))
+    freeze(args)
+    return Data(family, checkpoint, seed, dataset, sampler, loader, condition, hooks, specs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 2: precompute (prompt embeddings, latents)
 
-
 class MemoryCache:
     """--precompute_cache_dir none: the entries live in each process's memory, and a run holds and leaves nothing.
-    The core reaches a cache only through this interface, which the disk cache (Appendix A) implements too:
+    The recipe reaches a cache only through this interface, which the disk cache (Part 2) implements too:
     scan_index(folder, accelerator) (a context: what earlier scans learnt about a folder's files), stores() (the
-    prompt and latent mappings), hold() (before anyone looks at the entries) and settle() (after precompute)."""
+    prompt and latent mappings), hold() (before anyone looks at the entries: -> what is missing) and settle()."""
 
-    persistent, manifest = False, None  # persistent: a stopped precompute keeps its entries
+    persistent = False  # a stopped precompute keeps its entries
 
     @contextlib.contextmanager
     def scan_index(self, folder, accelerator):
         yield ScanIndex()
 
-    def stores(self, args, dataset, family, weight_dtype):
+    def stores(self, args, dataset, identity):
         return SampleCache(), SampleCache() if args.cache_latents else None
 
-    def hold(self, accelerator, dataset, needed):
-        pass
+    def hold(self, accelerator, needed):
+        return {name: store.todo(keys) for name, (store, keys) in needed.items()}
 
     def settle(self, args, accelerator, data, caches):
-        report_memory_copies(caches, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
-
+        report_memory_copies(caches, local_processes(accelerator))
 
 def open_cache(args):
     """The run's cache: the disk cache (--precompute_cache_dir, by default per user) or, for 'none', memory."""
     root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
     return MemoryCache() if root is None else DiskCache.open(root, args)
 
+def option_validation_specs(hooks):
+    """The options' validation prompts (--validation_prompts_file), filled by the options ([trigger])."""
+    return tuple(dataclasses.replace(s, prompt=hooks.chain("prompt", s.prompt))
+                 for s in hooks.collect("validation_specs"))
 
-def needed_prompts(args, dataset, family):
-    """Every text whose embedding the run reads: training slots, validation prompts, and the empty prompt for
-    dropped captions and the negative prompt of [klein] validation with CFG."""
+def validation_specs(args, data, prompt):
+    """What a validation generates: `prompt` (if any), then the options' prompts (--validation_prompts_file)."""
+    return ([ValidationSpec(prompt)] if prompt else []) + list(data.specs)
+
+def validation_prompts(args, data):
+    """Prompts whose embeddings the run needs after the text encoder is gone."""
+    listed = [args.validation_prompt, args.final_validation_prompt, *(s.prompt for s in data.specs)]
+    return [p for p in dict.fromkeys(listed) if p]
+
+def needed_prompts(args, data):
+    """Every text whose embedding the run reads: training slots, the options' (output preservation's), validation
+    prompts, and the empty prompt for dropped captions and the negative prompt of [klein] validation with CFG."""
+    dataset = data.dataset
     keys = [text for s in range(dataset.num_slots) for text in dataset.prompt_keys(s)]
-    keys += preservation_prompts(args, keys) + validation_prompts(args)
-    cfg = validation_prompts(args) and uses_cfg(args, family)
+    keys += data.hooks.collect("extra_prompts", keys) + validation_prompts(args, data)
+    cfg = validation_prompts(args, data) and uses_cfg(args, data)
     return list(dict.fromkeys(keys + ([""] if args.caption_dropout > 0 or cfg else [])))
-
 
 def encode_missing(accelerator, cache, todo, batches, encode, progress, unit, lockstep=False):
     """Encode `todo` (agreed by every process before anyone writes) into `cache`, each process its share
     todo[rank::world] in batches(share), then share what was written. Every process runs as many rounds as the
-    longest share: the stop check is a collective (with `lockstep` so is `encode`: an idle process encodes a stand-in)."""
+    longest share: the stop check is a collective (with `lockstep` so is `encode`: an idle process encodes a
+    stand-in)."""
     world = accelerator.num_processes
     shares = [batches(todo[r::world]) for r in range(world)]
     mine = shares[accelerator.process_index]
-    bar = tqdm(total=sum(map(len, mine)), desc=f"Encoding {unit}s", unit=unit, disable=not accelerator.is_local_main_process)
+    bar = tqdm(total=sum(map(len, mine)), desc=f"Encoding {unit}s", unit=unit,
+               disable=not accelerator.is_local_main_process)
     for r in range(max(map(len, shares))):
         progress.check(accelerator)
         keys = mine[r] if r < len(mine) else []
@@ -988,64 +1076,55 @@ def encode_missing(accelerator, cache, todo, batches, encode, progress, unit, lo
     share_entries(cache, todo, accelerator)
     return sum(map(len, mine))
 
-
 def chunks(keys, size):
     return [keys[i:i + size] for i in range(0, len(keys), size)]
 
-
-def prompt_encoder(args, accelerator, family, weight_dtype):
-    """-> a function texts -> embeddings [B, L, D]: the text encoder loaded here (or the remote one, or sharded:
-    Appendix G); dropping the function frees it."""
-    if args.remote_text_encoder:
-        return remote_encoder(args)
+def prompt_encoder(args, accelerator, family, weight_dtype, hooks):
+    """-> a function texts -> embeddings [B, L, D]: the text encoder loaded here on the device (or an option's:
+    remote, quantised, sharded); dropping the function frees it."""
     import transformers
-
+    remote = hooks.first("prompt_encoder")
+    if remote is not None:
+        return remote
     logger.info("loading the text encoder", main_process_only=False)
     tokenizer = load_pipeline_tokenizer(args)
-    load = functools.partial(getattr(transformers, family.text_encoder).from_pretrained, args.pretrained_model_name_or_path,
-                             subfolder="text_encoder", revision=args.revision, variant=args.variant,
-                             torch_dtype=weight_dtype, cache_dir=args.cache_dir)
-    if args.text_encoder_quantization != "none":  # Appendix I: int8 or NF4 weights, loaded onto the device
-        text_encoder = quantized_text_encoder(load, args.text_encoder_quantization, accelerator.device, weight_dtype)
-    elif args.fsdp_text_encoder:
-        text_encoder = shard_text_encoder(load().eval(), accelerator)
-    else:
-        text_encoder = load().eval().to(accelerator.device)
+    load = functools.partial(getattr(transformers, family.text_encoder).from_pretrained,
+                             args.pretrained_model_name_or_path, subfolder="text_encoder", revision=args.revision,
+                             variant=args.variant, torch_dtype=weight_dtype, cache_dir=args.cache_dir)
+    text_encoder = hooks.first("text_encoder", load, accelerator, weight_dtype,
+                               default=lambda: load().eval().to(accelerator.device))
     return functools.partial(encode_prompts, family, text_encoder, tokenizer,
                              max_sequence_length=args.max_sequence_length, out_layers=args.text_encoder_out_layers)
 
-
 @torch.no_grad()
-def precompute_prompts(args, accelerator, dataset, weight_dtype, family, cache, progress):
+def precompute_prompts(args, accelerator, data, weight_dtype, cache, progress):
     """Encode every prompt the run reads and `cache` lacks, once; the text encoder is loaded only if something is
     missing here (or it is sharded: every process joins every pass), and freed afterwards."""
-    keys = needed_prompts(args, dataset, family)
+    keys = needed_prompts(args, data)
     todo = agreed_todo(cache, keys, accelerator)
-    sharded = args.fsdp_text_encoder and bool(todo)
+    sharded = data.hooks.flag("sharded_text_encoder") and bool(todo)
     mine = todo[accelerator.process_index::accelerator.num_processes]
-    encode = prompt_encoder(args, accelerator, family, weight_dtype) if mine or sharded else None
-    size = 1 if args.remote_text_encoder else args.train_batch_size
-    done = encode_missing(accelerator, cache, todo, lambda keys: chunks(keys, size), encode, progress, "prompt", sharded)
+    encode = prompt_encoder(args, accelerator, data.family, weight_dtype, data.hooks) if mine or sharded else None
+    size = data.hooks.first("prompt_batch_size") or args.train_batch_size
+    done = encode_missing(accelerator, cache, todo, lambda keys: chunks(keys, size), encode, progress, "prompt",
+                          sharded)
     logger.info(f"encoded {done} of {len(todo)} missing prompts ({len(keys)} unique)", main_process_only=False)
     if encode is not None:
         from diffusers.training_utils import free_memory
-
         del encode
         free_memory()
 
-
 def load_vae(args, accelerator, weight_dtype):
     from diffusers import AutoencoderKLFlux2
-
     logger.info("loading the VAE", main_process_only=False)
-    vae = AutoencoderKLFlux2.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae", revision=args.revision,
-                                             variant=args.variant, cache_dir=args.cache_dir, torch_dtype=weight_dtype)
+    vae = AutoencoderKLFlux2.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae",
+                                             revision=args.revision, variant=args.variant, cache_dir=args.cache_dir,
+                                             torch_dtype=weight_dtype)
     vae.requires_grad_(False).eval()
     # FLUX.2 normalises patchified latents with the VAE's batch-norm running statistics: [1, 4C, 1, 1]
     mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
     return vae.to("cpu" if args.offload else accelerator.device), mean, std
-
 
 def latent_batches(keys, batch_size):
     """VAE batches of latent keys: grouped by bucket (key[2]; one shape per batch), then cut to batch_size."""
@@ -1054,43 +1133,61 @@ def latent_batches(keys, batch_size):
         by_shape.setdefault(key[2], []).append(key)
     return [batch for group in by_shape.values() for batch in chunks(group, batch_size)]
 
-
 @torch.no_grad()
-def prepare_latents(args, accelerator, dataset, weight_dtype, cache, progress):
+def prepare_latents(args, accelerator, data, weight_dtype, cache, progress):
     """With --cache_latents, encode every (image, bucket, crop, flip) `cache` lacks, once. Loads the VAE only if
     something needs it (missing entries, uncached training, validation) -> (the VAE or None, its statistics)."""
+    dataset, validates = data.dataset, bool(validation_prompts(args, data))
     todo = agreed_todo(cache, dataset.cached_latent_keys(), accelerator) if args.cache_latents else []
-    if args.cache_latents and not todo and not validation_prompts(args):
+    if args.cache_latents and not todo and not validates:
         logger.info("all latents cached; the VAE is not loaded")
         return None, None
     vae, mean, std = load_vae(args, accelerator, weight_dtype)
     if args.cache_latents:
         def encode(keys):
             with on_device(vae, accelerator.device, args.offload):
-                return encode_images(vae, torch.stack([dataset.pixels(k) for k in keys]), mean, std, args.latent_sampling)
+                return encode_images(vae, torch.stack([dataset.pixels(k) for k in keys]), mean, std,
+                                     args.latent_sampling)
 
         # [1, 4C, h, w] each, or [1, 2, 4C, h, w] with --latent_sampling sample
         done = encode_missing(accelerator, cache, todo, lambda keys: latent_batches(keys, args.train_batch_size),
                               encode, progress, "image")
         logger.info(f"encoded {done} of {len(todo)} missing images", main_process_only=False)
-    return (vae if validation_prompts(args) or not args.cache_latents else None), (mean, std)
+    return (vae if validates or not args.cache_latents else None), (mean, std)
 
+class Progress:
+    """How far precompute got: entries needed, cached when it started, written since by this process."""
+
+    def __init__(self, needed, cached, persistent, stop):
+        self.needed, self.cached, self.written, self.persistent, self.stop = needed, cached, 0, persistent, stop
+
+    def check(self, accelerator):
+        """Before each batch, on every process (a collective): when any process was signalled, all stop."""
+        signum, written = self.stop.agreed(accelerator, self.written)
+        if signum:
+            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
+                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
+                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
+            logger.warning(message, main_process_only=False)
+            raise TrainingStopped(message, 128 + signum)
 
 def precompute(args, accelerator, data, weight_dtype, cache):
     """Prompt embeddings (always) and latents (--cache_latents) into the run's cache -> (Caches, the VAE if still
     needed, its statistics). A signal stops every process once the entries being written are complete."""
-    dataset, family = data.dataset, data.family
-    prompts, latents = cache.stores(args, dataset, family, weight_dtype)
-    needed = {"prompts": (prompts, needed_prompts(args, dataset, family))}
+    dataset, hooks = data.dataset, data.hooks
+    prompts, latents = cache.stores(args, dataset, lambda: hooks.first(
+        "cache_identity", weight_dtype, data.family, default=lambda: cache_identity(args, weight_dtype, data.family)))
+    needed = {"prompts": (prompts, needed_prompts(args, data))}
     if latents is not None:
         needed["latents"] = (latents, list(dict.fromkeys(dataset.cached_latent_keys())))
-    cache.hold(accelerator, dataset, needed)  # before anyone looks: no other run's eviction takes what this one found
+    todo = cache.hold(accelerator, needed)  # before anyone looks: no other run's eviction takes what this one found
     total = sum(len(keys) for _, keys in needed.values())
-    missing = sum(len(store.todo(keys)) for store, keys in needed.values())
+    hooks.each("cache_held", cache, dataset, todo, total)
+    missing = sum(map(len, todo.values()))
     with StopRequest("once the entries being written are complete") as stop:
         progress = Progress(total, total - missing, cache.persistent, stop)
-        precompute_prompts(args, accelerator, dataset, weight_dtype, family, prompts, progress)
-        vae, latent_stats = prepare_latents(args, accelerator, dataset, weight_dtype, latents, progress)
+        precompute_prompts(args, accelerator, data, weight_dtype, prompts, progress)
+        vae, latent_stats = prepare_latents(args, accelerator, data, weight_dtype, latents, progress)
         progress.check(accelerator)  # a signal during the last batch still stops before training
     masks = prepare_masks(dataset, latents) if latents is not None and args.masked_loss else None
     caches = Caches(prompts, latents, masks)
@@ -1101,127 +1198,113 @@ def precompute(args, accelerator, data, weight_dtype, cache):
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 3: model and optimizer (setup_training)
 
-
-def load_transformer(args, weight_dtype, empty=False):
-    """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU); empty: its shapes
-    only, on the meta device (under FSDP's lean loading, Appendix G)."""
+def load_transformer(args, weight_dtype, hooks=None):
+    """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU). hooks: the run's
+    options (default: those `args` turns on)."""
     from diffusers import Flux2Transformer2DModel
+    hooks = hooks or Hooks(args)
+    return Flux2Transformer2DModel.from_pretrained(
+        args.pretrained_model_name_or_path, subfolder="transformer", revision=args.revision, variant=args.variant,
+        torch_dtype=weight_dtype, cache_dir=args.cache_dir,
+        quantization_config=hooks.first("quantization_config", weight_dtype))
 
-    if empty:
-        logger.info(f"process {PartialState().process_index}: an empty transformer; its weights come from process 0 "
-                    "as FSDP shards (cpu_ram_efficient_loading)", main_process_only=False)
-        return empty_transformer(args).to(weight_dtype)
-    return Flux2Transformer2DModel.from_pretrained(args.pretrained_model_name_or_path, subfolder="transformer",
-                                                   revision=args.revision, variant=args.variant, torch_dtype=weight_dtype,
-                                                   cache_dir=args.cache_dir, quantization_config=quantization(args, weight_dtype))
-
-
-def prepare_transformer(args, accelerator, transformer):
-    """A loaded transformer -> frozen, with float32 adapters (a LoRA on --lora_layers by default: Appendix O), on the
-    device, with the memory and speed options applied (Appendix I). benchmarks/gpu_step.py calls it on real-shaped
-    random transformers."""
+def prepare_transformer(args, accelerator, transformer, hooks=None):
+    """A loaded transformer -> frozen, with float32 adapters (a LoRA on --lora_layers unless an option brings
+    another), on the device, with the options' placement, precision and speed applied. benchmarks/gpu_step.py calls
+    it on real-shaped random transformers. hooks: the run's options (default: those `args` turns on)."""
+    hooks = hooks or Hooks(args)
     transformer.requires_grad_(False)
-    transformer = before_lora(args, accelerator, transformer)
+    # the whole model goes to the device now, unless an option places it (swapped blocks, FSDP shards, 4-bit)
+    if not hooks.flag("places_transformer"):
+        transformer.to(accelerator.device)
+    transformer = hooks.chain("before_lora", transformer, accelerator)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    add_lora(transformer, adapter_config(args, transformer))
-    if args.init_lora:
-        load_init_lora(transformer, args)  # the run starts from that LoRA's weights
-    logger.info(describe_lora(adapted_modules(transformer), sum(p.numel() for p in transformer.parameters()
-                                                                if p.requires_grad), args.rank))
-    return after_lora(args, accelerator, transformer)
+    add_lora(transformer, hooks.chain("adapter_config", lora_config(args, transformer), transformer))
+    return hooks.chain("after_lora", transformer, accelerator)
 
-
-def setup_optimizer(args, params, accelerator):
+def setup_optimizer(args, params, accelerator, hooks=None):
+    """AdamW on the LoRA parameters, or an option's optimizer. hooks: default those `args` turns on."""
     lr = args.learning_rate
     if args.scale_lr:
         lr *= args.gradient_accumulation_steps * args.train_batch_size * accelerator.num_processes
-    hyper = dict(lr=lr, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
-    if args.optimizer == "prodigy" or args.use_8bit_adam:
-        return other_optimizer(args, params, hyper)
+    hyper = dict(lr=lr, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay,
+                 eps=args.adam_epsilon)
     # fused: one kernel for all LoRA tensors instead of several per tensor. Not under FSDP, whose sharded
     # (DTensor) parameters it has not been verified with here.
     fused = accelerator.device.type == "cuda" and not is_fsdp(accelerator)
-    return torch.optim.AdamW(params, **hyper, fused=fused or None)
-
-
-def is_fsdp(accelerator):
-    from accelerate.utils import DistributedType
-
-    return accelerator.distributed_type == DistributedType.FSDP
-
+    return (hooks or Hooks(args)).first("optimizer", params, hyper, default=lambda: torch.optim.AdamW(
+        params, **hyper, fused=fused or None))
 
 def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype):
-    """Transformer with LoRA, optimizer, LR schedule (built once max_train_steps is known) and noise schedule."""
+    """Transformer with LoRA, optimizer, LR schedule and noise schedule."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.optimization import get_scheduler
-
-    empty = loads_from_rank_0(accelerator, args.bnb_quantization_config_path)
-    transformer = prepare_transformer(args, accelerator, load_transformer(args, weight_dtype, empty))
+    hooks = data.hooks
+    transformer = hooks.first("load_transformer", accelerator, weight_dtype,
+                              default=lambda: load_transformer(args, weight_dtype, hooks))
+    transformer = prepare_transformer(args, accelerator, transformer, hooks)
     noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
         args.pretrained_model_name_or_path, subfolder="scheduler", revision=args.revision, cache_dir=args.cache_dir)
-    if args.max_train_steps is None:
-        args.max_train_steps = args.num_train_epochs * math.ceil(len(data.sampler) / args.gradient_accumulation_steps)
-    optimizer = setup_optimizer(args, [p for p in transformer.parameters() if p.requires_grad], accelerator)
+    optimizer = setup_optimizer(args, [p for p in transformer.parameters() if p.requires_grad], accelerator, hooks)
     # stepped once per optimizer step by the loop, so not passed to prepare() (which would step it per process)
     lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
-                                 num_training_steps=args.max_train_steps, num_cycles=args.lr_num_cycles, power=args.lr_power)
+                                 num_training_steps=args.max_train_steps, num_cycles=args.lr_num_cycles,
+                                 power=args.lr_power)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
     named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
     guidance = args.guidance_scale if accelerator.unwrap_model(transformer).config.guidance_embeds else None
-    return Run(data=data, caches=caches, weight_dtype=weight_dtype, vae=vae, latent_stats=latent_stats,
-               transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
-               sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
-               ema=LoraEMA(named_params, args.ema_decay, args.ema_device) if args.use_ema else None,
-               step_config=StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
-                                      args.prior_loss_weight, args.timestep_shift, default_sampling_steps(data.family),
-                                      args.output_preservation_weight))
+    step_config = StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
+                             timestep_shift=args.timestep_shift, shift_steps=default_sampling_steps(data.family))
+    run = Run(data=data, caches=caches, weight_dtype=weight_dtype, vae=vae, latent_stats=latent_stats,
+              transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
+              sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
+              step_config=hooks.chain("step_config", step_config))
+    hooks.each("setup", run)
+    return run
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 4: checkpoints
 
-
-def lora_state_dict(accelerator, transformer):
+def lora_state_dict(accelerator, transformer, hooks):
     """The adapter's tensors, complete and on the CPU, keyed as diffusers' FLUX.2 LoRA loader expects (before its
-    "transformer." prefix); under FSDP gathered from the shards (a collective: Appendix G)."""
-    if is_fsdp(accelerator):
-        state = fsdp_lora_state_dict(transformer)
-    else:
-        from peft.utils import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(accelerator.unwrap_model(transformer))
+    "transformer." prefix); an option may gather them (FSDP: a collective)."""
+    from peft.utils import get_peft_model_state_dict
+    state = hooks.first("lora_state", accelerator, transformer, default=lambda: get_peft_model_state_dict(
+        accelerator.unwrap_model(transformer)))
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
+def adapter_settings(accelerator, transformer):
+    """The PEFT config of the run's adapter (PEFT names it "default")."""
+    return accelerator.unwrap_model(transformer).peft_config["default"]
 
 def portable_lora(state, config):
-    """Fold each module's LoRA scale (alpha / its rank; rank_pattern: --init_lora's ranks) into its lora_B, so the file
-    means the same to every loader: diffusers reads alpha from the file's metadata (written as alpha = rank, scale 1),
-    while ComfyUI, the main consumer of FLUX.2 LoRAs, reads alpha only from `.alpha` tensors, else applies scale 1."""
+    """Fold each module's LoRA scale (alpha / its rank; rank_pattern: --init_lora's ranks) into its lora_B, so the
+    file means the same to every loader: diffusers reads alpha from the file's metadata (written as alpha = rank,
+    scale 1), while ComfyUI, the main consumer of FLUX.2 LoRAs, reads alpha only from `.alpha` tensors."""
     ranks = {m.strip("^$"): r for m, r in config["rank_pattern"].items()}
-    return {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"])) if ".lora_B." in k
-            else v for k, v in state.items()}
-
+    return {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"]))
+            if ".lora_B." in k else v for k, v in state.items()}
 
 def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
     """The adapter as diffusers' FLUX.2 LoRA file, a LoRA's scale folded in (portable_lora), in `dtype` (default: its
-    own). LoKr and LoHa keep their alpha in the metadata."""
+    own). Other PEFT adapters (LoKr, LoHa) keep their alpha in the metadata."""
     from diffusers import Flux2Pipeline
-
-    config = accelerator.unwrap_model(transformer).peft_config["default"].to_dict()
+    config = adapter_settings(accelerator, transformer).to_dict()
     if config["peft_type"] == "LORA":
         state = portable_lora(state, config)
         config.update(lora_alpha=config["r"], alpha_pattern=dict(config["rank_pattern"]))  # every scale 1
     config.update(target_modules=sorted(config["target_modules"]))
-    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.to(dtype or state[k].dtype) for k, v in state.items()},
-                                    weight_name=weight_name, transformer_lora_adapter_metadata=config)
+    Flux2Pipeline.save_lora_weights(folder, weight_name=weight_name, transformer_lora_adapter_metadata=config,
+                                    transformer_lora_layers={k: v.to(dtype or v.dtype) for k, v in state.items()})
     follow_umask(Path(folder, weight_name))
 
-
 def save_checkpoint(args, accelerator, run, global_step):
-    """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part. Holds the LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer,
-    LR schedule, grad scaler and each process's RNG state as safetensors + JSON, and trainer_state.json (written
-    last) with the step and seed."""
+    """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part. Holds the
+    LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer, LR
+    schedule, grad scaler, the options' state and each process's RNG state as safetensors + JSON, and
+    trainer_state.json (written last) with the step and seed."""
     final = Path(args.output_dir, f"checkpoint-{global_step}")
     partial = final.with_name(final.name + ".partial")
     try:  # a full disk or quota, or --output_dir removed under the run: one line, and no half checkpoint
@@ -1231,16 +1314,18 @@ def save_checkpoint(args, accelerator, run, global_step):
         accelerator.wait_for_everyone()
         # every process's generators, written by the main process: with an --output_dir per machine, only its exists
         rngs = gather_object([rng_state()]) if accelerator.num_processes > 1 else [rng_state()]
-        lora = lora_state_dict(accelerator, run.transformer)  # under FSDP, the state dicts are collectives
-        optimizer = fsdp_optimizer_state(run) if is_fsdp(accelerator) else run.optimizer.state_dict()
+        lora = lora_state_dict(accelerator, run.transformer, run.hooks)  # an option's gathering (FSDP): a collective
+        optimizer = run.hooks.first("optimizer_state", accelerator, run, default=run.optimizer.state_dict)
         if accelerator.is_main_process:
             for rank, state in enumerate(rngs):
                 write_state(partial, f"rng-{rank}", state)
             save_lora(accelerator, run.transformer, lora, partial)
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-            ema = run.ema.state_dict() if run.ema is not None else None
-            write_state(partial, "training", {"lora": lora, "optimizer": optimizer, "ema": ema,  # raw: resumes bit for bit
-                                              "lr_scheduler": run.lr_scheduler.state_dict(), "scaler": scaler})
+            training = {"lora": lora, "optimizer": optimizer, "lr_scheduler": run.lr_scheduler.state_dict(),
+                        "scaler": scaler}  # the raw adapter: resumes bit for bit
+            for extra in run.hooks.each("training_state"):
+                training.update(extra)
+            write_state(partial, "training", training)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run.data.seed}))
@@ -1259,23 +1344,19 @@ def save_checkpoint(args, accelerator, run, global_step):
         logger.info(f"saved {final}")
     accelerator.wait_for_everyone()
 
-
 def load_checkpoint(checkpoint, accelerator, run):
     """Restore what save_checkpoint wrote; returns the global step to continue from. A checkpoint whose tensors do
     not fit this model and these flags (another --rank, --lora_layers or model) is refused before anything changes."""
     training = read_state(checkpoint, "training")
     check_checkpoint_fits(checkpoint, accelerator, run, training)
     try:
-        if is_fsdp(accelerator):
-            fsdp_load_state(run, training)
-        else:
+        if not run.hooks.first("load_state", accelerator, run, training):  # an option's (FSDP: each process its shard)
             from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), training["lora"], adapter_name="default")
+            set_peft_model_state_dict(accelerator.unwrap_model(run.transformer), training["lora"],
+                                      adapter_name="default")
             run.optimizer.load_state_dict(training["optimizer"])
         run.lr_scheduler.load_state_dict(training["lr_scheduler"])
-        if run.ema is not None and training.get("ema") is not None:
-            run.ema.load_state_dict(training["ema"])
+        run.hooks.each("load_training_state", training)
         if accelerator.scaler is not None and training["scaler"] is not None:
             accelerator.scaler.load_state_dict(training["scaler"])
     except torch.OutOfMemoryError:
@@ -1290,25 +1371,25 @@ def load_checkpoint(checkpoint, accelerator, run):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Stage 5: the loop (train)
-
+# Stage 5: the loop (train) and its batch-to-device path
 
 def start_logging(args, accelerator, run, global_step):
-    """Start the trackers and say what the run is about to do."""
+    """Start the trackers and say, in one summary, what the run is about to do."""
     if accelerator.is_main_process:
         accelerator.init_trackers("dreambooth-flux2-lora", config=tracker_config(args))
     data, caches = run.data, run.caches
-    logger.info(f"{distributed_mode(accelerator)}, mixed precision {accelerator.mixed_precision}")
-    logger.info(f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
-                f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
-                f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts"
-                + (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
-                   f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
-                   ", images decoded in the main process"))
-    logger.info(describe_captions(args, data.dataset))
-    if data.dataset.conditions:
-        logger.info(describe_edit_data(data.dataset))
-
+    images = (f", {len(caches.latents.store)} unique latents" if caches.latents is not None else
+              f", images decoded by {data.loader.num_workers} DataLoader workers" if data.loader.num_workers else
+              ", images decoded in the main process")
+    lines = [f"{distributed_mode(accelerator)}, mixed precision {accelerator.mixed_precision}",
+             describe_lora(adapted_modules(accelerator.unwrap_model(run.transformer)),
+                           sum(p.numel() for p in run.named_params.values()), args.rank),
+             f"{len(data.dataset)} samples, {len(data.sampler)} batches of {args.train_batch_size} per epoch and "
+             f"process (the rest of each epoch is dropped, a different rest every epoch), {args.max_train_steps} "
+             f"steps from step {global_step}, seed {data.seed}, {len(caches.prompts.store)} unique prompts{images}",
+             describe_captions(data.dataset), *run.hooks.collect("describe", data.dataset)]
+    for line in lines:
+        logger.info(line)
 
 @dataclass
 class StepInputs:
@@ -1324,37 +1405,76 @@ class StepInputs:
     masks: torch.Tensor | None  # loss masks beside `images`: [V, 1, h, w] cached, [B', 1, H, W] in pixels
     encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
     references: int = 0  # edit training: condition images per row (R)
-    preserved: int = 0  # --output_preservation: the last P of embed_rows are the instance rows' preservation prompts
+    extra_rows: int = 0  # an option's prompts (output preservation): the last P of embed_rows
 
-
-def gather_inputs(batch, dataset, caches, caption_dropout, rng, preserve=None):
-    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout; `preserve`
-    (--output_preservation) maps an instance text to its preservation prompt. Edit training: each row's condition
-    images are looked up from its target's latent key, so they cannot part."""
+def gather_inputs(batch, dataset, caches, caption_dropout, rng, extra_texts=None):
+    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout;
+    `extra_texts` (an option's, output preservation) maps the instance texts to more prompts. Edit training: each
+    row's condition images are looked up from its target's latent key, so they cannot part."""
     slots, num_instance = dataset.slots(batch["indices"]), len(batch["indices"])
     texts = [dataset.prompt_key(s, batch["epoch"]) for s in slots]
-    preserved = [preserve(t) for t in texts[:num_instance]] if preserve else []
-    embeds, embed_rows = caches.prompts.gather_unique(drop_captions(texts, num_instance, caption_dropout, rng) + preserved)
+    extra = extra_texts(texts[:num_instance]) if extra_texts else []
+    embeds, embed_rows = caches.prompts.gather_unique(drop_captions(texts, num_instance, caption_dropout, rng) + extra)
     if caches.latents is None:
         cond = batch.get("cond_pixels")
         images = batch["pixel_values"] if cond is None else torch.cat([batch["pixel_values"], cond])
         return StepInputs(embeds, embed_rows, images, torch.arange(len(images)), batch.get("masks"), encoded=False,
-                          references=len(images) // len(slots) - 1, preserved=len(preserved))
+                          references=len(images) // len(slots) - 1, extra_rows=len(extra))
     keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
     references = [dataset.condition_keys(k) for k in keys]  # [B'][R]
     keys += [refs[r] for r in range(len(references[0])) for refs in references]  # reference-major, as collate
     latents, image_rows = caches.latents.gather_unique(keys)
     masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None
     return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True, references=len(references[0]),
-                      preserved=len(preserved))
+                      extra_rows=len(extra))
 
+def each_tensor(inputs, fn):
+    """A copy of StepInputs with fn applied to every tensor (pin, move to the device)."""
+    names = ("embeds", "embed_rows", "images", "image_rows", "masks")
+    return dataclasses.replace(inputs, **{n: fn(getattr(inputs, n)) for n in names if getattr(inputs, n) is not None})
+
+class Prefetcher:
+    """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a
+    side stream while the current step computes. The loop calls prefetch() once the current step's GPU work is
+    queued and before anything that waits for the GPU (the loss check), so host work hides behind GPU work.
+    Yields (micro-step, batch, StepInputs on the device)."""
+
+    def __init__(self, loader, first_micro, prepare, device):
+        self.batches = enumerate(loader, start=first_micro)
+        self.prepare, self.device = prepare, device  # prepare(micro, batch) -> StepInputs on the host
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead = None  # (micro, batch, inputs, copy-done event) of the next step
+
+    def prefetch(self):
+        if self.ahead is not None:
+            return
+        micro, batch = next(self.batches)
+        inputs = self.prepare(micro, batch)
+        if self.stream is None:
+            self.ahead = (micro, batch, each_tensor(inputs, lambda t: t.to(self.device)), None)
+            return
+        with torch.cuda.stream(self.stream):  # pinned host memory: the copy is asynchronous
+            inputs = each_tensor(inputs, lambda t: t.pin_memory().to(self.device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record()
+        self.ahead = (micro, batch, inputs, done)
+
+    def __iter__(self):
+        while True:
+            self.prefetch()
+            (micro, batch, inputs, done), self.ahead = self.ahead, None
+            if done is not None:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(done)
+                each_tensor(inputs, lambda t: t.record_stream(stream))  # made on the side stream, used on this one
+            yield micro, batch, inputs
 
 def model_inputs(inputs, run, generator, offload, latent_sampling):
     """Device side of a step: StepInputs already on the device -> latents [B', 4C, h, w], prompt embeddings
     [B', L, D], loss mask [B', 1, h, w] or None, condition latents (R of [B', 4C, h, w]: the posterior mean, as the
     pipeline encodes references). Uncached pixels are encoded here; `generator` draws posterior samples."""
     embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # expanded on the device
-    rows = len(inputs.embed_rows) - inputs.preserved
+    rows = len(inputs.embed_rows) - inputs.extra_rows
     if inputs.encoded:
         params = inputs.images[inputs.image_rows]
         mask = None if inputs.masks is None else inputs.masks[inputs.image_rows[:rows]]
@@ -1367,7 +1487,6 @@ def model_inputs(inputs, run, generator, offload, latent_sampling):
     references = [means[rows * r: rows * (r + 1)] for r in range(1, 1 + inputs.references)]
     return draw_latents(params[:rows], generator), embeds, mask, references
 
-
 def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sampling):
     """Forward and backward of one micro-batch (queued, not waited for) -> (detached loss, latent size). Noise,
     timesteps and posterior draws come from a generator seeded by (seed, micro-step, process): a resumed run
@@ -1375,21 +1494,19 @@ def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sa
     generator = torch.Generator(accelerator.device).manual_seed(
         seed_for("step", run.data.seed, micro, accelerator.process_index))
     latents, embeds, mask, references = model_inputs(inputs, run, generator, offload, latent_sampling)
-    rows = len(latents)  # the preservation prompts' embeddings (if any) follow the rows'
+    rows = len(latents)  # an option's prompt embeddings (if any) follow the rows'
+    extra = run.hooks.first("step_extra", embeds[rows:]) if inputs.extra_rows else None
     loss = flow_matching_step(run.transformer, latents, embeds[:rows], num_instance, run.sigmas, run.step_config,
-                              generator, mask, references, embeds[rows:] if inputs.preserved else None)
+                              generator, mask, references, extra)
     accelerator.backward(loss)
     return loss.detach(), list(latents.shape[-2:])
-
 
 def optimizer_step(args, accelerator, run):
     accelerator.clip_grad_norm_(list(run.named_params.values()), args.max_grad_norm)
     run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    if run.ema is not None:
-        run.ema.update(run.named_params)
-
+    run.hooks.each("after_optimizer_step", run)
 
 def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
     """Every step's figures go to the progress bar and the trackers; a log line at the first and last step, every
@@ -1406,6 +1523,42 @@ def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
         logger.info(line)
     accelerator.log(logs, step=global_step)
 
+class StopRequest:
+    """While active (a `with` block), SIGTERM and SIGINT (preemption, Ctrl-C) let the work in flight finish, then
+    every process stops at the same point; a second signal stops at once. A repeat within SAME_STOP_SECONDS is the
+    same request: a scheduler signals every process of a node (Slurm: of the job step) and torchrun forwards its own
+    copy to its workers, milliseconds apart. Afterwards the usual handlers are back, so a signal interrupts again."""
+
+    SAME_STOP_SECONDS = 2.0
+
+    def __init__(self, after):
+        self.after, self.signum, self.since = after, 0, 0.0  # after: what finishes first, for the message
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.signum and time.monotonic() - self.since >= self.SAME_STOP_SECONDS:
+            raise KeyboardInterrupt
+        if self.signum:
+            return  # the same request, delivered twice
+        self.signum, self.since = signum, time.monotonic()
+        print(f"\n{signal.Signals(signum).name} received: stopping {self.after} (signal again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator, *counts):
+        """(the signal or 0, and each of `counts` summed), agreed by every process: a collective, so all stop at once.
+        In the loop, the one host-device sync of an optimizer step."""
+        flags = torch.stack([torch.as_tensor(v, device=accelerator.device).long() for v in (self.signum, *counts)])
+        if accelerator.num_processes > 1:
+            flags = accelerator.gather(flags[None])  # [processes, 1 + len(counts)]
+            flags = torch.cat([flags[:, :1].max(0).values, flags[:, 1:].sum(0)])
+        return flags.tolist()
 
 def train(args, accelerator, run, global_step):
     """The loop: one flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of epoch
@@ -1414,20 +1567,22 @@ def train(args, accelerator, run, global_step):
     batches_per_epoch, micro = len(data.sampler), global_step * accum
     accelerator.step = micro  # accelerate's accumulation counter: sync on every accum-th micro-step
     data.sampler.set_epoch(*divmod(micro, batches_per_epoch))
+    extra_texts = run.hooks.first("extra_texts")
     prefetcher = Prefetcher(data.loader, micro, lambda m, batch: gather_inputs(
         batch, data.dataset, run.caches, args.caption_dropout,
-        random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index)), preserver(args)),
+        random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index)), extra_texts),
         accelerator.device)
     finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
-    bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process)
+    bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps",
+               disable=not accelerator.is_local_main_process)
     # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
     sample_log = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
     sample_log.parent.mkdir(parents=True, exist_ok=True)
     run.transformer.train()
     tic = time.perf_counter()
     # sample_log is line-buffered: readable while training runs; log lines print above the progress bar
-    with sample_log.open("a", buffering=1) as sample_log, StopRequest("after this step and saving a checkpoint") as stop, \
-            logging_redirect_tqdm(), bar:  # the bar is closed before an error's message
+    stop = StopRequest("after this step and saving a checkpoint")
+    with sample_log.open("a", buffering=1) as sample_log, stop, logging_redirect_tqdm(), bar:  # the bar closes first
         for micro, batch, inputs in prefetcher:
             epoch, signum = batch["epoch"], 0
             with accelerator.accumulate(run.transformer):
@@ -1458,48 +1613,90 @@ def train(args, accelerator, run, global_step):
                 break
     return global_step
 
+def validates_in_training(args, accelerator, run, global_step):
+    """Whether a validation during training shows anything: prompts, images asked for, the final validation not
+    about to show the same weights, and this process takes part."""
+    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference
+    return (bool(args.validation_prompt or run.data.specs) and args.num_validation_images > 0 and not final_follows
+            and validates_here(accelerator))
 
 def after_optimizer_step(args, accelerator, run, global_step, signum):
     """Checkpoint every --checkpointing_steps (and on a stop signal), validate every --validation_steps."""
     if global_step % args.checkpointing_steps == 0 or signum:
         save_checkpoint(args, accelerator, run, global_step)
-    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference  # the same images
-    if ((args.validation_prompt or args.validation_prompts_file) and args.num_validation_images and args.validation_steps
-            and global_step % args.validation_steps == 0 and not final_follows and validates_here(accelerator)):
+    if (args.validation_steps and global_step % args.validation_steps == 0
+            and validates_in_training(args, accelerator, run, global_step)):
         run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
     if signum:
         raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
                               "with the same command plus --resume_from_checkpoint latest", 128 + signum)
 
-
 def after_epoch(args, accelerator, run, global_step, epoch):
-    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless the final images follow or
-    --validation_steps just validated the same weights."""
-    final_follows = global_step >= args.max_train_steps and not args.skip_final_inference
-    just_validated = args.validation_steps and global_step % args.validation_steps == 0  # the same weights
-    if ((args.validation_prompt or args.validation_prompts_file) and args.num_validation_images
-            and (epoch + 1) % args.validation_epochs == 0
-            and not final_follows and not just_validated and validates_here(accelerator)):
+    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless --validation_steps just validated
+    the same weights."""
+    just_validated = args.validation_steps and global_step % args.validation_steps == 0
+    if ((epoch + 1) % args.validation_epochs == 0 and not just_validated
+            and validates_in_training(args, accelerator, run, global_step)):
         run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 6: validation and outputs (finish)
 
-
 def validates_here(accelerator):
     """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
     return accelerator.is_main_process or is_fsdp(accelerator)
 
+@dataclass(frozen=True)
+class ValidationSpec:
+    """One validation prompt and what it overrides (None: the run's --resolution, steps, guidance and noise)."""
+
+    prompt: str
+    height: int | None = None
+    width: int | None = None
+    seed: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+
+def samples_with_cfg(family, guidance):
+    """Whether the family's pipeline samples with classifier-free guidance at `guidance`: [klein] base above 1
+    (its negative prompt: the empty one); [dev] embeds guidance and distilled [klein] takes none."""
+    return family.pipeline == "Flux2KleinPipeline" and not family.distilled and guidance > 1
+
+def uses_cfg(args, data):
+    """Whether any validation of the run samples with classifier-free guidance."""
+    guidances = [args.validation_guidance_scale] + [s.guidance for s in data.specs if s.guidance]
+    return samples_with_cfg(data.family, max(guidances))
+
+def pipeline_call(args, run, spec, device):
+    """The pipeline's arguments for one validation spec: its cached embeddings (and [klein] CFG's empty prompt), size
+    (edit mode: the condition, in its bucket), steps, guidance, and the seed and device of its noise."""
+    family = run.data.family
+    guidance = spec.guidance if spec.guidance is not None else guidance_scale(args, family)
+    call = {"prompt_embeds": run.caches.prompts[spec.prompt].to(device, run.weight_dtype),
+            "height": spec.height or args.resolution, "width": spec.width or args.resolution,
+            "num_inference_steps": spec.steps or args.validation_inference_steps, "guidance_scale": guidance,
+            "seed": spec.seed if spec.seed is not None else seed_for("validation", run.data.seed), "device": device}
+    if samples_with_cfg(family, guidance):
+        call["negative_prompt_embeds"] = run.caches.prompts[""].to(device, run.weight_dtype)
+    if run.data.condition is not None:  # edit mode: the pipeline appends the condition's tokens, as training did
+        condition, (height, width) = run.data.condition
+        call.update(image=[condition], height=spec.height or height, width=spec.width or width)
+    return call
+
+def generate_images(pipeline, call, count):
+    """`count` images of one validation spec: the same noise at every validation, and for the base model's."""
+    call = dict(call)
+    generator = torch.Generator(call.pop("device")).manual_seed(call.pop("seed"))
+    return [pipeline(**call, generator=generator).images[0] for _ in range(count)]
 
 @torch.no_grad()
 def run_validation(args, accelerator, run, prompt, tag, step):
     """Generate validation images with the transformer being trained, without moving, casting or hooking it, for
-    `prompt` and --validation_prompts_file's at each --validation_lora_scales; the first time, also the base model's
-    (adapters off, same noise). Saves them in <output_dir>/validation/ (<tag>-<row>.png, a row per prompt, strength
-    and image) and shows them (progress sheet, trackers: Appendix E) -> their paths."""
+    `prompt` and the options' prompts at each of the options' strengths (default: 1); the first time, also the base
+    model's (adapters off, same noise). Saves them in <output_dir>/validation/ (<tag>-<row>.png, a row per prompt,
+    strength and image) and shows them (progress sheet, trackers) -> their paths."""
     import diffusers
-
     # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
     model, unwrapped = (run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer),
                         accelerator.unwrap_model(run.transformer))
@@ -1512,7 +1709,8 @@ def run_validation(args, accelerator, run, prompt, tag, step):
         text_encoder=None, tokenizer=None, transformer=model, **extra)
     pipeline.set_progress_bar_config(disable=True)
     condition = run.data.condition[0] if run.data.condition is not None else None
-    folder, specs, scales = Path(args.output_dir, "validation"), validation_specs(args, prompt), args.validation_lora_scales
+    folder, specs = Path(args.output_dir, "validation"), validation_specs(args, run.data, prompt)
+    scales = run.hooks.first("validation_scales", default=lambda: [1.0])
     stale = condition_changed(folder, condition)  # the base images were made for another condition (or none)
     make_base = base_images_missing(accelerator, folder, len(specs) * len(scales) * args.num_validation_images, stale)
     base, images = [], []
@@ -1523,7 +1721,7 @@ def run_validation(args, accelerator, run, prompt, tag, step):
                 with adapters_off(unwrapped):  # the same base images in every strength's rows
                     base += generate_images(pipeline, call, args.num_validation_images) * len(scales)
             for scale in scales:
-                with lora_strength(unwrapped, scale), run.ema.applied(run.named_params) if run.ema else contextlib.nullcontext():
+                with run.hooks.context("lora_strength", unwrapped, scale), run.hooks.context("validation_weights"):
                     images += generate_images(pipeline, call, args.num_validation_images)
     model.train(was_training)
     if not accelerator.is_main_process:
@@ -1536,31 +1734,34 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale)
     return [folder / f"{tag}-{i}.png" for i in range(len(images))]
 
+def write_lora_files(accelerator, transformer, state, folder, dtype, hooks):
+    """The final LoRA: diffusers' file, or what an option writes instead (ComfyUI's layout)."""
+    hooks.first("write_lora", accelerator, transformer, state, folder, dtype,
+                default=lambda: save_lora(accelerator, transformer, state, folder, dtype))
 
 def finish(args, accelerator, run):
-    """Save the LoRA (the EMA with --use_ema, raw weights beside it), the final validation images and the model
-    card. Writing is the main process's; gathering (FSDP) and the fingerprint involve every process."""
-    state = lora_state_dict(accelerator, run.transformer)
+    """Save the LoRA (or the options' files: the EMA, ComfyUI's), the final validation images and the model card.
+    Writing is the main process's; gathering (FSDP) and the fingerprint involve every process."""
+    state = lora_state_dict(accelerator, run.transformer, run.hooks)
     # processes must agree bit for bit; the fingerprint makes that checkable from the logs
     fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items())))
     logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)
     dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
     if accelerator.is_main_process:
         with writing(Path(args.output_dir, LORA_WEIGHTS_NAME)):
-            if run.ema is None:
-                write_lora_files(args, accelerator, run.transformer, state, args.output_dir, dtype)
-            else:
-                save_ema_lora(args, accelerator, run, state, args.output_dir, dtype)
-        logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}" + (" (EMA)" if run.ema else ""))
+            run.hooks.first("save_final", accelerator, run, state, args.output_dir, dtype,
+                            default=lambda: write_lora_files(accelerator, run.transformer, state, args.output_dir,
+                                                             dtype, run.hooks))
+        logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}")
     prompt = args.validation_prompt or args.final_validation_prompt
     paths = []
-    if ((prompt or args.validation_prompts_file) and not args.skip_final_inference and args.num_validation_images > 0
+    if ((prompt or run.data.specs) and not args.skip_final_inference and args.num_validation_images > 0
             and validates_here(accelerator)):
         paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with writing(Path(args.output_dir, "README.md")):
-            write_model_card(args, paths, prompt, run.data.family, run.data.dataset)
+            write_model_card(args, paths, prompt, run)
         if args.push_to_hub:
             push_to_hub(args)
 
@@ -1568,19 +1769,19 @@ def finish(args, accelerator, run):
 # ----------------------------------------------------------------------------------------------------------------
 # Main
 
-
 def main(argv=None):
     umask()  # settled while no thread runs
     quiet_library_imports()
     args = parse_args(argv)
-    validate_args(args)
+    hooks = Hooks(args)
+    validate_args(args, hooks)
     accelerator = setup_accelerator(args)
-    for note in surprising_values(args):
+    for note in surprising_values(args, hooks):
         logger.warning(note)
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
     try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
         cache = open_cache(args)
-        data = prepare_data(args, accelerator, cache)
+        data = prepare_data(args, accelerator, cache, hooks)  # resolves the flags, then freezes them
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, cache)
         run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
@@ -1595,19 +1796,829 @@ def main(argv=None):
 
 
 # ================================================================================================================
-# Appendix: optional machinery
+# Part 2: plumbing every run uses (read it when it breaks)
 # ================================================================================================================
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Appendix A: the disk cache (store, leases, eviction, scan index, manifest)
+# The command line: what a flag accepts, --help, one-line errors
+
+class Accepts:
+    """A flag's type=: `convert` turns the text into a value ("invalid int value" when it cannot), `ok(value)` says
+    whether the flag takes it, `what` says what it takes: --help shows it, a refusal quotes it."""
+
+    def __init__(self, what, ok=None, convert=str):
+        self.what, self.ok, self.convert, self.__name__ = what, ok, convert, convert.__name__
+
+    def __call__(self, text):
+        return self.convert(text)
+
+def integer(low, high=None):
+    return Accepts(f"an integer >= {low}" if high is None else f"an integer from {low} to {high}",
+                   lambda v: v >= low and (high is None or v <= high), int)
+
+def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    what = ("a finite number" if (low, high) == (-math.inf, math.inf) else
+            f"a number > {low}" if high == math.inf and low_open else f"a number >= {low}" if high == math.inf
+            else f"a number in {left}{low}, {high}{right}")
+    return Accepts(what, lambda v: math.isfinite(v) and (v > low if low_open else v >= low) and (
+        v < high if high_open else v <= high), float)
+
+def boolean(text):
+    if text.lower() in ("1", "true", "yes", "y"):
+        return True
+    if text.lower() in ("0", "false", "no", "n"):
+        return False
+    raise ValueError(text)
+
+def shift(text):
+    return text if text in ("none", "auto") else float(text)
+
+def side_list(text):
+    """'512' -> 512; '512,768,1024' -> (512, 768, 1024)."""
+    values = tuple(int(v) for v in text.split(","))
+    return values[0] if len(values) == 1 else values
+
+def sides_ok(value):
+    values = (value,) if isinstance(value, int) else value
+    return len(set(values)) == len(values) and all(16 <= v <= 4096 and v % 16 == 0 for v in values)
+
+def numbers(text):
+    return [float(x) for x in text.split(",")]
+
+def folder_can_be(path, writable=False):
+    """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
+    existing parent writable."""
+    path = Path(path).absolute()
+    if path.exists():
+        return path.is_dir() and (not writable or os.access(path, os.W_OK | os.X_OK))
+    parent = next(p for p in path.parents if p.exists())
+    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+
+def hub_id_or_folder(value):
+    return Path(value).is_dir() or (not Path(value).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", value) is not None)
+
+TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
+positive_int, non_negative_int, seed_value = integer(1), integer(0), integer(0, 2**32 - 1)  # numpy seeds: 32 bits
+probability, below_one = number(0, 1), number(0, 1, high_open=True)
+positive, non_negative = number(0, low_open=True), number(0)
+finite = number()
+mode_scale = number(-1, 1.75)  # the mode density is monotonic on [0, 1] only for -1 <= scale <= 1 / (pi / 2 - 1)
+model_source = Accepts("a local checkpoint folder or a Hub id (name or owner/name)", hub_id_or_folder)
+existing_folder = Accepts("an existing, readable folder",
+                          lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK))
+readable_file = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK))
+# existing download and class folders may be read-only (a shared model cache, class images all there)
+folder_to_write = Accepts("a folder, existing or to be created", folder_can_be)
+output_folder = Accepts("a folder, existing or to be created, that this user can write",
+                        lambda v: folder_can_be(v, writable=True))
+cache_folder = Accepts("none, or a folder (one that cannot be written warns and keeps entries in memory)")
+checkpoint_name = Accepts("a checkpoint folder, the name of one in --output_dir, or 'latest' "
+                          "(checked with --output_dir)")
+logging_folder = Accepts("a folder, relative to --output_dir (checked with it)")
+# FLUX.2 samples up to 4 MP (2048^2); 4096 leaves room for buckets, beyond it one image is over 65k tokens
+sides = Accepts("sides from 16 to 4096, multiples of 16, distinct, comma-separated", sides_ok, side_list)
+bucket_lists = Accepts("'h,w;h,w;...' with sides multiples of 16 (with several --resolution sides, a list per side, "
+                       "separated by |)", lambda v: all(map(parse_buckets, v.split("|"))))
+layer_list = Accepts("presets and module names, comma-separated", lambda v: any(t.strip() for t in v.split(",")))
+timestep_shift = Accepts("none, auto or a number > 0", lambda v: v in ("none", "auto") or (
+    math.isfinite(v) and v > 0), shift)
+tracker_list = Accepts(f"none, all, or trackers among {', '.join(TRACKERS)} (comma-separated)",
+                       lambda v: v in ("none", "all") or all(t in TRACKERS for t in v.split(",")))
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help, then what it accepts and its default (a help that says what its absence means holds
+    'default:' itself)."""
+
+    def _get_default_metavar_for_optional(self, action):
+        name = getattr(action.type, "__name__", "")
+        return {"int": "N", "float": "X", "boolean": "BOOL"}.get(name) or (
+            "DIR" if action.dest.endswith("_dir") else "VALUE")
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if isinstance(action.type, Accepts):
+            text += f" Accepts {action.type.what}."
+        if action.default is not None and action.default is not False and action.default is not argparse.SUPPRESS:
+            text += " Default: %(default)s."
+        elif action.default is None and not action.required and "default:" not in text:
+            text += " Default: none."
+        return text
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line and exit 2 (argparse would print its usage of 100 flags first); a refused value names
+    the flag, the value and what the flag accepts. A default is not checked: it is the script's own choice."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+    def _get_value(self, action, text):
+        value = super()._get_value(action, text)
+        rule = action.type if isinstance(action.type, Accepts) else None
+        if rule is not None and rule.ok is not None and text is not action.default:
+            try:
+                ok = rule.ok(value)
+            except (TypeError, ValueError, OSError, RuntimeError):
+                ok = False
+            if not ok:
+                raise UsageError(f"{action.option_strings[0]} {text}: expected {rule.what}")
+        return value
+
+def parse_buckets(text):
+    """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
+    buckets = []
+    for pair in filter(None, (s.strip() for s in text.split(";"))):
+        m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
+        if not m:
+            raise UsageError(f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
+        h, w = int(m.group(1)), int(m.group(2))
+        if h <= 0 or w <= 0 or h % 16 or w % 16:
+            raise UsageError(f"--aspect_ratio_buckets {text}: sides must be positive multiples of 16, got {h},{w}")
+        buckets.append((h, w))
+    if not buckets:
+        raise UsageError(f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
+    return list(dict.fromkeys(buckets))
+
+def resolve_buckets(args):
+    """The buckets: a list, or with several --resolution sides one list per side (--aspect_ratio_buckets: lists
+    separated by |, one per side)."""
+    if args.aspect_ratio_buckets:
+        ladders = [parse_buckets(part) for part in args.aspect_ratio_buckets.split("|")]
+        if len(ladders) != len(args.resolutions):
+            raise UsageError(f"--aspect_ratio_buckets gives {len(ladders)} bucket list(s) for {len(args.resolutions)} "
+                             "--resolution side(s); separate one list per side with |")
+    else:
+        ladders = [bucket_ladder(r) if args.use_aspect_ratio_buckets else [(r, r)] for r in args.resolutions]
+    return ladders[0] if len(ladders) == 1 else ladders
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Pre-flight checks: the model's configs, checkpoints, the batch size, surprising values
+
+def empty_transformer(args):
+    """The checkpoint's transformer on the meta device: its modules and shapes from its config, no weights read."""
+    from accelerate import init_empty_weights
+    from diffusers import Flux2Transformer2DModel
+    config = read_model_json(args, "transformer/config.json", "transformer config")
+    with init_empty_weights():
+        return Flux2Transformer2DModel.from_config(config)
+
+def check_model_fit(args, hooks=None):
+    """The flags that must fit this checkpoint, from its config files (no weights are read): the text-encoder layers
+    exist and stack to the width the transformer takes; every --lora_layers entry is a preset or names linear layers
+    of the transformer; then the options'. hooks: the run's options (default: those `args` turns on)."""
+    hooks = hooks or Hooks(args)
+    model = empty_transformer(args)
+    config = model.config
+    if not hooks.flag("no_text_encoder"):  # a remote encoder or a manifest's embeddings: no text encoder here
+        text = read_model_json(args, "text_encoder/config.json", "text_encoder config")
+        text = text.get("text_config", text)  # [dev]'s Mistral 3 nests its language model's config
+        try:
+            depth, width, joint = text["num_hidden_layers"], text["hidden_size"], config["joint_attention_dim"]
+        except (KeyError, TypeError) as e:
+            raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: its text_encoder "
+                             f"or transformer config lacks {e}") from None
+        layers = args.text_encoder_out_layers
+        if max(layers) > depth:
+            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder has layers 0 "
+                             f"to {depth} (0: its embeddings)")
+        if len(layers) * width != joint:
+            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: {len(layers)} layers of width "
+                             f"{width} make {len(layers) * width} features; this transformer takes {joint} "
+                             f"({joint // width} layers)")
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
+    targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
+    problems = unusable_lora_targets(targets, kinds)
+    if problems:
+        valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n)
+                        for n, k in kinds.items() if k == "Linear"})
+        raise UsageError(f"--lora_layers {'; '.join(f'{t}: {why}' for t, why in problems.items())}; presets: "
+                         f"{', '.join(LORA_PRESETS)}; valid names include {', '.join(valid[:16])}")
+    hooks.each("check_model", model)
+
+def unusable_lora_targets(targets, kinds):
+    """PEFT target names it cannot adapt -> {name: why}. kinds: {module name: class name}. A name must match (as PEFT
+    matches) linear layers and nothing else: PEFT refuses anything else it matches, e.g. `to_out`, a ModuleList in
+    the double-stream blocks, and only once the model is loaded."""
+    problems = {}
+    for target in targets:
+        matched = [n for n in kinds if peft_matches(n, [target])]
+        others = [n for n in matched if kinds[n] != "Linear"]
+        if len(others) == len(matched):
+            problems[target] = "no linear layer of the transformer has that name"
+        elif others:
+            problems[target] = (f"also names {others[0]} ({kinds[others[0]]}), which LoRA cannot adapt; name the "
+                                "linear layers more exactly (e.g. attn.to_out.0, "
+                                "single_transformer_blocks.0.attn.to_out)")
+    return problems
+
+def block_linear_names(model):
+    """Full names of the linear layers inside the double- and single-stream blocks (not the embedders, the shared
+    modulation, norm_out or proj_out)."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and re.match(r"(single_)?transformer_blocks\.\d+\.", n)]
+
+def transformer_blocks(transformer):
+    """The repeated blocks in execution order: double-stream, then single-stream."""
+    return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+def adapted_modules(model):
+    """Names of the modules that carry an adapter (without the wrappers' prefixes: FSDP, checkpointing, compile)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return [re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n)
+            for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+def describe_lora(modules, num_params, rank):
+    """'LoRA rank R on M modules (D double-stream, S single-stream blocks), P M trainable parameters'."""
+    blocks = collections.defaultdict(set)
+    for name in modules:
+        kind, block = (name.split(".") + [""])[:2]
+        blocks[kind if kind in ("transformer_blocks", "single_transformer_blocks") else "other"].add(block)
+    other = f", {len(blocks['other'])} outside them" if blocks["other"] else ""
+    return (f"LoRA rank {rank} on {len(modules)} modules ({len(blocks['transformer_blocks'])} double-stream, "
+            f"{len(blocks['single_transformer_blocks'])} single-stream blocks{other}), {num_params / 1e6:.3g} M "
+            "trainable parameters")
+
+def checkpoint_problem(folder):
+    """Why checkpoint `folder` cannot be resumed from (None: it can): a file missing or unreadable, JSON that does not
+    parse, a tensor file cut short, or a tensor its JSON names that the tensor file lacks. Headers only: checked in
+    milliseconds, before any model loads. Whether its tensors fit the model is load_checkpoint's test."""
+    folder = Path(folder)
+
+    def tensor_names(skeleton):
+        if isinstance(skeleton, dict):
+            return [skeleton["__tensor__"]] if "__tensor__" in skeleton else [
+                n for _, v in skeleton["__items__"] for n in tensor_names(v)]
+        return [n for v in skeleton for n in tensor_names(v)] if isinstance(skeleton, list) else []
+
+    name = TRAINER_STATE_NAME
+    try:
+        state = json.loads((folder / name).read_text())
+        if not (isinstance(state, dict) and isinstance(state.get("global_step"), int) and state["global_step"] >= 0
+                and isinstance(state.get("seed"), int)):
+            return f"{name} has no global_step and seed"
+        for stem in ("training", *sorted(p.stem for p in folder.glob("rng-*.json"))):
+            name = f"{stem}.json"
+            skeleton = json.loads((folder / name).read_text())
+            name = f"{stem}.safetensors"
+            header = safetensors_header(folder / name)
+            missing = [n for n in tensor_names(skeleton) if n not in header]
+            if missing:
+                return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
+            if stem == "training" and "lora" not in dict(skeleton["__items__"]):
+                return f"{stem}.json holds no LoRA"
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror or e})"
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        return f"{name} is damaged ({type(e).__name__}: {e})"
+    return None
+
+def state_fit_problem(saved, expected):
+    """Saved tensors (name -> tensor) against what the model has (name -> shape, or None where the model cannot tell)
+    -> what differs, or None."""
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    resized = [f"{n} {tuple(saved[n].shape)} vs {tuple(expected[n])}" for n in sorted(set(saved) & set(expected))
+               if expected[n] is not None and tuple(saved[n].shape) != tuple(expected[n])]
+    parts = [f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
+             f"{len(unexpected)} it has and this model has not (e.g. {unexpected[0]})" if unexpected else "",
+             f"{len(resized)} of another shape (e.g. {resized[0]})" if resized else ""]
+    return "; ".join(filter(None, parts)) or None
+
+def check_checkpoint_fits(checkpoint, accelerator, run, training):
+    """Refuse a checkpoint whose LoRA, optimizer or options' state does not fit this model and these flags."""
+    from peft.utils import get_peft_model_state_dict
+    expected = run.hooks.first("expected_lora", accelerator, run, default=lambda: {
+        k: v.shape for k, v in get_peft_model_state_dict(accelerator.unwrap_model(run.transformer)).items()})
+    problem = state_fit_problem(training["lora"], expected) or run.hooks.first("training_state_problem", training)
+    saved_groups = [len(g["params"]) for g in training["optimizer"].get("param_groups", [])]
+    if problem is None and not is_fsdp(accelerator) and saved_groups != [len(g["params"])
+                                                                          for g in run.optimizer.param_groups]:
+        problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
+                         f"({problem}); was it trained with another --rank, --lora_layers or model?")
+
+def surprising_values(args, hooks=None):
+    """Legal values that are probably not what the user meant -> one warning line each (the options' too). hooks: the
+    run's options (default: those `args` turns on)."""
+    hooks, cores = hooks or Hooks(args), cpu_cores()
+    notes = [
+        (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
+                                     "empty prompt, so the subject is barely tied to its prompt"),
+        (args.max_sequence_length < 64, f"--max_sequence_length {args.max_sequence_length}: the chat template's system "
+                                        "message fills about 25 tokens first, so captions are cut short or away"),
+        (args.resolution > 2048, f"--resolution {args.resolution}: beyond FLUX.2's 4-megapixel range (2048^2)"),
+        (args.learning_rate > 1e-2 and not hooks.flag("replaces_optimizer"), f"--learning_rate {args.learning_rate} "
+         "with AdamW: LoRA runs use 1e-4 to 1e-3 and usually diverge above 1e-2"),
+        (args.dataloader_num_workers is not None and args.dataloader_num_workers > cores,
+         f"--dataloader_num_workers {args.dataloader_num_workers}: more workers than this machine's {cores} cores"),
+        (args.max_train_steps is not None and args.checkpointing_steps > args.max_train_steps,
+         f"--checkpointing_steps {args.checkpointing_steps} > --max_train_steps {args.max_train_steps}: no checkpoint "
+         "is written before the end"),
+        (args.lr_scheduler != "constant" and args.max_train_steps is not None
+         and args.lr_warmup_steps >= args.max_train_steps, f"--lr_warmup_steps {args.lr_warmup_steps} >= "
+         f"--max_train_steps {args.max_train_steps}: the learning rate never reaches its peak"),
+        (args.validation_prompt is not None and args.num_validation_images == 0,
+         "--validation_prompt with --num_validation_images 0: no validation images are made"),
+        (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
+    ]
+    return [note for surprising, note in notes if surprising] + hooks.collect("notes")
+
+def find_resume_checkpoint(args):
+    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
+    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
+    if args.resume_from_checkpoint is None:
+        return None
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(args.output_dir)
+        if not found:
+            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from "
+                           "scratch")
+            return None
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
+        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
+                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
+                         "away to start from scratch")
+    path = Path(args.resume_from_checkpoint)
+    if not (path / TRAINER_STATE_NAME).is_file():
+        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
+    return path
+
+def check_resume_processes(args, checkpoint, accelerator):
+    """Refuse a resume that cannot continue the checkpointed run: processes that found different checkpoints (an
+    --output_dir per machine without the checkpoint copied to each), or a checkpoint another number of processes
+    wrote (one rng-<rank> file each): each process's data, its random streams and the effective batch depend on it.
+    The number of machines may change (2 x 1 = 1 x 2 processes)."""
+    if args.resume_from_checkpoint is None:
+        return
+    step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"] if checkpoint is not None else None
+    if accelerator.num_processes > 1:
+        found = gather_object([(step, str(checkpoint) if checkpoint is not None else f"none in {args.output_dir}")])
+        if len({s for s, _ in found}) > 1:
+            raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: the processes found different "
+                             f"checkpoints ({'; '.join(f'process {r}: {c}' for r, (_, c) in enumerate(found))}); every "
+                             "process reads the checkpoint: share --output_dir between machines, or copy checkpoint-N "
+                             "into each machine's --output_dir")
+    saved = len(list(checkpoint.glob("rng-*.json"))) if checkpoint is not None else 0
+    if saved and saved != accelerator.num_processes:
+        raise UsageError(f"--resume_from_checkpoint: {checkpoint} was written by {saved} process{'es' * (saved > 1)}, "
+                         f"this run has {accelerator.num_processes}; resume on {saved} (any number of machines), or "
+                         "start a new run")
+
+def check_batches_early(args, instances, seed, processes, classes_wanted):
+    """The batch size, before the model's files are read and class images generated."""
+    buckets = resolve_buckets(args)
+    count = count_samples(len(instances), len(args.resolutions), args.repeats, classes_wanted)
+    sampler = BucketBatchSampler(sample_groups(instances, buckets, count), args.train_batch_size, seed,
+                                 num_replicas=processes)
+    check_batches(args.train_batch_size, sampler, ladder_buckets(buckets)[1])
+
+def check_batches(batch_size, sampler, buckets):
+    """Refuse a batch size that leaves a process no full batch in an epoch (each batch holds one bucket)."""
+    if len(sampler) == 0:
+        sizes = {(*buckets[b], f"{r} references") if r else buckets[b]: len(members)
+                 for (b, r), members in sorted(sampler.by_bucket.items())}
+        raise UsageError(f"--train_batch_size {batch_size} leaves no full batch: samples per bucket (h, w) are {sizes} "
+                         f"over {sampler.num_replicas} process(es); lower --train_batch_size, raise --repeats, or use "
+                         "fewer buckets")
+
+def warn_small_images(dataset):
+    small = list(dict.fromkeys(r.name for ids in dataset.image_buckets for r, b in zip(dataset.instances, ids)
+                               if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]))
+    if small:
+        logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
+                       f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint files: safetensors and JSON (nothing is unpickled), atomic writes, file modes, the seed
+
+WRITE_ERRORS = (OSError, SafetensorError)  # safetensors reports an I/O failure (a full disk) as its own error
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
+
+def flatten_state(obj, tensors, path="t"):
+    """Nested state (dicts, lists, tensors, scalars) -> a JSON-able skeleton; tensors go into `tensors` by path."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):  # items as pairs: optimizer state is keyed by int
+        return {"__items__": [[k, flatten_state(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
+
+def unflatten_state(obj, tensors):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        return {k: unflatten_state(v, tensors) for k, v in obj["__items__"]}
+    if isinstance(obj, list):
+        return [unflatten_state(v, tensors) for v in obj]
+    return obj
+
+def write_state(folder, name, state):
+    """state -> <name>.json + <name>.safetensors."""
+    from safetensors.torch import save_file
+    tensors = {}
+    skeleton = flatten_state(state, tensors)
+    save_file(tensors, str(Path(folder, f"{name}.safetensors")))
+    follow_umask(Path(folder, f"{name}.safetensors"))
+    Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
+
+def read_state(folder, name):
+    from safetensors.torch import load_file
+    return unflatten_state(json.loads(Path(folder, f"{name}.json").read_text()),
+                           load_file(str(Path(folder, f"{name}.safetensors"))))
+
+def rng_state():
+    state = {"torch": torch.get_rng_state()}  # LoRA dropout draws from the global generators
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+def restore_rng(checkpoint, rank):
+    """This process's RNG state from a checkpoint (one file per process; check_resume_processes checked the count)."""
+    if (checkpoint / f"rng-{rank}.json").is_file():
+        rng = read_state(checkpoint, f"rng-{rank}")
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+@contextlib.contextmanager
+def writing(path):
+    """A write that fails (a full disk or quota, --output_dir removed under the run) ends the run with one line naming
+    `path` (exit 1), not a traceback. A folder that vanished is not made again (an empty one would hide the loss)."""
+    if not Path(path).parent.is_dir():
+        raise TrainingStopped(f"could not write {path}: {Path(path).parent} is gone (removed during the run?)")
+    try:
+        yield
+    except WRITE_ERRORS as e:
+        raise TrainingStopped(f"could not write {path} ({e})") from None
+
+@functools.cache
+def umask():
+    """The process's umask (reading it means setting it: done once, before any thread starts)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+def follow_umask(path):
+    """Give a written file the ordinary mode 0o666 & ~umask: safetensors >= 0.8 writes 0600 files, which another
+    user or container cannot read when the LoRA is copied into a shared model folder."""
+    os.chmod(path, 0o666 & ~umask())
+
+def write_json_atomic(path, data):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        m = CHECKPOINT_RE.match(path.name)
+        if m and path.is_dir():
+            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
+                found.append((int(m.group(1)), path))
+            else:
+                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
+    return [p for _, p in sorted(found)]
+
+def agree_seed(args, checkpoint, accelerator):
+    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
+    seed = args.seed
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
+        if seed is not None and seed != saved:
+            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
+                           "continue the original one exactly")
+        seed = saved if seed is None else seed
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+        seed = broadcast_object_list([seed])[0] if accelerator.num_processes > 1 else seed
+        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
+    return seed
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The FLUX.2 families ([dev], [klein]): what differs, read from the checkpoint and its pipeline
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between FLUX.2 checkpoints, read from their model_index.json; the rest is shared."""
+
+    name: str
+    pipeline: str  # diffusers class
+    text_encoder: str  # transformers class
+    distilled: bool = False  # [klein] distilled checkpoints sample in a few steps without CFG
+
+FAMILIES = {"Flux2Pipeline": ("FLUX.2 [dev]", "Mistral3ForConditionalGeneration"),
+            "Flux2KleinPipeline": ("FLUX.2 [klein]", "Qwen3ForCausalLM")}
+
+def read_model_json(args, name, what):
+    """A small JSON file of the checkpoint (for a Hub id only that file is fetched) -> dict; UsageError naming `what`
+    when it cannot be read."""
+    try:
+        if Path(args.pretrained_model_name_or_path).is_dir():
+            path = Path(args.pretrained_model_name_or_path, name)
+        else:
+            from huggingface_hub import hf_hub_download
+            path = hf_hub_download(args.pretrained_model_name_or_path, name, revision=args.revision,
+                                   cache_dir=args.cache_dir)
+        return json.loads(Path(path).read_text())
+    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
+                         f"{what} ({e})") from None
+
+def detect_family(args):
+    """The checkpoint's family from its model_index.json (a small file; no weights are read)."""
+    config = read_model_json(args, "model_index.json", "model_index.json")
+    if config.get("_class_name") not in FAMILIES:
+        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
+                         f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
+    name, text_encoder = FAMILIES[config["_class_name"]]
+    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
+
+def pipeline_default(family, method, parameter):
+    """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
+    import diffusers
+    return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
+
+def default_sampling_steps(family):
+    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
+    return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
+
+def resolve_family_defaults(args, family):
+    """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
+    layers = list(pipeline_default(family, "encode_prompt", "text_encoder_out_layers"))
+    if args.text_encoder_out_layers is None:
+        args.text_encoder_out_layers = layers
+    elif list(args.text_encoder_out_layers) != layers:
+        logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
+                       f"default {layers}")
+    if family.distilled:
+        size = re.search(r"(\d+B)\b", str(args.pretrained_model_name_or_path))
+        base = f"black-forest-labs/FLUX.2-klein-base-{size.group(1)}" if size else "the base [klein] checkpoint"
+        logger.warning(f"{args.pretrained_model_name_or_path} is a distilled FLUX.2 [klein] (few-step) checkpoint: "
+                       f"train LoRAs on {base}, as its authors recommend; the LoRA then works on both, and distilled "
+                       "validation here shows what it gives at 4 steps")
+    if args.validation_inference_steps is None:
+        args.validation_inference_steps = default_sampling_steps(family)
+    if args.validation_guidance_scale is None:
+        args.validation_guidance_scale = 1.0 if family.distilled else pipeline_default(family, "__call__",
+                                                                                          "guidance_scale")
+    logger.info(f"{family.name}{' (distilled)' if family.distilled else ''}: text-encoder layers "
+                f"{args.text_encoder_out_layers}, validation with {args.validation_inference_steps} steps")
+
+def load_pipeline_tokenizer(args):
+    """The FLUX.2 tokenizer without torchvision: the Hub's PixtralProcessor folder holds a plain fast tokenizer."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path, subfolder="tokenizer",
+                                              revision=args.revision, cache_dir=args.cache_dir)
+    if not tokenizer.chat_template:
+        raise UsageError(f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
+                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
+    return tokenizer
+
+def guidance_scale(args, family):
+    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
+    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
+
+def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
+    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
+    encodes them ([dev]: Mistral chat with FLUX.2's system message; [klein]: Qwen3 chat)."""
+    import diffusers
+    kwargs = dict(text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts),
+                  max_sequence_length=max_sequence_length, hidden_states_layers=list(out_layers))
+    if family.pipeline == "Flux2KleinPipeline":
+        return diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(**kwargs)
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    return diffusers.Flux2Pipeline._get_mistral_3_small_prompt_embeds(system_message=SYSTEM_MESSAGE, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Image files and loss masks: decoding, EXIF, modes, the folder scan and its index, `datasets` rows
+
+NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
 RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
+
+def to_rgb(image):
+    """Any Pillow mode -> 8-bit RGB: 16/32-bit grey scaled (not clipped) to 8 bits, palettes expanded, CMYK
+    converted, transparency composited on a neutral grey."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+        array = np.asarray(image, dtype=np.float64)
+        scale = 257.0 if image.mode != "F" and array.max() > 255 else 1.0  # 16-bit data: 65535 -> 255
+        image = Image.fromarray(np.clip(array / scale, 0, 255).round().astype(np.uint8), "L")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*NEUTRAL_GREY, 255)), rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+def oriented_size(image):
+    """(width, height) as displayed: EXIF orientations 5-8 rotate by 90 degrees. Reads the header only."""
+    w, h = image.size
+    return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
+
+def inspect_image(path):
+    """Decode and hash one file -> ((width, height) as displayed, sha256). Decoding catches corrupt, truncated and
+    oversized files now rather than hours into training; JPEGs decode at 1/8 scale (every entropy-coded byte is
+    still read; the inverse DCT and colour conversion run on 1/64 of the pixels). Pillow and hashlib release the
+    GIL: threads scale."""
+    data = Path(path).read_bytes()
+    if not data:
+        raise ValueError("empty file")
+    with Image.open(io.BytesIO(data)) as im:  # over MAX_IMAGE_PIXELS: raises (scan_image_folder's filter)
+        size = oriented_size(im)
+        if im.format == "JPEG":
+            im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
+        im.load()
+    return size, hashlib.sha256(data).hexdigest()
+
+def scan_image_folder(folder, read_captions=True, index=None, progress=False):
+    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
+
+    Every image is decoded and hashed once, on as many threads as cores, so a corrupt, truncated, empty or oversized
+    (decompression-bomb) file is reported now, all of them in one message; files `index` (a ScanIndex, updated in
+    place) knows unchanged are neither decoded nor hashed again. `progress` shows a bar."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: no such folder")
+    index = ScanIndex() if index is None else index
+    scanned_at = time.time()
+    records, bad, empty_captions, found = [], [], [], {}
+    candidates = [p for p in sorted(folder.iterdir())
+                  if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
+    stems = {p.stem for p in candidates}
+    masks = {p.stem[:-5]: p for p in candidates if p.stem.endswith("_mask") and p.stem[:-5] in stems}  # x_mask: x's
+    images = [p for p in candidates if p not in set(masks.values())]  # x_mask.png beside x.png is x's mask
+    stats = {p: p.stat() for p in images}
+    known = {p: index.lookup(p.name, stats[p]) for p in images}
+    todo = [p for p in images if known[p] is None]
+    index.hits, index.decoded = len(images) - len(todo), len(todo)
+    # the filter is process-wide, so the threads see it; only this thread enters and leaves it
+    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(cpu_cores()) as pool:
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        jobs = {p: pool.submit(inspect_image, p) for p in todo}
+        for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
+            try:
+                size, sha = known[path] or jobs[path].result()
+            except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
+                bad.append(f"{path}: {e}")
+                continue
+            found[path.name] = (stats[path], size, sha)
+            caption = None
+            txt = path.with_suffix(".txt")
+            if read_captions and txt.is_file():
+                try:
+                    caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
+                except UnicodeDecodeError as e:
+                    bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
+                if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
+                    empty_captions.append(txt.name)
+            mask = masks.get(path.stem)
+            records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
+                                       mask_path=str(mask) if mask else None, sha256=sha))
+    index.keep(found, scanned_at)
+    if bad:
+        raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
+    if empty_captions:
+        warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
+                      "those images use --instance_prompt", stacklevel=2)
+    return records
+
+class ScanIndex:
+    """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
+    time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
+    `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
+
+    def __init__(self, files=None):
+        self.files, self.hits, self.decoded = dict(files or {}), 0, 0
+
+    def lookup(self, name, stat):
+        entry = self.files.get(name)
+        if isinstance(entry, list) and len(entry) == 5 and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+            return tuple(entry[2:4]), entry[4]
+        return None
+
+    def keep(self, found, scanned_at):
+        """Keep the entries of `found` ({name: (stat, size, sha256)}), dropping files no longer there; a file changed
+        within RACY_SECONDS of the scan is left out (a same-size edit in the same tick would look unchanged)."""
+        self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
+                      if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
+
+def scan_folder(folder, cache, accelerator, read_captions=True):
+    """scan_image_folder with what earlier scans learnt (the disk cache's index: unchanged files are not decoded)."""
+    tic = time.perf_counter()
+    with cache.scan_index(folder, accelerator) as index:
+        records = scan_image_folder(folder, read_captions, index, progress=accelerator.is_local_main_process)
+    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
+                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
+    return records
+
+def load_instance_images(args, cache, accelerator, cond_column=None):
+    """The instance images: --instance_data_dir's files, or --dataset_name's rows (with `cond_column`, each record
+    carries its row's condition images: edit training)."""
+    if args.dataset_name:
+        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
+                               args.cache_dir, cond_column)
+    records = scan_folder(args.instance_data_dir, cache, accelerator)
+    if not records:
+        raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found "
+                         f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    return records
+
+def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
+    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
+    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references)."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
+    split = load_dataset(name, config, cache_dir=cache_dir)["train"]
+    for flag_name, column in (("--image_column", image_column), ("--caption_column", caption_column),
+                              ("--cond_image_column", cond_column)):
+        if column is not None and column not in split.column_names:
+            raise UsageError(f"{flag_name} {column!r} is not a column of {name}; columns: "
+                             f"{', '.join(split.column_names)}")
+    captions = split[caption_column] if caption_column else [None] * len(split)
+    conditions = split[cond_column] if cond_column else [()] * len(split)
+    records, empty = [], []
+    for i, (image, caption, cond) in enumerate(zip(split[image_column], captions, conditions)):
+        cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
+        if cond_column and not cond:
+            empty.append(str(i))
+        if not all(isinstance(c, Image.Image) for c in cond):
+            raise UsageError(f"--cond_image_column {cond_column!r}: row {i} holds {type(cond[0]).__name__}, not images "
+                             f"(feature {split.features[cond_column]}); cast the column to datasets.Image() (in a "
+                             "metadata.jsonl, name it <something>_file_name)")
+        refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
+                     for j, c in enumerate(cond))
+        if isinstance(caption, (list, tuple)):  # a list of captions: alternatives, as the lines of a caption file
+            caption = "\n".join(c for c in caption if c)
+        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), image=image, conditions=refs,
+                                   caption=(caption or "").strip() or None))
+    if empty:
+        raise UsageError(f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
+                         f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
+    return records
+
+def load_mask(record):
+    """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
+    if record.mask_path is not None:
+        return ImageOps.exif_transpose(Image.open(record.mask_path)).convert("L")
+    image = ImageOps.exif_transpose(Image.open(record.path) if record.path is not None else record.image)
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        return image.convert("RGBA").getchannel("A")
+    return None
+
+def key_mask(dataset, key):
+    """The loss mask of a latent key, transformed like its pixels -> [1, H, W] in [0, 1] (ones: no mask)."""
+    kind, image_id, bucket, (rh, rw), top, left, flip = key
+    mask = load_mask(dataset.record(kind, image_id)) if kind == "instance" else None
+    if mask is None:
+        return torch.ones(1, *bucket)
+    mask = mask.resize((rw, rh), Image.Resampling.BILINEAR).crop((left, top, left + bucket[1], top + bucket[0]))
+    if flip:
+        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
+
+def reduce_mask(mask, latent_hw):
+    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
+    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
+
+def prepare_masks(dataset, latents):
+    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
+    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
+    cache = SampleCache()
+    for key in dict.fromkeys(dataset.cached_latent_keys()):
+        cache.put(key, reduce_mask(key_mask(dataset, key)[None], latents[key].shape[-2:]))
+    return cache
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The disk cache: content-addressed entries, leases, eviction, the scan index, the dataset manifest
+
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
 RECOMPUTE_ADVICE = ("rerunning the same command recomputes it (add --resume_from_checkpoint latest to keep the steps "
                     "done; a --from_manifest run cannot recompute: rerun the command that wrote its manifest first)")
-
 
 class DiskStore:
     """A persistent, content-addressed mapping: key -> <folder>/<digest[:2]>/<digest>.safetensors, `digest(key)`
@@ -1618,8 +2629,7 @@ class DiskStore:
     [dev] captions are 15.7 GB). An entry's SHA-256 is checked at its first read in a run; a mismatch (bit rot, an
     edited file) deletes it and stops the run, whose rerun recomputes it. Values are read at every lookup: host memory
     does not grow with the cache. A read sets the entry's mtime, eviction's LRU clock (atime is often off). A failed
-    write never stops the run: `owner` warns once and entries stay in memory from then on. safetensors only: nothing
-    is unpickled."""
+    write never stops the run: `owner` warns once and entries stay in memory from then on."""
 
     def __init__(self, folder, digest, owner):
         self.folder, self.digest, self.owner = Path(folder), digest, owner
@@ -1661,7 +2671,6 @@ class DiskStore:
 
     def __getitem__(self, key):
         from safetensors import safe_open
-
         if key in self.memory:
             return self.memory[key]
         path = self.path(key)
@@ -1683,7 +2692,6 @@ class DiskStore:
 
     def __setitem__(self, key, value):
         from safetensors.torch import save_file
-
         if self.owner.write_error is not None:
             self.memory[key] = value
             return
@@ -1708,25 +2716,21 @@ class DiskStore:
     def __len__(self):
         return len(self.present) + len(self.memory)
 
-
 @contextlib.contextmanager
 def folder_lock(root):
     """Exclusive lock of a cache folder (flock on <root>/.lock, dropped by the kernel if the holder dies): taking a
-    lease and evicting exclude each other, so an eviction never sees half of a lease or misses a new one. Where the
-    file system has no locks (ENOLCK), runs sharing the folder are not protected (the README says so)."""
+    lease and evicting exclude each other. Where the file system has no locks (ENOLCK), runs sharing the folder are
+    not protected (the README says so)."""
     import fcntl
-
     with open(Path(root, ".lock"), "a") as f:
         with contextlib.suppress(OSError):
             fcntl.flock(f, fcntl.LOCK_EX)
         yield
 
-
 def lease_is_live(path):
     """A lease is live while its run holds the flock on it; the kernel drops the lock when the process dies (even on
     SIGKILL), so no heartbeat or clock is needed. Locks that cannot be probed count as live."""
     import fcntl
-
     try:
         with open(path) as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1736,14 +2740,12 @@ def lease_is_live(path):
         return True
     return False
 
-
 def take_lease(root, entries):
     """Record that this process uses `entries` (paths relative to `root`) until it exits: <root>/leases/<host>-<pid>-
-    <random>.json names them, and this process keeps an exclusive flock on it. -> the open lease file (the lock lives
+    <random>.json names them, and this process keeps an exclusive flock on it -> the open lease file (the lock lives
     as long as it stays open). Raises OSError when the folder cannot be written."""
     import fcntl
     import socket
-
     (Path(root) / "leases").mkdir(parents=True, exist_ok=True)
     with folder_lock(root):
         path = Path(root, "leases", f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json")
@@ -1755,12 +2757,10 @@ def take_lease(root, entries):
         f.flush()
     return f
 
-
 def release_lease(lease):
     with contextlib.suppress(OSError):
         Path(lease.name).unlink()
         lease.close()
-
 
 @dataclass
 class Eviction:
@@ -1771,7 +2771,6 @@ class Eviction:
     evicted: int
     evicted_bytes: int
     protected_bytes: int  # entries this or another live run uses: never deleted
-
 
 def cache_entries(root):
     """-> [(mtime, bytes, path relative to root)] of every entry under root (prompts/, latents/, ...)."""
@@ -1786,7 +2785,6 @@ def cache_entries(root):
                         st = entry.stat()
                         found.append((st.st_mtime, st.st_size, f"{kind.name}/{shard.name}/{entry.name}"))
     return found
-
 
 def evict_lru(root, max_bytes, keep=()):
     """Delete least-recently-used entries of `root` until it holds at most `max_bytes`, never one in `keep` (the
@@ -1814,29 +2812,23 @@ def evict_lru(root, max_bytes, keep=()):
                 evicted, evicted_bytes, size = evicted + 1, evicted_bytes + nbytes, size - nbytes
     return Eviction(before, size, evicted, evicted_bytes, sum(e[1] for e in entries if e[2] in protected))
 
-
 class DiskCache:
-    """The disk cache of a run (--precompute_cache_dir): its entry stores, the scan index of image folders, its lease,
-    the bound and --from_manifest's manifest; the core reaches it through the interface MemoryCache describes.
-    Nothing here may stop a run: the first write that fails warns once, naming the folder and the error, and from
-    then on new entries stay in memory (and nothing more is written: no lease, no index, no eviction)."""
+    """The disk cache of a run (--precompute_cache_dir): its entry stores, the scan index of image folders, its lease
+    and bound; the recipe reaches it through the interface MemoryCache describes. Nothing here may stop a run: the
+    first write that fails warns once, naming the folder and the error, and from then on new entries stay in memory
+    (and nothing more is written: no lease, no index, no eviction)."""
 
     persistent = True
 
-    def __init__(self, root, max_bytes=None, manifest=None):
-        self.root, self.max_bytes, self.manifest = Path(root), max_bytes, manifest
+    def __init__(self, root, max_bytes=None):
+        self.root, self.max_bytes = Path(root), max_bytes
         self.write_error, self.lease, self.identity = None, None, None
         self.paths, self.missing = {}, set()  # {"prompts"/"latents": {key: entry}}; entries not cached at the start
 
     @classmethod
     def open(cls, root, args):
-        """The cache folder of `args`, made if missing (a folder that cannot be made warns); the manifest of
-        --from_manifest is read here, once."""
-        manifest = read_manifest(args.from_manifest) if args.from_manifest else None
-        if manifest is not None and manifest["model"]["latent_identity"] is None:
-            raise UsageError(f"--from_manifest {args.from_manifest} was written by a run without --cache_latents: the "
-                             "cache holds no latents of its images")
-        cache = cls(root, int(args.precompute_cache_max_gb * 1e9), manifest)
+        """The cache folder of `args`, made if missing (a folder that cannot be made warns)."""
+        cache = cls(root, int(args.precompute_cache_max_gb * 1e9))
         try:
             cache.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -1859,31 +2851,29 @@ class DiskCache:
                 except OSError as e:
                     self.unwritable(e)
 
-    def stores(self, args, dataset, family, weight_dtype):
-        """-> (prompt cache, latent cache or None) over this folder: entries named by their key and identity."""
-        self.identity = identity = cache_identity(args, weight_dtype, family, self.manifest)
+    def stores(self, args, dataset, identity):
+        """-> (prompt cache, latent cache or None) over this folder: entries named by their key and identity()."""
+        self.identity = identity = identity()
         prompts = self.store("prompts", lambda text: json_digest("prompt", identity.prompts, text))
         latents = self.store("latents", lambda key: json_digest("latent", identity.latents, content_key(dataset, key)))
         return SampleCache(prompts), SampleCache(latents) if args.cache_latents else None
 
-    def hold(self, accelerator, dataset, needed):
+    def hold(self, accelerator, needed):
         """Lease the entries the run reads (each machine's first process) before anyone looks at them, so no other
-        run's eviction removes what this one has found; note which are missing. With --from_manifest a missing entry
-        is an error: nothing could compute it. needed: {"prompts"/"latents": (SampleCache, keys)}."""
-        self.paths = {name: {k: self.relative(cache.store.path(k)) for k in keys} for name, (cache, keys) in needed.items()}
+        run's eviction removes what this one has found -> the missing keys. needed: {name: (SampleCache, keys)}."""
+        self.paths = {name: {k: self.relative(cache.store.path(k)) for k in keys}
+                      for name, (cache, keys) in needed.items()}
         if accelerator.is_local_main_process:
             self.take_lease([entry for paths in self.paths.values() for entry in paths.values()])
         accelerator.wait_for_everyone()
         todo = {name: cache.todo(keys) for name, (cache, keys) in needed.items()}
-        if self.manifest is not None and any(todo.values()):
-            raise UsageError(missing_entries_message(self, dataset, todo.get("prompts", []), todo.get("latents", []),
-                                                     sum(len(keys) for _, keys in needed.values())))
         self.missing = {self.paths[name][k] for name, keys in todo.items() for k in keys}
+        return todo
 
     def settle(self, args, accelerator, data, caches):
         """After precompute: bound the folder, say what was reused and written, and leave the dataset manifest."""
         settle_cache(accelerator, self, [entry for paths in self.paths.values() for entry in paths.values()])
-        write_manifest(args, accelerator, data.dataset, data.family, self)
+        write_manifest(args, accelerator, data, self)
 
     def unwritable(self, error):
         if self.write_error is None:
@@ -1906,19 +2896,13 @@ class DiskCache:
                 return
             atexit.register(release_lease, self.lease)
 
-
-def default_cache_dir(environ):
-    """The per-user cache folder: $XDG_CACHE_HOME (when absolute, as the XDG spec asks), else ~/.cache."""
-    base = environ.get("XDG_CACHE_HOME", "")
-    return Path(base if os.path.isabs(base) else Path(environ.get("HOME") or Path.home(), ".cache"), TRAINER_NAME)
-
-
 def resolve_cache_dir(value, environ):
-    """--precompute_cache_dir: None -> the per-user default; 'none' -> None (in memory); else the folder given."""
+    """--precompute_cache_dir: None -> the per-user folder ($XDG_CACHE_HOME when absolute, as the XDG spec asks,
+    else ~/.cache); 'none' -> None (in memory); else the folder given."""
     if value is None:
-        return default_cache_dir(environ)
+        base = environ.get("XDG_CACHE_HOME", "")
+        return Path(base if os.path.isabs(base) else Path(environ.get("HOME") or Path.home(), ".cache"), TRAINER_NAME)
     return None if value.lower() == "none" else Path(value).expanduser()
-
 
 def safetensors_header(path):
     """The header of a safetensors file, checked against the file's length (no tensor bytes read) -> dict of tensor
@@ -1939,7 +2923,6 @@ def safetensors_header(path):
         raise ValueError(f"{os.path.getsize(path)} bytes where its header says {8 + length + end}: cut short?")
     return header
 
-
 def check_entry_header(path):
     """A cache entry's structure, from its header alone: one tensor "value", a SHA-256 in the metadata, and a file
     exactly as long as the header says. Raises ValueError (or OSError) otherwise."""
@@ -1947,33 +2930,19 @@ def check_entry_header(path):
     if "value" not in header or len(header.get("__metadata__", {}).get("sha256", "")) != 64:
         raise ValueError("not a cache entry of this trainer (no value or checksum)")
 
-
-def tensor_digest(tensor):
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def human_bytes(n):
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-
-
 def component_folder(args, subfolder):
     """Local folder of a checkpoint component; for a Hub id, the snapshot loading would use (downloaded if absent)."""
     root = Path(args.pretrained_model_name_or_path)
     if root.is_dir():
         return root / subfolder
     from huggingface_hub import snapshot_download
-
     return Path(snapshot_download(args.pretrained_model_name_or_path, revision=args.revision, cache_dir=args.cache_dir,
                                   allow_patterns=[f"{subfolder}/*"])) / subfolder
 
-
 @functools.lru_cache(maxsize=None)
 def fingerprint_folder(folder):
-    """Identity of a model component without loading it: every file's name and size, small files whole, the
-    first and last MiB of larger ones (other or retrained weights differ there). Milliseconds, even for 48 GB."""
+    """Identity of a model component without loading it: every file's name and size, small files whole, the first and
+    last MiB of larger ones (other or retrained weights differ there). Milliseconds, even for 48 GB."""
     digest, sample = hashlib.sha256(), 1 << 20  # bytes read at each end of a large file
     for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
         size = path.stat().st_size
@@ -1987,56 +2956,33 @@ def fingerprint_folder(folder):
                 digest.update(f.read())
     return digest.hexdigest()
 
-
-@functools.lru_cache(maxsize=None)
-def file_digest(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def json_digest(*parts):
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
 @dataclass
 class CacheIdentity:
     """What shapes the cache entries besides their key: the models and settings, hashed into every entry's name."""
 
-    prompts: list  # text encoder and tokenizer fingerprints (or remote URL), length, layers, dtype, family
+    prompts: list  # text encoder and tokenizer fingerprints (or an option's), length, layers, dtype, family
     latents: list | None  # VAE fingerprint, dtype, --latent_sampling; None without --cache_latents
-
 
 def content_key(dataset, key):
     """A latent key with the image id replaced by a hash of the image's bytes: stable across renames."""
     kind, image_id, *rest = key
     return [dataset.record(kind, image_id).content_hash(), *rest]
 
-
-def cache_identity(args, weight_dtype, family, manifest=None):
-    """The identity of this run's entries; with --from_manifest the manifest's (no model is fingerprinted, so the
-    text encoder and VAE need not even be downloaded)."""
-    if manifest is not None:
-        model = manifest["model"]
-        return CacheIdentity(model["prompt_identity"], model["latent_identity"])
+def cache_identity(args, weight_dtype, family, encoder=None):
+    """The identity of this run's entries; `encoder` identifies the text encoder (default: its files' and the
+    tokenizer's fingerprints)."""
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-    encoder = (["remote", args.remote_text_encoder_url] if args.remote_text_encoder else
-               [fingerprint_folder(component_folder(args, "text_encoder")), fingerprint_folder(component_folder(args, "tokenizer"))])
+    encoder = encoder or [fingerprint_folder(component_folder(args, name)) for name in ("text_encoder", "tokenizer")]
     prompts = [*encoder, args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype),
                family.pipeline, SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None]
-    prompts += [] if args.text_encoder_quantization == "none" else [args.text_encoder_quantization]  # other embeddings
     latents = ([fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling]
                if args.cache_latents else None)
     return CacheIdentity(prompts, latents)
 
-
 def settle_cache(accelerator, disk, entries):
     """After precompute: each machine's first process deletes least-recently-used entries beyond the bound (never
-    one a live run uses), and the main process logs one line: where the cache is, what this run reused and wrote,
-    and the cache's size against the bound."""
+    one a live run uses), and the main process logs where the cache is, what this run reused and wrote, and the
+    cache's size against the bound."""
     accelerator.wait_for_everyone()  # every process has written its share
     if not accelerator.is_local_main_process:
         return
@@ -2062,7 +3008,6 @@ def settle_cache(accelerator, disk, entries):
     if accelerator.is_main_process:
         logger.info(line)
 
-
 def report_memory_copies(caches, processes):
     """The in-memory cache is copied into every process: say what that costs, as a warning once it is large."""
     stores = [c.store for c in (caches.prompts, caches.latents, caches.masks) if c is not None]
@@ -2077,43 +3022,16 @@ def report_memory_copies(caches, processes):
     else:
         logger.info(note)
 
-
 MANIFEST_NAME = "dataset_manifest.json"
 MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
-# the flags that shaped a manifest's cache entries: --from_manifest takes them from it
+# the flags that shaped a manifest's cache entries (--from_manifest takes them from it); an option's may be absent
 MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution",
-                       "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers", "latent_sampling")
+                       "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers",
+                       "latent_sampling")
 
-
-def validate_manifest_args(args):
-    """--from_manifest: the manifest and the disk cache replace the data flags; checked before anything loads."""
-    for flag in ("instance_data_dir", "dataset_name", "class_data_dir", "cond_data_dir"):
-        if getattr(args, flag) is not None:
-            raise UsageError(f"--from_manifest replaces --{flag}: the manifest names the data, the cache holds it")
-    if not args.cache_latents:
-        raise UsageError("--from_manifest needs --cache_latents (without the images, latents can only come from the cache)")
-    if resolve_cache_dir(args.precompute_cache_dir, os.environ) is None:
-        raise UsageError("--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
-    if args.masked_loss:
-        raise UsageError("--from_manifest cannot train with --masked_loss: masks are made from the source images")
-
-
-def read_manifest(path):
-    """A dataset manifest (JSON) -> dict; UsageError naming the file when it is not one."""
-    try:
-        manifest = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--from_manifest {path}: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
-        raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
-    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity", "latent_identity"),
-                "instances": (), "classes": (), "entries": (), "cache": ()}
-    missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
-               if part not in manifest or (key and key not in manifest[part])]
-    if missing:
-        raise UsageError(f"--from_manifest {path}: incomplete, {', '.join(missing)} missing")
-    return manifest
-
+def manifest_record(record):
+    row = {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
+    return {**row, "conditions": [manifest_record(c) for c in record.conditions]} if record.conditions else row
 
 def build_manifest(data, model, instances, classes, prompt_entries, latent_entries, cache):
     """The dataset manifest: the settings that shaped the data, the model identity, every source image (name, size,
@@ -2125,128 +3043,1513 @@ def build_manifest(data, model, instances, classes, prompt_entries, latent_entri
             "entries": {"prompts": [{"text": text, "entry": entry} for text, entry in prompt_entries],
                         "latents": [{**dict(zip(fields, key)), "entry": entry} for key, entry in latent_entries]}}
 
-
-def manifest_record(record):
-    row = {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
-    return {**row, "conditions": [manifest_record(c) for c in record.conditions]} if record.conditions else row
-
-
-def manifest_records(rows):
-    """Manifest images -> ImageRecords without a file: enough for keys and sizes, never for pixels."""
-    return [ImageRecord(name=r["name"], size=tuple(r["size"]), caption=r["caption"], sha256=r["sha256"],
-                        conditions=tuple(manifest_records(r.get("conditions", [])))) for r in rows]
-
-
-def write_manifest(args, accelerator, dataset, family, disk):
+def write_manifest(args, accelerator, data, disk):
     """<output_dir>/dataset_manifest.json (main process): enough to train again from the cache alone
     (--from_manifest), with the images gone."""
     if not accelerator.is_main_process:
         return
-    data = {flag: getattr(args, flag) for flag in MANIFEST_DATA_FLAGS}
-    data.update(buckets=[list(b) for b in dataset.buckets], seed=dataset.seed, caption_dropout=args.caption_dropout,
-                validation_prompts=validation_prompts(args), resolutions=list(args.resolutions),
-                ladders=[[list(b) for b in ladder] for ladder in dataset.ladders])
+    dataset = data.dataset
+    settings = {name: vars(args).get(name) for name in MANIFEST_DATA_FLAGS}  # an option's flag may be absent
+    settings.update(buckets=[list(b) for b in dataset.buckets], seed=dataset.seed, caption_dropout=args.caption_dropout,
+                    validation_prompts=validation_prompts(args, data), resolutions=list(args.resolutions),
+                    ladders=[[list(b) for b in ladder] for ladder in dataset.ladders])
     model = {"pretrained_model_name_or_path": args.pretrained_model_name_or_path, "revision": args.revision,
-             "family": family.pipeline, "prompt_identity": disk.identity.prompts, "latent_identity": disk.identity.latents}
-    latents = [((k[0], dataset.record(k[0], k[1]).name, *k[2:]), entry) for k, entry in disk.paths.get("latents", {}).items()]
-    manifest = build_manifest(data, model, dataset.instances, dataset.classes, list(disk.paths["prompts"].items()), latents,
-                              disk.root)
-    write_json_atomic(Path(args.output_dir, MANIFEST_NAME), manifest)
+             "family": data.family.pipeline, "prompt_identity": disk.identity.prompts,
+             "latent_identity": disk.identity.latents}
+    latents = [((k[0], dataset.record(k[0], k[1]).name, *k[2:]), e) for k, e in disk.paths.get("latents", {}).items()]
+    write_json_atomic(Path(args.output_dir, MANIFEST_NAME), build_manifest(
+        settings, model, dataset.instances, dataset.classes, list(disk.paths["prompts"].items()), latents, disk.root))
 
 
-def apply_manifest(args, manifest):
-    """--from_manifest: the data flags become the manifest's (one given differently is overridden, with a warning),
-    the seed too unless --seed is given (random crops depend on it). -> (instance records, class records)."""
-    data, parser = manifest["data"], build_parser()
-    for flag in MANIFEST_DATA_FLAGS:
-        if getattr(args, flag) not in (parser.get_default(flag), data[flag]):
-            logger.warning(f"--{flag} {getattr(args, flag)} ignored: the cached data were made with {data[flag]!r} "
-                           "(from the manifest)")
-        setattr(args, flag, data[flag])
-    args.resolutions = tuple(data.get("resolutions", [data["resolution"]]))
-    args.aspect_ratio_buckets = "|".join(";".join(f"{h},{w}" for h, w in ladder) for ladder in data.get("ladders", [data["buckets"]]))
-    args.use_aspect_ratio_buckets = False
-    args.seed = data["seed"] if args.seed is None else args.seed
-    args.num_class_images = len(manifest["classes"])
-    instances, classes = manifest_records(manifest["instances"]), manifest_records(manifest["classes"])
-    logger.info(f"--from_manifest {args.from_manifest}: {len(instances)} instance and {len(classes)} class images, "
-                f"their data settings and seed {data['seed']}")
-    return instances, classes
+# ----------------------------------------------------------------------------------------------------------------
+# Small helpers: digests, sizes, cores, the VAE's placement, library noise
+
+def tensor_digest(tensor):
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+@functools.lru_cache(maxsize=None)
+def file_digest(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+def json_digest(*parts):
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+def human_bytes(n):
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+def loader_workers(requested, cache_latents, local_processes):
+    """DataLoader workers: as requested; by default none with --cache_latents (a batch is a list of indices, all
+    inputs come from the caches), else a share of this machine's cores so decoding overlaps training."""
+    if requested is not None:
+        return requested
+    return 0 if cache_latents else max(1, min(8, cpu_cores() // local_processes - 1))
+
+@contextlib.contextmanager
+def on_device(module, device, offload):
+    """--offload: `module` lives on the CPU and comes to `device` only while it runs (cost: one host-device copy of
+    its weights each time, about 0.2 GB for the FLUX.2 VAE)."""
+    if not offload or module is None:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to("cpu")
+
+def quiet_library_imports():
+    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
+    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
+    a plain run never uses. Their loggers keep errors only."""
+    import logging
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
+              "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
+              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
+              "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
 
 
-def check_manifest_model(args, manifest, family):
-    model = manifest["model"]
-    if model["family"] != family.pipeline:
-        raise UsageError(f"--from_manifest {args.from_manifest}: its entries were made for a {model['family']} "
-                         f"checkpoint, --pretrained_model_name_or_path is a {family.pipeline}")
-    if model["pretrained_model_name_or_path"] != args.pretrained_model_name_or_path:
-        logger.warning(f"--from_manifest: its embeddings and latents were made with "
-                       f"{model['pretrained_model_name_or_path']}, training {args.pretrained_model_name_or_path}")
+# ----------------------------------------------------------------------------------------------------------------
+# Several processes: the distributed mode, agreeing on what to encode, sharing it, the same images everywhere
+
+def is_fsdp(accelerator):
+    from accelerate.utils import DistributedType
+    return accelerator.distributed_type == DistributedType.FSDP
+
+def fsdp_requested():
+    """Whether accelerate was launched with FSDP (its config sets this), known before the Accelerator exists."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+
+def local_processes(accelerator):
+    """Processes on this machine (torchrun and accelerate set LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+
+def distributed_mode(accelerator):
+    """How the run is spread, in words, for the start-up summary."""
+    from accelerate.utils import DistributedType
+    n, kind = accelerator.num_processes, accelerator.device.type
+    machines = max(1, n // local_processes(accelerator))
+    where = f"{n} {'GPUs' if kind == 'cuda' else 'processes'}" + (f" on {machines} machines" if machines > 1 else "")
+    if accelerator.distributed_type == DistributedType.NO:
+        return f"one process on the {'GPU' if kind == 'cuda' else kind.upper()}"
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return f"FSDP (each process holds a shard of the model) over {where}"
+    return f"data parallel (every process a full copy, gradients averaged) over {where}"
+
+def agreed_todo(cache, keys, accelerator):
+    """cache.todo(keys), the same on every process (a collective): the entries some process lacks, in the order of
+    `keys`. With a cache folder per machine the folders can differ (one machine's entries evicted, or a new machine),
+    and the shares, rounds and collectives of precompute must be the same everywhere."""
+    todo = cache.todo(keys)
+    if accelerator.num_processes == 1:
+        return todo
+    lacking = {k for keys_of_one in gather_object([todo]) for k in keys_of_one}
+    return [k for k in dict.fromkeys(keys) if k in lacking]
+
+def check_same_images(accelerator, instances, classes):
+    """Every process must train on the same images. Folders of each machine's own can differ (stale copies; class
+    images, which every process generates into its --class_data_dir, each its share): the processes would build
+    different datasets and fail or hang at their first collective that no longer matches. Raises UsageError."""
+    if accelerator.num_processes == 1:
+        return
+    def digest(records):
+        return json_digest(sorted([r.name, list(r.size), r.content_hash()] for r in records))
+    seen = gather_object([(len(instances), len(classes), digest(instances), digest(classes))])
+    if len(set(seen)) > 1:
+        counts = "; ".join(f"process {r}: {n} instance and {c} class images" for r, (n, c, _, _) in enumerate(seen))
+        raise UsageError(f"the processes see different images ({counts}): every machine must see the same files at "
+                         "the same path. Share --instance_data_dir and --class_data_dir between machines or copy them; "
+                         "class images are generated by every process into its --class_data_dir, each its share, so "
+                         "with a folder per machine copy each machine's new class images into the others' folders")
+
+SHARE_PER_ROUND = 16  # entries a process sends per collective: no process pickles the whole cache into one buffer
+
+def share_entries(cache, keys, accelerator):
+    """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]): on a
+    disk every process sees, once everyone has written; otherwise (in memory, a folder per machine, or one that could
+    not be written) SHARE_PER_ROUND entries per round."""
+    if accelerator.num_processes == 1:
+        return
+    accelerator.wait_for_everyone()
+    store = cache.store
+    unseen = {k for k in keys if not (store.visible(k) if isinstance(store, DiskStore) else k in store)}
+    if not any(gather_object([len(unseen)])):
+        return
+    shares = [keys[r::accelerator.num_processes] for r in range(accelerator.num_processes)]
+    mine = shares[accelerator.process_index]
+    for start in range(0, max(map(len, shares)), SHARE_PER_ROUND):
+        for key, value in gather_object([(k, cache[k]) for k in mine[start:start + SHARE_PER_ROUND]]):
+            if key in unseen:
+                cache.put(key, value)
 
 
-def missing_entries_message(disk, dataset, prompts, latents, needed):
-    """--from_manifest refusal: how many entries are missing and which images (or prompts) they came from."""
+# ----------------------------------------------------------------------------------------------------------------
+# Outputs: the progress sheet, trackers, the model card, the upload
+
+def show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale):
+    """After a validation: the condition image beside its images (edit mode), the progress sheet (a row label per
+    prompt and strength when there are several), the trackers, a log line."""
+    if condition is not None:
+        condition.save(folder / "condition.png")
+    elif stale:
+        (folder / "condition.png").unlink()
+    count = len(images) // (len(specs) * len(scales))
+    labels = [f"prompt {k + 1}, x{scale:g}" for k in range(len(specs)) for scale in scales for _ in range(count)]
+    sheet = update_progress_sheet(folder, tag, step, len(images), labels if len(labels) > count else None)
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard" and len({im.size for im in images}) == 1:
+            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step,
+                                      dataformats="NHWC")
+        elif tracker.name == "tensorboard":  # several sizes: one image each
+            for row, image in enumerate(images):
+                tracker.writer.add_image(f"validation/{tag}/{row}", np.asarray(image), step, dataformats="HWC")
+        elif tracker.name == "wandb":
+            import wandb
+            captions = [f"{tag}: {specs[r // (count * len(scales))].prompt}" for r in range(len(images))]
+            tracker.log({"validation": [wandb.Image(im, caption=c) for im, c in zip(images, captions)]}, step=step)
+    logger.info(f"validation images ({', '.join(repr(s.prompt) for s in specs)}) in {folder}: {tag}-*.png; progress "
+                f"sheet {sheet}")
+
+def condition_changed(folder, condition):
+    """Whether validation/condition.png (the condition the base images were made for) is not `condition` (a PIL
+    image, or None for text-to-image validation)."""
+    path = Path(folder, "condition.png")
+    if not path.is_file():
+        return condition is not None
+    with Image.open(path) as old:
+        return condition is None or not np.array_equal(np.asarray(old.convert("RGB")), np.asarray(condition))
+
+def base_images_missing(accelerator, folder, count, stale=False):
+    """Whether the base model's validation images are still to be made (once per output folder, so resumes skip
+    them, unless `stale`: made for another condition image); agreed with the main process under FSDP, where every
+    process generates."""
+    missing = [stale or not all(Path(folder, f"base-{i}.png").is_file() for i in range(count))]
+    if is_fsdp(accelerator):
+        broadcast_object_list(missing)
+    return missing[0]
+
+def update_progress_sheet(folder, tag, step, count, labels=None):
+    """Add the column of validation `tag` (at optimizer `step`) to validation/progress-0.png, after the condition
+    image (edit mode), the base model and the validations before it. A column of a later step is dropped first:
+    after a resume the run goes on from an earlier step. The columns are listed in progress-0.json; their images are
+    the PNGs of the folder."""
+    record = Path(folder, "progress-0.json")
+    columns = json.loads(record.read_text())["columns"] if record.is_file() else []
+    columns = [c for c in columns if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
+    write_json_atomic(record, {"columns": columns})
+    condition = Path(folder, "condition.png")
+    sheet = progress_sheet(([("", [label_image(text) for text in labels])] if labels else []) +
+                           ([("condition", [Image.open(condition)])] if condition.is_file() else []) +
+                           [("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])] +
+                           [(f"step {c['step']}", [Image.open(Path(folder, f"{c['tag']}-{i}.png"))
+                                                   for i in range(count)]) for c in columns])
+    path = Path(folder, "progress-0.png")
+    sheet.save(path)
+    return path
+
+def label_image(text):
+    """A row label of the progress sheet."""
+    from PIL import ImageDraw, ImageFont
+    font = ImageFont.load_default()
+    width = int(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(text, font=font)) + 8
+    image = Image.new("RGB", (width, 16), "white")
+    ImageDraw.Draw(image).text((4, 2), text, fill="black", font=font)
+    return image
+
+def progress_sheet(columns):
+    """[(caption, [image per row])] -> one image: a column per entry, its caption on top, rows aligned. Users pick
+    the best checkpoint from it."""
+    from PIL import ImageDraw, ImageFont
+    font, pad, text_h = ImageFont.load_default(), 4, 14
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    rows = max(len(images) for _, images in columns)
+    widths = [max([im.width for im in images] + [int(measure.textlength(caption, font=font))])
+              for caption, images in columns]
+    heights = [max(images[r].height for _, images in columns if r < len(images)) for r in range(rows)]
+    size = (sum(widths) + pad * (len(columns) + 1), text_h + sum(heights) + pad * (rows + 2))
+    sheet = Image.new("RGB", size, "white")
+    draw, x = ImageDraw.Draw(sheet), pad
+    for (caption, images), width in zip(columns, widths):
+        draw.text((x, pad), caption, fill="black", font=font)
+        y = text_h + 2 * pad
+        for r, image in enumerate(images):
+            sheet.paste(image.convert("RGB"), (x, y))
+            y += heights[r] + pad
+        x += width + pad
+    return sheet
+
+def describe_captions(dataset):
+    """One sentence for the log and the model card: captions and their alternatives."""
+    counts = [len(caption_lines(r.caption)) for r in dataset.instances]
+    captioned = sum(1 for c in counts if c)
+    return (f"{captioned} of {len(counts)} images captioned, {sum(counts)} caption alternatives (one drawn per sample "
+            f"and epoch)." if captioned else f"{len(counts)} images, all with the instance prompt.")
+
+def available_trackers(report_to):
+    """--report_to -> (the trackers to start, those not installed: skipped with a warning)."""
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+    wanted = {"all": ["tensorboard", "wandb"], "none": []}.get(report_to, report_to.split(","))
+    available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
+    return [t for t in wanted if available.get(t, True)], [t for t in wanted if not available.get(t, True)]
+
+def tracker_config(args):
+    """Flags for the trackers: scalars only, and never the Hub token."""
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
+            if k != "hub_token" and v is not None}
+
+def write_model_card(args, image_paths, prompt, run):
+    """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub. An edit dataset makes an
+    image-to-image LoRA, used with a condition image."""
+    dataset, family = run.data.dataset, run.data.family
+    edit = bool(dataset.conditions)
+    images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
+    widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
+    gallery = "\n".join(f"![{prompt}]({p})" for p in images)
+    if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
+        gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
+                    "![progress](validation/progress-0.png)")
+    shown = prompt or args.instance_prompt or "..."
+    kind = run.hooks.first("adapter_name", default=lambda: "LoRA")
+    notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset)])
+    use = f'image = pipe("{shown}").images[0]'
+    if edit:
+        use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
+               f'image = pipe(image=condition, prompt="{shown}").images[0]')
+    text = f"""---
+base_model: {args.pretrained_model_name_or_path}
+library_name: diffusers
+license: other
+instance_prompt: {json.dumps(args.instance_prompt)}
+tags:
+- {"image-to-image" if edit else "text-to-image"}
+- diffusers
+- lora
+- flux2
+- {"flux2-klein" if family.pipeline == "Flux2KleinPipeline" else "flux2-dev"}
+- dreambooth
+widget:
+{widget}---
+
+# {family.name} DreamBooth LoRA
+
+{kind} adapters (rank {args.rank}, alpha {args.lora_alpha}) for `{args.pretrained_model_name_or_path}`, trained with
+DreamBooth on {f"the prompt `{args.instance_prompt}`" if args.instance_prompt else "its dataset's captions"} for \
+{args.max_train_steps} steps at learning rate {args.learning_rate}.
+{notes}
+
+{gallery}
+
+## Use
+
+```py
+import torch
+from diffusers import {family.pipeline}
+
+pipe = {family.pipeline}.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
+pipe.enable_model_cpu_offload()  # moves each model to the GPU only while it runs
+pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
+{use}
+```
+
+(FLUX.2 [dev]: loading the Hub tokenizer as a PixtralProcessor needs `torchvision`.)
+
+License: the base model's license applies.
+"""
+    Path(args.output_dir, "README.md").write_text(text, encoding="utf-8")
+
+def push_to_hub(args):
+    from huggingface_hub import create_repo, upload_folder
+    repo_id = create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
+    upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
+                  commit_message="DreamBooth LoRA",  # the manifest names local paths: it stays, as the checkpoints do
+                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", MANIFEST_NAME])
+    logger.info(f"pushed to https://huggingface.co/{repo_id}")
+
+
+# ================================================================================================================
+# Part 3: options (delete what you do not use)
+# Each section is one feature: its flags and an Option class the recipe calls at its seams while the feature is on.
+# Deleting a section (and any line elsewhere marked `# option: NAME`) leaves a script that trains.
+# ================================================================================================================
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: the manifest (--from_manifest: train from the disk cache alone)
+
+@option
+class FromManifest(Option):
+    """A dataset_manifest.json (every run writes one) and the disk cache replace the images, the text encoder and,
+    unless validation needs it, the VAE: the manifest restores the data flags, the seed and the image records; the
+    cache holds every entry. Cost: nothing on a run without it."""
+
+    name = "the manifest"
+    flags = [flag("--from_manifest", type=readable_file, help="Train from a dataset_manifest.json and the disk "
+                  "cache alone: no images, no text encoder (needs --cache_latents).")]
+    replaces_data = no_text_encoder = True
+
+    def check(self):
+        args = self.args
+        for name in ("instance_data_dir", "dataset_name", "class_data_dir", "cond_data_dir"):
+            if vars(args).get(name) is not None:
+                raise UsageError(f"--from_manifest replaces --{name}: the manifest names the data, the cache holds it")
+        if not args.cache_latents:
+            raise UsageError("--from_manifest needs --cache_latents (without the images, latents can only come from "
+                             "the cache)")
+        if resolve_cache_dir(args.precompute_cache_dir, os.environ) is None:
+            raise UsageError("--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
+        if args.masked_loss:
+            raise UsageError("--from_manifest cannot train with --masked_loss: masks are made from the source images")
+
+    def load_images(self, cache, accelerator):
+        self.manifest = read_manifest(self.args.from_manifest)
+        instances, self.classes = apply_manifest(self.args, self.manifest)
+        return instances
+
+    def class_count(self):
+        return len(self.classes)
+
+    def class_images(self, accelerator, seed, family, cache):
+        return self.classes
+
+    def resolve(self, family):
+        model, args = self.manifest["model"], self.args
+        if model["family"] != family.pipeline:
+            raise UsageError(f"--from_manifest {args.from_manifest}: its entries were made for a {model['family']} "
+                             f"checkpoint, --pretrained_model_name_or_path is a {family.pipeline}")
+        if model["pretrained_model_name_or_path"] != args.pretrained_model_name_or_path:
+            logger.warning(f"--from_manifest: its embeddings and latents were made with "
+                           f"{model['pretrained_model_name_or_path']}, training {args.pretrained_model_name_or_path}")
+
+    def cache_identity(self, weight_dtype, family):
+        """The manifest's identity: no model is fingerprinted, so the text encoder need not even be downloaded."""
+        return CacheIdentity(self.manifest["model"]["prompt_identity"], self.manifest["model"]["latent_identity"])
+
+    def cache_held(self, cache, dataset, todo, needed):
+        """A missing entry is an error: nothing could compute it."""
+        if todo.get("prompts") or todo.get("latents"):
+            raise UsageError(missing_entries_message(cache.root, self.manifest["cache"], dataset,
+                                                     todo.get("prompts", []), todo.get("latents", []), needed))
+
+def read_manifest(path):
+    """A dataset manifest (JSON) -> dict; UsageError naming the file when it is not one (or holds no latents)."""
+    try:
+        manifest = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--from_manifest {path}: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
+        raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
+    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity",
+                "latent_identity"), "instances": (), "classes": (), "entries": (), "cache": ()}
+    missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
+               if part not in manifest or (key and key not in manifest[part])]
+    if missing:
+        raise UsageError(f"--from_manifest {path}: incomplete, {', '.join(missing)} missing")
+    if manifest["model"]["latent_identity"] is None:
+        raise UsageError(f"--from_manifest {path} was written by a run without --cache_latents: the cache holds no "
+                         "latents of its images")
+    return manifest
+
+def missing_entries_message(root, written_with, dataset, prompts, latents, needed):
+    """How many entries are missing and which images (or prompts) they came from."""
     images = [dataset.record(k[0], k[1]).name for k in latents]
     texts = {r.name: caption_lines(r.caption) or [dataset.instance_prompt] for r in dataset.instances}
     for text in prompts:  # a prompt's images: those it is a caption alternative of (or the instance prompt)
         images += [name for name, alternatives in texts.items() if text in alternatives]
     others = [repr(t) for t in prompts if not any(t in alternatives for alternatives in texts.values())]
     sources = list(dict.fromkeys(images)) + [f"prompt {t}" for t in others]
-    return (f"--from_manifest: {len(prompts) + len(latents)} of {needed} cache entries are missing from {disk.root} "
-            f"(from {', '.join(sources[:10])}{', ...' if len(sources) > 10 else ''}); the manifest was written with "
-            f"--precompute_cache_dir {disk.manifest['cache']}. Train once with the images to fill the cache")
+    return (f"--from_manifest: {len(prompts) + len(latents)} of {needed} cache entries are missing from {root} (from "
+            f"{', '.join(sources[:10])}{', ...' if len(sources) > 10 else ''}); the manifest was written with "
+            f"--precompute_cache_dir {written_with}. Train once with the images to fill the cache")
 
+def apply_manifest(args, manifest):
+    """The data flags become the manifest's (one given differently is overridden, with a warning), the seed too
+    unless --seed is given (random crops depend on it) -> (instance records, class records: their caption the class
+    prompt). Records without a file: enough for keys and sizes, never for pixels."""
+    data, parser = manifest["data"], build_parser()
+    for name in MANIFEST_DATA_FLAGS:
+        if vars(args).get(name) not in (parser.get_default(name), data[name]):
+            logger.warning(f"--{name} {vars(args).get(name)} ignored: the cached data were made with {data[name]!r} "
+                           "(from the manifest)")
+        setattr(args, name, data[name])
+    args.resolutions = tuple(data.get("resolutions", [data["resolution"]]))
+    args.aspect_ratio_buckets = "|".join(";".join(f"{h},{w}" for h, w in ladder)
+                                         for ladder in data.get("ladders", [data["buckets"]]))
+    args.use_aspect_ratio_buckets = False
+    args.seed = data["seed"] if args.seed is None else args.seed
 
-TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
-# A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), i.e. two or three
-# captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
-DEFAULT_CACHE_MAX_GB = 50.0
+    def records(rows, caption=None):
+        return [ImageRecord(name=r["name"], size=tuple(r["size"]), caption=r["caption"] or caption, sha256=r["sha256"],
+                            conditions=tuple(records(r.get("conditions", [])))) for r in rows]
+
+    instances, classes = records(manifest["instances"]), records(manifest["classes"], data["class_prompt"])
+    logger.info(f"--from_manifest {args.from_manifest}: {len(instances)} instance and {len(classes)} class images, "
+                f"their data settings and seed {data['seed']}")
+    return instances, classes
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Appendix B: block swapping
+# Option: class images (--with_prior_preservation)
+
+@option
+class ClassImages(Option):
+    """DreamBooth's prior preservation: class images of --class_data_dir (missing ones generated with the base model,
+    each process a share) train beside the instance images under the class prompt, their loss weighted by
+    --prior_loss_weight, so the class keeps its look. Cost: a class row per instance row, and the generation."""
+
+    name = "class images"
+    flags = [
+        flag("--with_prior_preservation", action="store_true", help="Also train on class images of the class."),
+        flag("--class_data_dir", type=folder_to_write, help="Class images; missing ones are generated into it."),
+        flag("--class_prompt", help="Prompt of the class images, e.g. 'a photo of a dog'."),
+        flag("--num_class_images", type=positive_int, default=100, help="Class images wanted; all found are used."),
+        flag("--prior_loss_weight", type=non_negative, default=1.0, help="Weight of the class images' loss."),
+        flag("--sample_batch_size", type=positive_int, default=4, help="Batch size of class-image generation."),
+        flag("--prior_generation_precision", choices=["fp32", "fp16", "bf16"],
+             help="dtype of class-image generation; default: bf16 on a GPU, fp32 on the CPU.")]
+
+    def check(self):
+        args = self.args
+        if args.with_prior_preservation and not vars(args).get("from_manifest"):  # a manifest brings its own
+            if not args.class_prompt:
+                raise UsageError("--with_prior_preservation needs --class_prompt")
+            if not args.class_data_dir:
+                raise UsageError("--with_prior_preservation needs --class_data_dir (missing class images are "
+                                 "generated there)")
+
+    def notes(self):
+        args = self.args
+        return [note for surprising, note in (
+            (args.with_prior_preservation and args.prior_loss_weight == 0, "--prior_loss_weight 0: the class images "
+             "are encoded and trained on, but their loss counts for nothing"),
+            (not args.with_prior_preservation and (args.class_data_dir or args.class_prompt) is not None,
+             "--class_data_dir/--class_prompt without --with_prior_preservation: no class images are used"))
+            if surprising]
+
+    def class_count(self):
+        return self.args.num_class_images if self.args.with_prior_preservation else None
+
+    def class_images(self, accelerator, seed, family, cache):
+        if self.args.with_prior_preservation:
+            return load_class_images(self.args, accelerator, seed, family, cache)
+        return None
+
+    def step_config(self, config):
+        return dataclasses.replace(config, prior_loss_weight=self.args.prior_loss_weight)
+
+def load_class_images(args, accelerator, seed, family, cache):
+    """The class images of --class_data_dir, missing ones generated first; their caption is the class prompt."""
+    Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
+    records = scan_folder(args.class_data_dir, cache, accelerator, read_captions=False)
+    if len(records) < args.num_class_images:
+        generate_class_images(args, accelerator, seed, len(records), family)
+        records = scan_folder(args.class_data_dir, cache, accelerator, read_captions=False)
+    return [dataclasses.replace(r, caption=args.class_prompt) for r in records]
+
+def generate_class_images(args, accelerator, seed, existing, family):
+    """Fill --class_data_dir up to --num_class_images with images of the base model (each process a share)."""
+    import diffusers
+    taken = {p.name for p in Path(args.class_data_dir).iterdir()}
+    missing = args.num_class_images - existing
+    names = [n for n in (f"class-{i:05d}.png" for i in range(len(taken) + missing)) if n not in taken][:missing]
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
+        args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
+    pipeline = getattr(diffusers, family.pipeline).from_pretrained(
+        args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
+        torch_dtype=dtype, cache_dir=args.cache_dir)
+    pipeline.tokenizer = load_pipeline_tokenizer(args)
+    sizes = {name: sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers()))
+             for name, c in pipeline.components.items() if isinstance(c, torch.nn.Module)}
+    free = free_gpu_bytes(accelerator.device)
+    placement = pipeline_placement(list(sizes.values()), free, args.offload)
+    if placement == "device":
+        pipeline.to(accelerator.device)
+    else:
+        getattr(pipeline, f"enable_{placement}_cpu_offload")(device=accelerator.device)
+        why = "--offload" if args.offload else f"does not fit {human_bytes(free)} free on the GPU"
+        logger.info(f"class images: the pipeline ({human_bytes(sum(sizes.values()))}, the largest model "
+                    f"{human_bytes(max(sizes.values()))}) {why}: {placement} CPU offload ("
+                    f"{'one model' if placement == 'model' else 'one layer'} on the GPU at a time)")
+    pipeline.set_progress_bar_config(disable=True)
+    mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
+    batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
+    logger.info(f"generating {missing} class images into {args.class_data_dir}")
+    for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
+        generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i))
+                      for i, _ in batch]
+        steps = {"num_inference_steps": args.validation_inference_steps} if family.distilled else {}
+        images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution,
+                          **steps, generator=generators, guidance_scale=guidance_scale(args, family),
+                          max_sequence_length=args.max_sequence_length,
+                          text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
+        for (_, name), image in zip(batch, images):
+            image.save(Path(args.class_data_dir, name))  # names not yet taken: existing images are never replaced
+    del pipeline
+    accelerator.wait_for_everyone()
+
+def free_gpu_bytes(device):
+    """Free memory on a CUDA device (None on any other)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+def pipeline_placement(component_bytes, free_bytes, offload):
+    """Where class-image generation puts the pipeline: "device" (all of it on the GPU), "model" (one model on the GPU
+    at a time) or "sequential" (one layer at a time: slow, but fits anything); without a GPU (free_bytes None) it
+    stays. A fifth more plus 2 GiB is left for activations: [dev]'s 112 GB pipeline on an 80 GB card gets model
+    offload (its largest model, the 64 GB transformer, fits); on 24 GB, sequential."""
+    if free_bytes is None:
+        return "device"
+
+    def fits(n):
+        return n * 1.2 + 2 * 2**30 <= free_bytes
+
+    if not offload and fits(sum(component_bytes)):
+        return "device"
+    return "model" if fits(max(component_bytes, default=0)) else "sequential"
 
 
-def check_block_swap(args, cuda, fsdp):
-    """--blocks_to_swap refusals that need no model (the block count is checked against the config later)."""
-    if not cuda:
-        raise UsageError("--blocks_to_swap needs a CUDA GPU: it moves blocks between pinned host memory and the GPU")
-    if fsdp:
-        raise UsageError("--blocks_to_swap does not work under FSDP, which already splits every block over the "
-                         "GPUs; use one or the other")
-    if not args.gradient_checkpointing:
-        raise UsageError("--blocks_to_swap needs --gradient_checkpointing: without it autograd keeps every block's "
-                         "weights for the backward pass, so swapped blocks could not leave the GPU")
+# ----------------------------------------------------------------------------------------------------------------
+# Option: edit training (--cond_data_dir, --cond_image_column: image-to-image LoRAs)
+
+def image_file(value):
+    """An image Pillow recognises, from its header (the pixels are decoded once, when the run uses them)."""
+    with Image.open(value) as image:
+        return image.size is not None
+
+@option
+class EditTraining(Option):
+    """Edit (image-to-image) training: each target image has condition images, whose clean latents' tokens follow
+    the noisy target's in the sequence, as Flux2Pipeline appends a reference image's (the dataset, collate and the
+    step carry them in Part 1); validation edits --validation_image. Cost: the references' tokens in every step."""
+
+    name = "edit training"
+    flags = [
+        flag("--cond_data_dir", type=existing_folder, help="Condition images: x.* pairs with the target x.*"),
+        flag("--cond_image_column", help="Condition image column of --dataset_name (a list: several references)."),
+        flag("--validation_image", type=Accepts("a readable image file", image_file),
+             help="The condition image validation edits, fitted into its bucket.")]
+
+    def check(self):
+        args = self.args
+        if args.cond_data_dir and not args.instance_data_dir:
+            raise UsageError("--cond_data_dir pairs with --instance_data_dir; with --dataset_name use "
+                             "--cond_image_column")
+        if args.cond_image_column and not args.dataset_name:
+            raise UsageError("--cond_image_column is a column of --dataset_name; with --instance_data_dir use "
+                             "--cond_data_dir")
+        if (args.cond_data_dir and args.instance_data_dir and Path(args.cond_data_dir).resolve() ==
+                Path(args.instance_data_dir).resolve()) or (args.cond_image_column and
+                                                            args.cond_image_column == args.image_column):
+            raise UsageError("the condition images are the targets (--cond_data_dir is --instance_data_dir, or "
+                             "--cond_image_column is --image_column): the LoRA would learn to copy its input")
+        if (args.cond_data_dir or args.cond_image_column) and vars(args).get("with_prior_preservation"):
+            raise UsageError("--with_prior_preservation does not combine with edit training (--cond_data_dir, "
+                             "--cond_image_column): its class images are text-to-image samples without a condition "
+                             "image, and a batch cannot mix rows with and without reference tokens (every row of a "
+                             "batch has the same token count). Regularise an edit LoRA with edit pairs of the class "
+                             "instead")
+
+    def notes(self):
+        args = self.args
+        if args.validation_image is not None and not (args.validation_prompt or args.final_validation_prompt):
+            return ["--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"]
+        return []
+
+    def load_images(self, cache, accelerator):
+        """The targets with their conditions: a row's condition column, or x.* of --cond_data_dir for target x.*."""
+        args = self.args
+        records = load_instance_images(args, cache, accelerator, cond_column=args.cond_image_column)
+        if args.cond_data_dir:
+            conditions = scan_folder(args.cond_data_dir, cache, accelerator, read_captions=False)
+            records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
+        return records
+
+    def condition(self, dataset, validates):
+        """--validation_image, decoded once and fitted into its bucket -> (image, bucket), or None; refused when the
+        pipelines would refuse it. An edit run validating without one is told what it gets."""
+        args = self.args
+        if not args.validation_image:
+            if dataset.conditions and validates:
+                logger.warning("edit training validates without a condition image: give --validation_image to see "
+                               "the LoRA edit it (the validation images are generated from the prompt alone)")
+            return None
+        try:
+            image = ImageRecord("", (0, 0), path=args.validation_image).load()
+        except Exception as e:  # noqa: BLE001 - truncated, corrupt, a decompression bomb: not an image to use
+            raise UsageError(f"--validation_image {args.validation_image}: cannot be decoded ({e})") from None
+        condition, bucket = fit_to_bucket(image, dataset.ladders[args.resolutions.index(args.resolution)])
+        h, w = condition.height, condition.width  # the pipelines take conditions of 64 px a side or more, up to 8:1
+        if min(h, w) < 64 or max(h, w) > 8 * min(h, w):
+            raise UsageError(f"--validation_image {args.validation_image}: it is fitted into the bucket {h}x{w} "
+                             "(h x w) as training conditions are, and the FLUX.2 pipelines take condition images of "
+                             "at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
+        return condition, bucket
+
+    def describe(self, dataset):
+        counts = sorted({len(ids) for ids in dataset.cond_ids})
+        return [f"edit training: {len(dataset.conditions)} condition images for {len(dataset.instances)} targets, "
+                f"{' or '.join(map(str, counts))} per target, their tokens after the target's (the loss covers the "
+                "target's)"] if dataset.conditions else []
+
+def fit_to_bucket(image, buckets):
+    """A condition image as training uses conditions -> (the RGB PIL image resized to cover reference_size of its
+    nearest bucket and centre-cropped to it, the bucket: the size of the edited image)."""
+    bucket = buckets[nearest_bucket(image.height, image.width, buckets)]
+    size = reference_size(bucket)
+    return transform_image(image, (*draw_crop(image.size, size, True, None), False), size), bucket
+
+def pair_conditions(targets, conditions, target_folder, cond_folder):
+    """Attach to each target x.* the condition image of the same stem. A target without a condition, a condition
+    without a target, or a stem with two condition files is refused, all of them listed."""
+    by_stem = {}
+    for record in conditions:
+        by_stem.setdefault(Path(record.name).stem, []).append(record)
+    stems = {Path(r.name).stem for r in targets}
+    problems = [f"{target_folder}/{r.name}: no condition image {Path(r.name).stem}.* in {cond_folder}"
+                for r in targets if Path(r.name).stem not in by_stem]
+    problems += [f"{cond_folder}/{r.name}: no target image {Path(r.name).stem}.* in {target_folder}"
+                 for r in conditions if Path(r.name).stem not in stems]
+    problems += [f"{cond_folder}: {', '.join(r.name for r in found)} are the same stem's condition; keep one"
+                 for found in by_stem.values() if len(found) > 1]
+    if problems:
+        raise UsageError(f"--cond_data_dir: {len(problems)} image(s) without a partner (edit training pairs "
+                         f"x.* of --instance_data_dir with x.* of --cond_data_dir):\n  " + "\n  ".join(problems))
+    return [dataclasses.replace(r, conditions=tuple(by_stem[Path(r.name).stem])) for r in targets]
 
 
-def transformer_blocks(transformer):
-    """The repeated blocks in execution order: double-stream, then single-stream."""
-    return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+# ----------------------------------------------------------------------------------------------------------------
+# Option: EMA (--use_ema: an exponential moving average of the LoRA)
 
+RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
+
+def ema_device(value):
+    device = torch.device(value)
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise UsageError(f"--ema_device {value}: no such CUDA device here; use cpu")
+    return device.type in ("cpu", "cuda")
+
+@option
+class EMA(Option):
+    """An exponential moving average of the LoRA, validated and saved as the LoRA (the last raw weights beside it),
+    checkpointed with the run. Cost: a float32 copy of the LoRA (on the CPU by default) and its update per step."""
+
+    name = "EMA"
+    switches = ("use_ema",)
+    flags = [
+        flag("--use_ema", action="store_true", help="Keep an EMA of the LoRA; it is validated and saved as the LoRA."),
+        flag("--ema_decay", type=below_one, default=0.999, help="EMA decay, warmed up as min(decay, (1+t)/(10+t))."),
+        flag("--ema_device", type=Accepts("cpu, or a CUDA device of this machine (cuda, cuda:N)", ema_device),
+             default="cpu", help="Where the EMA lives (cpu: no GPU memory).")]
+
+    def check(self):
+        if fsdp_requested():
+            raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
+
+    def setup(self, run):
+        self.run, self.ema = run, LoraEMA(run.named_params, self.args.ema_decay, self.args.ema_device)
+
+    def after_optimizer_step(self, run):
+        self.ema.update(run.named_params)
+
+    def training_state(self):
+        return {"ema": self.ema.state_dict()}
+
+    def training_state_problem(self, training):
+        if training.get("ema") is not None:
+            problem = state_fit_problem(training["ema"]["shadow"], {n: v.shape for n, v in self.ema.shadow.items()})
+            return problem and f"its EMA: {problem}"
+        return None
+
+    def load_training_state(self, training):
+        if training.get("ema") is not None:
+            self.ema.load_state_dict(training["ema"])
+
+    def validation_weights(self):
+        return self.ema.applied(self.run.named_params)
+
+    def save_final(self, accelerator, run, raw, folder, dtype):
+        """The average is the LoRA; the last raw weights go beside it."""
+        save_lora(accelerator, run.transformer, raw, folder, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
+        with self.ema.applied(run.named_params):
+            state = lora_state_dict(accelerator, run.transformer, run.hooks)
+            write_lora_files(accelerator, run.transformer, state, folder, dtype, run.hooks)
+        logger.info(f"LoRA weights are the EMA; the last raw weights: {Path(folder, RAW_LORA_WEIGHTS_NAME)}")
+        return True
+
+class LoraEMA:
+    """Exponential moving average of the trainable (LoRA) parameters, in float32 on `device`. It starts at the
+    weights of the first optimizer step (not the random init) and warms up: decay_t = min(decay, (1 + t) / (10 + t)),
+    so early steps are not swamped."""
+
+    def __init__(self, named_params, decay, device="cpu"):
+        self.decay, self.device, self.step = decay, torch.device(device), 0
+        self.shadow = {n: p.detach().to(self.device, torch.float32, copy=True) for n, p in named_params.items()}
+
+    @torch.no_grad()
+    def update(self, named_params):
+        self.step += 1
+        decay = 0.0 if self.step == 1 else min(self.decay, (1 + self.step) / (10 + self.step))
+        for name, param in named_params.items():
+            self.shadow[name].mul_(decay).add_(param.detach().to(self.device, torch.float32), alpha=1 - decay)
+
+    def state_dict(self):
+        return {"step": self.step, "shadow": self.shadow}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+        self.shadow = {n: v.to(self.device, torch.float32) for n, v in state["shadow"].items()}
+
+    @contextlib.contextmanager
+    def applied(self, named_params):
+        """Temporarily put the averaged weights into the model (validation, saving); the raw ones come back."""
+        raw = {n: p.detach().clone() for n, p in named_params.items()}
+        with torch.no_grad():
+            for name, param in named_params.items():
+                param.copy_(self.shadow[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in named_params.items():
+                    param.copy_(raw[name])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: adapters and the ComfyUI file (--init_lora, DoRA, LoKr, LoHa, --lora_format)
+
+COMFYUI_WEIGHTS_NAME = "pytorch_lora_weights_comfyui.safetensors"  # --lora_format both: beside the diffusers file
+# FLUX.2's linear layers: diffusers names (inside transformer_blocks.N / single_transformer_blocks.N, or global) ->
+# the BFL names of the original checkpoint, which ComfyUI's model and ai-toolkit files use; q, k and v are row blocks
+# of one fused qkv there. Read backwards from diffusers' own reader, _convert_non_diffusers_flux2_lora_to_diffusers.
+BFL_DOUBLE = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
+              "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
+              "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", None),
+              "attn.to_add_out": ("txt_attn.proj", None), "ff.linear_in": ("img_mlp.0", None),
+              "ff.linear_out": ("img_mlp.2", None), "ff_context.linear_in": ("txt_mlp.0", None),
+              "ff_context.linear_out": ("txt_mlp.2", None)}
+BFL_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
+BFL_GLOBAL = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+              "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+              "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+              "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+              "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+              "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+              "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+              "single_stream_modulation.linear": "single_stream_modulation.lin"}
+
+@option
+class Adapters(Option):
+    """Other adapters than a fresh LoRA: --init_lora (continue a LoRA file of any layout diffusers reads), DoRA,
+    LyCORIS' LoKr and LoHa (PEFT), and the final file in ComfyUI's layout (--lora_format). Cost: none per step for
+    --init_lora and the ComfyUI file; DoRA, LoKr and LoHa compute their weight update at every forward."""
+
+    name = "adapters and the ComfyUI file"
+    switches = ("adapter", "use_dora", "init_lora", "lora_format")
+    flags = [
+        flag("--adapter", choices=["lora", "lokr", "loha"], default="lora",
+             help="LoRA, or LyCORIS' LoKr (Kronecker factors) or LoHa (Hadamard product)."),
+        flag("--use_dora", action="store_true", help="DoRA: a LoRA keeping a learned magnitude per output row."),
+        flag("--lokr_factor", type=Accepts("-1 or an integer >= 1", lambda v: v == -1 or v >= 1, int), default=-1,
+             help="LoKr: the factor its Kronecker split aims for (-1: the most balanced one)."),
+        flag("--lokr_decompose_both", action="store_true", help="LoKr: decompose the first factor into rank --rank."),
+        flag("--init_lora", help="Start from this LoRA (file, folder or Hub id: ours, ai-toolkit/BFL, kohya); its "
+             "rank and layers become the run's."),
+        flag("--lora_format", choices=["diffusers", "comfyui", "both"], default="diffusers",
+             help="Final file layout: diffusers', ComfyUI's (BFL names), or both (the ComfyUI file beside).")]
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.kind = "DoRA" if args.use_dora else {"lokr": "LoKr", "loha": "LoHa"}.get(args.adapter)
+
+    def check(self):
+        args = self.args
+        unverified = [name for name, given in (
+            ("FSDP", fsdp_requested()), ("--bnb_quantization_config_path", vars(args).get(
+                "bnb_quantization_config_path")), ("--do_fp8_training", vars(args).get("do_fp8_training")),
+            ("--blocks_to_swap", vars(args).get("blocks_to_swap"))) if given]
+        if self.kind and unverified:
+            raise UsageError(f"{self.kind} (--use_dora, --adapter) is not verified with {', '.join(unverified)} here; "
+                             "train a plain LoRA with those, or this adapter without them")
+        if args.adapter != "lora" and (args.use_dora or args.lora_dropout or args.init_lora):
+            raise UsageError(f"--adapter {args.adapter} takes no --use_dora, --lora_dropout or --init_lora (a LoRA "
+                             "file)")
+        if args.use_dora and args.lora_format != "diffusers":
+            raise UsageError("--use_dora with --lora_format comfyui/both: ComfyUI scales DoRA against the base "
+                             "weights' norms, PEFT against the adapted weights' (and ComfyUI's convention is "
+                             "changing), so no ComfyUI file is exact; keep --lora_format diffusers")
+
+    def resolve(self, family):
+        """--init_lora: its rank, targets and DoRA become the run's; a conflicting --rank, --lora_layers or
+        --use_dora, or a module this model lacks, is refused naming both."""
+        args = self.args
+        if not args.init_lora:
+            return
+        init, parser, model = read_init_lora(args.init_lora), build_parser(), empty_transformer(args)
+        linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        lacking = sorted(set(init.ranks) - linear)
+        if lacking:
+            raise UsageError(f"--init_lora {args.init_lora}: this transformer has no linear layer "
+                             f"{', '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''} (a LoRA of another model?)")
+        if args.rank != parser.get_default("rank") and args.rank != init.rank:
+            raise UsageError(f"--rank {args.rank} conflicts with --init_lora {args.init_lora}, which has rank "
+                             f"{init.rank}")
+        if args.lora_layers != parser.get_default("lora_layers"):
+            targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
+            named = {n for n in linear if peft_matches(n, targets)}
+            if named != set(init.ranks):
+                raise UsageError(f"--lora_layers {args.lora_layers} names other layers than --init_lora "
+                                 f"{args.init_lora} adapts ({len(named)} against {len(init.ranks)} layers)")
+        if args.use_dora and not init.use_dora:
+            raise UsageError(f"--use_dora conflicts with --init_lora {args.init_lora}, a plain LoRA")
+        args.rank, args.use_dora = init.rank, init.use_dora
+        self.kind = "DoRA" if init.use_dora else self.kind
+
+    def check_model(self, model):
+        """--lora_format comfyui/both: every adapted layer needs a ComfyUI (BFL) name."""
+        args = self.args
+        if args.lora_format == "diffusers":
+            return
+        targets = sorted(read_init_lora(args.init_lora).ranks) if args.init_lora else lora_target_modules(
+            args.lora_layers, model.config.num_single_layers, block_linear_names(model))
+        problems = []
+        for name in (n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)):
+            if peft_matches(name, targets):
+                try:
+                    bfl_name(name)
+                except ValueError as e:
+                    problems.append(str(e))
+        if problems:
+            raise UsageError(f"--lora_format {args.lora_format}: {'; '.join(problems[:3])}; leave those layers out of "
+                             "--lora_layers, or keep --lora_format diffusers")
+
+    def adapter_config(self, config, transformer):
+        """A LoRA (DoRA with --use_dora) on the layers of --init_lora at its ranks, or a LoKr or LoHa."""
+        from peft import LoHaConfig, LoKrConfig, LoraConfig
+        args, targets, pattern = self.args, sorted(config.target_modules), {}
+        if args.init_lora:
+            init = read_init_lora(args.init_lora)
+            targets, pattern = sorted(init.ranks), {f"^{m}$": r for m, r in init.ranks.items() if r != init.rank}
+        if args.adapter == "lokr":
+            return LoKrConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets,
+                              decompose_both=args.lokr_decompose_both, decompose_factor=args.lokr_factor)
+        if args.adapter == "loha":
+            return LoHaConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets)
+        extra = {"use_dora": True} if args.use_dora else {}
+        return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                          init_lora_weights="gaussian", target_modules=targets, rank_pattern=pattern, **extra)
+
+    def after_lora(self, transformer, accelerator):
+        """--init_lora's weights into the fresh adapter, lora_B rescaled from the file's scale to this run's
+        (--lora_alpha / the module's rank): the adapted model starts as the base model with that LoRA applied."""
+        from peft import set_peft_model_state_dict
+        args = self.args
+        if args.init_lora:
+            init, state = read_init_lora(args.init_lora), {}
+            for key, value in init.state.items():
+                module = key.rsplit(".lora_", 1)[0]
+                rescale = init.scales[module] / (args.lora_alpha / init.ranks[module])
+                state[key] = value * rescale if ".lora_B." in key else value
+            result = set_peft_model_state_dict(transformer, state, adapter_name="default")
+            if result.unexpected_keys:
+                raise UsageError(f"--init_lora {args.init_lora}: {len(result.unexpected_keys)} tensors found no layer "
+                                 f"(e.g. {result.unexpected_keys[0]})")
+            logger.info(f"--init_lora {args.init_lora}: {len(init.ranks)} layers start from its weights")
+        return transformer
+
+    def adapter_name(self):
+        return self.kind
+
+    def write_lora(self, accelerator, transformer, state, folder, dtype):
+        """--lora_format comfyui: only ComfyUI's layout, under the usual name; both: it beside diffusers' file. A LoRA
+        in the BFL layout (its scale folded in), a LoKr or LoHa in the LyCORIS layout."""
+        from safetensors.torch import save_file
+        layout = self.args.lora_format
+        if layout == "diffusers":
+            return None
+        if layout == "both":
+            save_lora(accelerator, transformer, state, folder, dtype)
+        name = LORA_WEIGHTS_NAME if layout == "comfyui" else COMFYUI_WEIGHTS_NAME
+        config = adapter_settings(accelerator, transformer)
+        state = (to_comfyui(portable_lora(state, config.to_dict())) if config.peft_type.value == "LORA"
+                 else to_lycoris(state, config))
+        save_file({k: v.to(dtype or v.dtype).contiguous() for k, v in state.items()}, str(Path(folder, name)),
+                  metadata={"format": "pt"})
+        follow_umask(Path(folder, name))
+        return True
+
+    def describe(self, dataset):
+        return {"diffusers": [], "comfyui": [f"`{LORA_WEIGHTS_NAME}` is in ComfyUI's layout (ComfyUI's LoRA loader "
+                                             "reads it)."],
+                "both": [f"ComfyUI: `{COMFYUI_WEIGHTS_NAME}` (its LoRA loader reads it); diffusers: "
+                         f"`{LORA_WEIGHTS_NAME}`."]}[self.args.lora_format]
+
+def bfl_name(module):
+    """diffusers module name -> (BFL module name, row block of the fused qkv or None); ValueError saying why not.
+    norm_out.linear has no exact BFL form: BFL holds (shift, scale) where diffusers holds (scale, shift), and
+    diffusers' LoRA reader renames it without swapping the halves."""
+    m = re.fullmatch(r"(single_)?transformer_blocks\.(\d+)\.(.+)", module)
+    if m and m.group(1) and m.group(3) in BFL_SINGLE:
+        return f"single_blocks.{m.group(2)}.{BFL_SINGLE[m.group(3)]}", None
+    if m and not m.group(1) and m.group(3) in BFL_DOUBLE:
+        bfl, block = BFL_DOUBLE[m.group(3)]
+        return f"double_blocks.{m.group(2)}.{bfl}", block
+    if module in BFL_GLOBAL:
+        return BFL_GLOBAL[module], None
+    raise ValueError(f"{module}: no exact ComfyUI (BFL) name" + (" (its shift and scale halves are in the other "
+                     "order there)" if module == "norm_out.linear" else ""))
+
+def to_comfyui(state):
+    """A LoRA (PEFT names, scale folded into lora_B) -> ComfyUI's FLUX.2 layout: diffusion_model.<BFL name>.lora_A /
+    lora_B.weight, the ai-toolkit layout, which diffusers' loader reads too. The fused qkv is exact: A = the three A
+    stacked [r_q + r_k + r_v, in], B block-diagonal [3h, r_q + r_k + r_v] (a projection not adapted is a zero row
+    block), so B @ A stacks the three updates. No .alpha tensors: ComfyUI then applies scale 1, which is the folded
+    scale (and diffusers' reader of this layout refuses .alpha keys)."""
+    out, fused = {}, collections.defaultdict(dict)
+    for key, value in state.items():
+        module, _, part = key.rpartition(".lora_")
+        bfl, block = bfl_name(module)
+        if block is None:
+            out[f"diffusion_model.{bfl}.lora_{part}"] = value
+        else:
+            fused[bfl].setdefault(block, {})[part] = value
+    for bfl, blocks in fused.items():
+        a = torch.cat([blocks[b]["A.weight"] for b in sorted(blocks)])  # [R, in]
+        h = next(iter(blocks.values()))["B.weight"].shape[0]
+        b_matrix, col = a.new_zeros(3 * h, a.shape[0]), 0  # [3h, R]
+        for block in sorted(blocks):
+            r = blocks[block]["A.weight"].shape[0]
+            b_matrix[block * h:(block + 1) * h, col:col + r] = blocks[block]["B.weight"]
+            col += r
+        out[f"diffusion_model.{bfl}.lora_A.weight"], out[f"diffusion_model.{bfl}.lora_B.weight"] = a, b_matrix
+    return out
+
+def to_lycoris(state, config):
+    """A LoKr or LoHa (PEFT names) -> the LyCORIS layout ComfyUI reads for FLUX.2: lycoris_<name with _> for the
+    separate q, k and v (ComfyUI applies them to row slices of the fused qkv: a Kronecker or Hadamard product has no
+    block-diagonal form to fuse), diffusion_model.<BFL name> for the rest, and .alpha. ComfyUI scales a LoKr whose
+    two factors are full matrices by 1, where PEFT scales it by alpha / r: then alpha / r goes into lokr_w1 instead."""
+    groups = collections.defaultdict(dict)
+    for key, value in state.items():
+        module, _, part = key.rpartition(".")
+        groups[module][part] = value
+    out = {}
+    for module, parts in groups.items():
+        bfl, block = bfl_name(module)
+        name = f"lycoris_{module.replace('.', '_')}" if block is not None else f"diffusion_model.{bfl}"
+        r = config.rank_pattern.get(module, config.r)
+        alpha = float(config.alpha_pattern.get(module, config.alpha))
+        if "lokr_w1" in parts and "lokr_w2" in parts:  # no factor decomposed
+            out.update({f"{name}.lokr_w1": parts["lokr_w1"] * (alpha / r), f"{name}.lokr_w2": parts["lokr_w2"]})
+        else:
+            out.update({f"{name}.{p}": v for p, v in parts.items()})
+            out[f"{name}.alpha"] = torch.tensor(alpha)
+    return out
+
+@dataclass(frozen=True)
+class InitLora:
+    state: dict  # PEFT names, no prefix: lora_A / lora_B [/ lora_magnitude_vector]
+    ranks: dict  # module -> rank
+    scales: dict  # module -> the file's alpha / rank (what its loaders apply)
+    use_dora: bool
+
+    @property
+    def rank(self):  # the most common one; the others go into rank_pattern
+        return collections.Counter(self.ranks.values()).most_common(1)[0][0]
+
+@functools.cache
+def read_init_lora(path):
+    """--init_lora (a file, a folder holding pytorch_lora_weights.safetensors, or a Hub id) -> InitLora, read by
+    diffusers' own Flux2Pipeline.lora_state_dict, so every layout it reads works: ours, ai-toolkit/BFL (fused qkv:
+    A duplicated, B split per projection), kohya (alpha folded). Columns of lora_B that are all zero (the other
+    projections' blocks of a fused qkv) are dropped with their rows of lora_A, and modules with no update at all, so a
+    fused file gives back its per-projection ranks and targets. UsageError when it is no FLUX.2 LoRA."""
+    from diffusers import Flux2Pipeline
+    from safetensors.torch import load_file
+    file = Path(path) / LORA_WEIGHTS_NAME if Path(path).is_dir() else Path(path)
+    try:
+        source = load_file(str(file)) if file.is_file() else path  # else a Hub repo id, downloaded by diffusers
+        if isinstance(source, dict):
+            for key in [k for k in source if k.startswith("diffusion_model.") and k.endswith(".alpha")]:
+                module = key.removesuffix(".alpha")  # BFL alphas, which diffusers' reader refuses: folded into B
+                down = next(k for k in (f"{module}.lora_A.weight", f"{module}.lora_down.weight") if k in source)
+                up = down.replace("lora_A", "lora_B").replace("lora_down", "lora_up")
+                source[up] = source[up] * (source.pop(key).item() / source[down].shape[0])
+        state, meta = Flux2Pipeline.lora_state_dict(source, return_lora_metadata=True)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - missing, unreadable, not a LoRA diffusers reads: the same advice
+        raise UsageError(f"--init_lora {path}: cannot read a FLUX.2 LoRA from it ({type(e).__name__}: {e})") from None
+    pattern = r"transformer\.(.+)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)"
+    parts = collections.defaultdict(dict)
+    for key, value in state.items():
+        m = re.fullmatch(pattern, key)
+        if m is None:
+            raise UsageError(f"--init_lora {path}: {key} is not a LoRA tensor of the transformer (LoKr, LoHa, text "
+                             "encoder and bias adapters cannot be continued)")
+        parts[m.group(1)][m.group(2)] = value
+    meta = {k.removeprefix("transformer."): v for k, v in (meta or {}).items()}
+    out, ranks, scales = {}, {}, {}
+    for module, t in parts.items():
+        a, b = t["lora_A.weight"], t["lora_B.weight"]
+        keep = b.ne(0).any(dim=0)
+        if not keep.any() and "lora_magnitude_vector" not in t:
+            continue  # a projection's zero block of a fused qkv: no update
+        a, b = a[keep].contiguous(), b[:, keep].contiguous()
+        out.update({f"{module}.lora_A.weight": a, f"{module}.lora_B.weight": b})
+        if "lora_magnitude_vector" in t:
+            out[f"{module}.lora_magnitude_vector"] = t["lora_magnitude_vector"]
+        ranks[module] = a.shape[0]
+        rank = t["lora_A.weight"].shape[0]  # the file's (without metadata: alpha = rank, scale 1)
+        alpha = pattern_value(meta.get("alpha_pattern"), module, meta.get("lora_alpha", rank))
+        scales[module] = alpha / pattern_value(meta.get("rank_pattern"), module, meta.get("r", rank))
+    if not ranks:
+        raise UsageError(f"--init_lora {path}: it holds no update (every lora_B is zero)")
+    return InitLora(out, ranks, scales, any("lora_magnitude_vector" in t for t in parts.values()))
+
+def pattern_value(pattern, module, default):
+    """A PEFT rank_pattern / alpha_pattern entry for `module` (its keys match as PEFT matches them), else default."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: trigger words and output preservation (--trigger_word, --output_preservation)
+
+TRIGGER = "[trigger]"  # the placeholder ai-toolkit's captions use
+
+def with_trigger(text, word):
+    """`text` with the [trigger] placeholder filled by `word` (no word, or no text: unchanged)."""
+    return text.replace(TRIGGER, word) if word and text else text
+
+def mentions(text, word):
+    """Whether `word` stands in `text` as a word of its own (not inside another)."""
+    return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text or "") is not None
+
+@option
+class TriggerWords(Option):
+    """--trigger_word fills [trigger] in captions and prompts and goes before each caption line that lacks it;
+    --output_preservation trains the prediction for the caption with the word replaced by --class_word toward the
+    base model's, on the same noisy latents (adapters off, no gradients), in one forward with the batch. Cost:
+    output preservation adds a forward without gradients and P more rows to the trained forward and backward."""
+
+    name = "trigger words and output preservation"
+    placeholder = TRIGGER  # a [trigger] without --trigger_word turns this on, to refuse it
+    flags = [
+        flag("--trigger_word", help="The subject's word: fills [trigger], and goes before caption lines lacking it."),
+        flag("--output_preservation", action="store_true", help="Keep the class's look without class images: the "
+             "prediction for the caption with --trigger_word replaced by --class_word trains toward the base model's."),
+        flag("--class_word", help="What --output_preservation puts in place of --trigger_word, e.g. 'dog'."),
+        flag("--output_preservation_weight", type=non_negative, default=1.0, help="Weight of that loss.")]
+
+    def check(self):
+        args = self.args
+        prompts = ("instance_prompt", "class_prompt", "validation_prompt", "final_validation_prompt")
+        placed = [f for f in prompts if TRIGGER in (vars(args).get(f) or "")]
+        if placed and not args.trigger_word:
+            raise UsageError(f"{TRIGGER} in --{placed[0]}: give --trigger_word, the word it stands for")
+        if args.class_word and not args.output_preservation:
+            raise UsageError("--class_word is the word --output_preservation puts in place of --trigger_word; add "
+                             "--output_preservation, or leave --class_word out")
+        if not args.output_preservation:
+            return
+        for refused, why in ((not (args.trigger_word and args.class_word), "needs --trigger_word and --class_word "
+                              "(the preservation prompt is the caption with the one replaced by the other)"),
+                             (vars(args).get("with_prior_preservation"), "and --with_prior_preservation are two ways "
+                              "to the same end: choose one"),
+                             (vars(args).get("cond_data_dir") or vars(args).get("cond_image_column"),
+                              "is not supported for edit training"),
+                             (vars(args).get("compile"), "is not supported with --compile (switching the adapters off "
+                              "for the base prediction would compile the blocks twice)")):
+            if refused:
+                raise UsageError(f"--output_preservation {why}")
+        if mentions(args.class_word, args.trigger_word):
+            raise UsageError(f"--class_word {args.class_word!r} contains --trigger_word {args.trigger_word!r}")
+
+    def notes(self):
+        args = self.args
+        return ["--output_preservation_weight 0: every step pays for the base model's prediction, which counts for "
+                "nothing"] if args.output_preservation and args.output_preservation_weight == 0 else []
+
+    def resolve(self, family):
+        """[trigger] filled in the prompts given as flags."""
+        for name in ("instance_prompt", "class_prompt", "validation_prompt", "final_validation_prompt"):
+            if TRIGGER in (vars(self.args).get(name) or ""):
+                setattr(self.args, name, with_trigger(getattr(self.args, name), self.args.trigger_word))
+
+    def images(self, instances):
+        """[trigger] filled in every caption, and 'WORD, ' put before each caption alternative that lacks the word. A
+        [trigger] without the word, or images without a caption whose --instance_prompt lacks it, are refused with
+        their names (the run would train a subject it cannot name)."""
+        args, word, bare = self.args, self.args.trigger_word, [r.name for r in instances if not r.caption]
+        if not word:
+            placed = [r.name for r in instances if TRIGGER in (r.caption or "")]
+            if placed:
+                raise UsageError(f"{TRIGGER} in the captions of {', '.join(placed[:5])}{', ...' * (len(placed) > 5)}"
+                                 ": give --trigger_word, the word it stands for")
+            return instances
+        if bare and not mentions(args.instance_prompt, word):
+            raise UsageError(f"--trigger_word {word}: --instance_prompt {args.instance_prompt!r}, the prompt of "
+                             f"{len(bare)} image(s) without a caption ({', '.join(bare[:3])}), does not contain it; "
+                             f"write it in (or {TRIGGER} where it goes)")
+
+        def fill(line):
+            line = with_trigger(line, word)
+            return line if mentions(line, word) else f"{word}, {line}"
+
+        return [dataclasses.replace(r, caption="\n".join(map(fill, caption_lines(r.caption)))) if r.caption else r
+                for r in instances]
+
+    def prompt(self, text):
+        return with_trigger(text, self.args.trigger_word)
+
+    def describe(self, dataset):
+        args = self.args
+        text = f"trigger word `{args.trigger_word}`" if args.trigger_word else ""
+        if args.output_preservation:
+            text += (f"; output preservation: `{args.trigger_word}` -> `{args.class_word}`, weight "
+                     f"{args.output_preservation_weight}")
+        return [text] if text else []
+
+    def extra_prompts(self, texts):
+        if not self.args.output_preservation:
+            return []
+        return [preservation_text(t, self.args.trigger_word, self.args.class_word) for t in texts]
+
+    def extra_texts(self):
+        return self.extra_prompts if self.args.output_preservation else None
+
+    def step_extra(self, embeds):
+        """The step's share: the base model (adapters off, no gradients) predicts the first P rows' noisy latents
+        under their preservation prompts `embeds` [P, L, D]; the same P rows join the trained forward, whose
+        prediction for them is pulled toward the base one by weight x MSE."""
+        from accelerate.utils import extract_model_from_parallel
+        weight = self.args.output_preservation_weight
+
+        def extra(transformer, inputs):
+            p = embeds.shape[0]
+            rows = {k: None if v is None else v[:p] for k, v in inputs.items()}
+            rows["encoder_hidden_states"] = embeds
+            with torch.no_grad(), adapters_off(extract_model_from_parallel(transformer)):
+                base = transformer(**rows, return_dict=False)[0]
+            joined = {k: None if v is None else torch.cat([v, rows[k]]) for k, v in inputs.items()}
+            return joined, lambda pred: weight * (pred.float() - base.float()).pow(2).mean()
+
+        return extra
+
+def preservation_text(text, word, class_word):
+    """An instance text with the trigger word replaced by the class word: what output preservation keeps unchanged."""
+    return re.sub(rf"(?<!\w){re.escape(word)}(?!\w)", class_word.replace("\\", r"\\"), text)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: text encoders (remote, quantised, sharded over the processes), for precompute
+
+def http_url(value):
+    return re.fullmatch(r"https?://[^/\s]+(/\S*)?", value) is not None
+
+@option
+class TextEncoders(Option):
+    """Ways to encode prompts without a whole text encoder on each GPU: [dev]'s remote encoder (a Hugging Face
+    endpoint), int8 (torchao, any device) or NF4 (bitsandbytes, CUDA) weights, or the encoder sharded over the
+    processes with FSDP2. Precompute only: no cost per step."""
+
+    name = "text encoders"
+    switches = ("remote_text_encoder", "text_encoder_quantization", "fsdp_text_encoder")
+    flags = [
+        flag("--remote_text_encoder", action="store_true",
+             help="[dev]: embeddings from Hugging Face's remote text encoder (uses your Hub login)."),
+        flag("--remote_text_encoder_url", type=Accepts("an http(s) URL", http_url),
+             default="https://remote-text-encoder-flux-2.huggingface.co/predict", help="Its endpoint."),
+        flag("--text_encoder_quantization", choices=["none", "int8", "nf4"], default="none",
+             help="int8 (any device) or NF4 (CUDA) weights: [dev]'s encoder in about 25 or 15 GB, not 48."),
+        flag("--fsdp_text_encoder", action="store_true", help="Shard the text encoder over the processes.")]
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.no_text_encoder, self.sharded_text_encoder = args.remote_text_encoder, args.fsdp_text_encoder
+
+    def check(self):
+        args, processes = self.args, int(os.environ.get("WORLD_SIZE", 1))
+        if args.remote_text_encoder and not hub_token(args):
+            raise UsageError("--remote_text_encoder needs a Hugging Face token: run `hf auth login` (or pass "
+                             "--hub_token)")
+        if args.text_encoder_quantization == "nf4" and not torch.cuda.is_available():
+            raise UsageError("--text_encoder_quantization nf4 needs a CUDA GPU (bitsandbytes); int8 works on any "
+                             "device")
+        if args.text_encoder_quantization != "none" and (args.remote_text_encoder or args.fsdp_text_encoder):
+            raise UsageError("--text_encoder_quantization quantises the text encoder this process loads: leave out "
+                             "--remote_text_encoder and --fsdp_text_encoder")
+        if args.fsdp_text_encoder and (processes < 2 or args.remote_text_encoder):
+            raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
+                             "without --remote_text_encoder")
+
+    def resolve(self, family):
+        if self.args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
+            raise UsageError(f"--remote_text_encoder serves FLUX.2 [dev] embeddings only, not {family.name}")
+
+    def cache_identity(self, weight_dtype, family):
+        args = self.args
+        identity = cache_identity(args, weight_dtype, family, ["remote", args.remote_text_encoder_url]
+                                  if args.remote_text_encoder else None)
+        if args.text_encoder_quantization != "none":  # other embeddings: cached apart
+            identity.prompts.append(args.text_encoder_quantization)
+        return identity
+
+    def prompt_encoder(self):
+        """--remote_text_encoder: texts -> [dev] embeddings [B, L, D], one prompt a request."""
+        if not self.args.remote_text_encoder:
+            return None
+        url, token = self.args.remote_text_encoder_url, hub_token(self.args)
+        return lambda texts: torch.cat([remote_prompt_embeds(url, text, token) for text in texts])
+
+    def prompt_batch_size(self):
+        return 1 if self.args.remote_text_encoder else None
+
+    def text_encoder(self, load, accelerator, dtype):
+        """int8: torchao weight-only, each linear layer quantised on the device, so the bf16 model never is whole on
+        it; NF4: bitsandbytes, loaded onto the CUDA device (embeddings and the output layer stay bf16); sharded: FSDP2,
+        every decoder layer a unit gathered only while it runs (each process holds 1/N; every process then runs the
+        same number of passes, which precompute_prompts ensures). Embeddings change a little: docs/memory.md."""
+        mode = self.args.text_encoder_quantization
+        if mode == "nf4":
+            import transformers
+            config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                     bnb_4bit_compute_dtype=dtype)
+            return load(quantization_config=config, device_map={"": accelerator.device}).eval()
+        if mode == "int8":
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+            text_encoder = load().eval()
+            quantize_(text_encoder, Int8WeightOnlyConfig(), device=accelerator.device)
+            return text_encoder.to(accelerator.device)
+        if self.args.fsdp_text_encoder:
+            from torch.distributed.fsdp import fully_shard
+            text_encoder = load().eval()
+            layers = [m for m in text_encoder.modules() if type(m).__name__.endswith("DecoderLayer")]
+            for layer in layers:
+                fully_shard(layer)
+            fully_shard(text_encoder)
+            logger.info(f"text encoder sharded over {accelerator.num_processes} processes ({len(layers)} layers)")
+            return text_encoder
+        return None
+
+def hub_token(args):
+    from huggingface_hub import get_token
+    return args.hub_token or get_token()
+
+def remote_prompt_embeds(url, prompt, token):
+    """[dev] embedding [1, L, D] of one prompt from the remote text encoder. The reply is decoded with
+    torch.load(weights_only=True): tensors only, so a hostile or broken server cannot run code here."""
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(url, data=json.dumps({"prompt": prompt}).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            content = response.read()
+    except urllib.error.HTTPError as e:
+        raise TrainingStopped(f"--remote_text_encoder: {url} answered HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise TrainingStopped(f"--remote_text_encoder: cannot reach {url} ({e.reason})") from None
+    try:
+        embeds = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - not a tensor-only payload: refuse whatever it is
+        raise TrainingStopped(f"--remote_text_encoder: {url} did not send a tensor ({type(e).__name__}: {e})") from None
+    if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3 or embeds.shape[0] != 1:
+        raise TrainingStopped(f"--remote_text_encoder: {url} sent {type(embeds).__name__} "
+                              f"{getattr(embeds, 'shape', '')}, expected a [1, L, D] tensor")
+    return embeds
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: Prodigy (--optimizer prodigy)
+
+@option
+class Prodigy(Option):
+    """Prodigy (the prodigyopt package) finds its own step size; its learning rate multiplies it (usually 1.0).
+    Cost: about twice AdamW's optimizer state."""
+
+    name = "Prodigy"
+    switches = ("optimizer",)
+    replaces_optimizer = True
+    flags = [
+        flag("--optimizer", type=str.lower, default="adamw", choices=["adamw", "prodigy"],
+             help="AdamW, or Prodigy (needs prodigyopt; its learning rate is a multiplier, usually 1.0)."),
+        flag("--prodigy_beta3", type=below_one, help="Prodigy's step-size decay; default: sqrt(--adam_beta2)."),
+        flag("--prodigy_decouple", type=Accepts("true or false", convert=boolean), default=True,
+             help="Decoupled weight decay."),
+        flag("--prodigy_use_bias_correction", type=Accepts("true or false", convert=boolean), default=True,
+             help="Adam's bias correction."),
+        flag("--prodigy_safeguard_warmup", type=Accepts("true or false", convert=boolean), default=True,
+             help="Keep the step size from growing during warm-up.")]
+
+    def check(self):
+        if importlib.util.find_spec("prodigyopt") is None:
+            raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
+
+    def notes(self):
+        lr = self.args.learning_rate
+        return [f"--learning_rate {lr} with Prodigy: its learning rate is a multiplier of the step it finds, usually "
+                "1.0"] if lr < 0.1 else []
+
+    def optimizer(self, params, hyper):
+        import prodigyopt
+        args = self.args
+        if vars(args).get("use_8bit_adam"):
+            logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
+        return prodigyopt.Prodigy(params, **hyper, beta3=args.prodigy_beta3, decouple=args.prodigy_decouple,
+                                  use_bias_correction=args.prodigy_use_bias_correction,
+                                  safeguard_warmup=args.prodigy_safeguard_warmup)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: FSDP (accelerate's FSDP: each process holds a shard of the model)
+
+@option
+class FSDP(Option):
+    """Training under accelerate's FSDP (turned on by its config): the LoRA and the optimizer state are gathered
+    from the shards to save them and scattered to resume; with cpu_ram_efficient_loading only process 0 reads the
+    weights. Cost: the gathering at each checkpoint (collectives every process joins)."""
+
+    name = "FSDP"
+    env = "ACCELERATE_USE_FSDP"
+    places_transformer = True  # accelerate moves and shards one wrapped block at a time
+
+    def load_transformer(self, accelerator, weight_dtype):
+        """Under cpu_ram_efficient_loading, only the first process reads the weights: accelerate broadcasts them
+        while it shards (its LoRA initialisation too), so the others build an empty model and a node holds one copy
+        of [dev]'s 64 GB in host memory, not one per process. Quantised weights: accelerate loads them everywhere."""
+        plugin = accelerator.state.fsdp_plugin if is_fsdp(accelerator) else None
+        if not (plugin and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process
+                and not vars(self.args).get("bnb_quantization_config_path")):
+            return None
+        logger.info(f"process {accelerator.process_index}: an empty transformer; its weights come from process 0 "
+                    "as FSDP shards (cpu_ram_efficient_loading)", main_process_only=False)
+        return empty_transformer(self.args).to(weight_dtype)
+
+    def before_lora(self, transformer, accelerator):
+        return transformer if is_fsdp(accelerator) else transformer.to(accelerator.device)  # FSDP asked, not granted
+
+    def after_lora(self, transformer, accelerator):
+        if is_fsdp(accelerator) and transformer.device.type == "meta":  # lean loading: accelerate hands the optimizer
+            transformer.to_empty(device="cpu")  # the sharded parameters by data pointer, 0 for all meta tensors
+        return transformer
+
+    def lora_state(self, accelerator, transformer):
+        """The full LoRA gathered from the shards (a collective every process must join), in peft's naming."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        if not is_fsdp(accelerator):
+            return None
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+        return {k.replace(".default.", "."): v for k, v in get_model_state_dict(transformer, options=options).items()}
+
+    def optimizer_state(self, accelerator, run):
+        """The optimizer's full state (safetensors cannot hold DTensors; LoRA states are small). A collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        if not is_fsdp(accelerator):
+            return None
+        return get_optimizer_state_dict(run.transformer, run.optimizer, options=StateDictOptions(full_state_dict=True))
+
+    def load_state(self, accelerator, run, training):
+        """Every process passes the full tensors; torch keeps each process's shard."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        if not is_fsdp(accelerator):
+            return None
+        options, names = StateDictOptions(full_state_dict=True, strict=False), fsdp_lora_params(run.transformer)
+        set_model_state_dict(run.transformer, {names[k][0]: v for k, v in training["lora"].items()}, options=options)
+        set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
+        return True
+
+    def expected_lora(self, accelerator, run):
+        """FSDP2's DTensor.shape is the full shape; FSDP1's flat shards have none, so only their names compare."""
+        from torch.distributed.tensor import DTensor
+        if not is_fsdp(accelerator):
+            return None
+        return {k: p.shape if isinstance(p, DTensor) else None
+                for k, (_, p) in fsdp_lora_params(run.transformer).items()}
+
+def fsdp_lora_params(transformer):
+    """Under FSDP: the LoRA parameters, {name as saved (peft's, without the adapter name): (name here, parameter)}."""
+    params = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n): p
+              for n, p in transformer.named_parameters() if p.requires_grad}
+    return {n.replace(".default.", "."): (n, p) for n, p in params.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: block swapping (--blocks_to_swap)
+
+@option
+class BlockSwapping(Option):
+    """The frozen weights of the last N transformer blocks live in pinned host memory, each copied in just before
+    it runs (BlockSwapper carries out a SwapSchedule): a peak N - 2 blocks below keeping all of them. Cost: each
+    swapped block's weights cross the bus once per forward and once per backward (mostly hidden behind compute)."""
+
+    name = "block swapping"
+    places_transformer = True  # the swapped blocks are placed once their LoRA exists
+    flags = [flag("--blocks_to_swap", type=non_negative_int, default=0, help="Keep the frozen weights of the last "
+                  "N blocks in host memory (CUDA, with --gradient_checkpointing).")]
+
+    def check(self):
+        if not torch.cuda.is_available():
+            raise UsageError("--blocks_to_swap needs a CUDA GPU: it moves blocks between pinned host memory and the "
+                             "GPU")
+        if fsdp_requested():
+            raise UsageError("--blocks_to_swap does not work under FSDP, which already splits every block over the "
+                             "GPUs; use one or the other")
+        if not self.args.gradient_checkpointing:
+            raise UsageError("--blocks_to_swap needs --gradient_checkpointing: without it autograd keeps every "
+                             "block's weights for the backward pass, so swapped blocks could not leave the GPU")
+
+    def check_model(self, model):
+        blocks = len(transformer_blocks(model))
+        if self.args.blocks_to_swap > blocks:
+            raise UsageError(f"--blocks_to_swap {self.args.blocks_to_swap}: this transformer has {blocks} blocks "
+                             f"({model.config.num_layers} double-stream, {model.config.num_single_layers} "
+                             "single-stream)")
+
+    def after_lora(self, transformer, accelerator):
+        count = self.args.blocks_to_swap
+        transformer.block_swapper = BlockSwapper(transformer, count, accelerator.device)
+        logger.info(f"block swapping: the frozen weights of the last {count} of {len(transformer_blocks(transformer))} "
+                    "blocks stay in pinned host memory; at most 2 of them are on the GPU at once")
+        if not vars(self.args).get("bnb_quantization_config_path"):  # quantised weights are on the GPU already
+            transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
+        return transformer
 
 class SwapSchedule:
-    """--blocks_to_swap N: which of the transformer's blocks have their frozen weights on the device, driven by the
-    events of a pass. Blocks are numbered in execution order (double-stream, then single-stream); the last N swap.
-    Each event returns actions for the mover: ("load", i) starts copying block i in (asynchronously, on a side
-    stream), ("wait", i) holds compute until block i is in, ("evict", i) drops block i's device copy (the frozen
-    weights never change, so nothing is copied back).
+    """Which swapped blocks have their frozen weights on the device, driven by the events of a pass. Blocks are
+    numbered in execution order (double-stream, then single-stream); the last N swap. Each event returns actions:
+    ("load", i) starts copying block i in (on a side stream), ("wait", i) holds compute until block i is in,
+    ("evict", i) drops block i's device copy (the frozen weights never change, so nothing is copied back).
 
     Forward: block i+1 is copied while block i computes. Backward runs the blocks in reverse: the block the forward
     ended with stays for it, and block i-1 is copied while block i's backward (with gradient checkpointing, its
     recomputation included) runs. The first swapped block stays between passes, the next forward starts with it.
-    So at most two swapped blocks are on the device at once: a peak N - 2 blocks below keeping all of them."""
+    So at most two swapped blocks are on the device at once."""
 
     def __init__(self, num_blocks, blocks_to_swap):
         self.swapped = range(num_blocks - blocks_to_swap, num_blocks)
         self.resident = set()  # swapped blocks on the device or on their way there
         self.backward_block = None  # whose backward runs now: a forward of this block is its recomputation
-        self.peak = 0
 
     def _bring(self, i, wait):
         actions = []
         if i in self.swapped and i not in self.resident:
             self.resident.add(i)
-            self.peak = max(self.peak, len(self.resident))
             actions.append(("load", i))
         if wait and i in self.swapped:
             actions.append(("wait", i))
@@ -2281,13 +4584,12 @@ class SwapSchedule:
         done = {j for j in self.resident if j > i and j != self.swapped.start}
         return self._drop(done) + self._bring(i, wait=True) + self._bring(i - 1, wait=False)
 
-
 class BlockSwapper:
-    """--blocks_to_swap: carries out a SwapSchedule with module hooks, so the training loop and the validation
-    pipeline run unchanged. The frozen weights of the swapped blocks live in pinned host memory; their parameters
-    hold an empty tensor except while the schedule has them on the device. LoRA parameters (trainable) stay put, so
-    the optimizer never sees a swap. On a CPU (the tests) everything but the side stream runs as on a GPU, and an
-    evicted block that ran would fail on its empty weights."""
+    """Carries out a SwapSchedule with module hooks, so the training loop and the validation pipeline run unchanged.
+    The frozen weights of the swapped blocks live in pinned host memory; their parameters hold an empty tensor
+    except while the schedule has them on the device. LoRA parameters (trainable) stay put, so the optimizer never
+    sees a swap. On a CPU (the tests) everything but the side stream runs as on a GPU, and an evicted block that ran
+    would fail on its empty weights."""
 
     def __init__(self, transformer, blocks_to_swap, device):
         blocks = transformer_blocks(transformer)
@@ -2306,8 +4608,7 @@ class BlockSwapper:
         buffer (pinned on CUDA): the pinned allocator rounds every allocation up to a power of two, +58% for [dev]'s
         679 MB fused projection alone, under +10% for a whole block. The slot is the weight's device tensor, whose
         storage is emptied on eviction and refilled on loading: a view of it that a layer keeps for backward (a
-        bitsandbytes matmul keeps its weight) then holds no memory and sees the weight again when it is back.
-        Between loads the parameter holds an empty placeholder."""
+        bitsandbytes matmul keeps its weight) then holds no memory and sees the weight again when it is back."""
         params = [p for p in block.parameters() if not p.requires_grad]
         sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # 64-byte aligned views
         buffer = torch.empty(sum(sizes), dtype=torch.uint8)
@@ -2356,7 +4657,6 @@ class BlockSwapper:
                     param.data = torch.empty(0, dtype=param.dtype, device=self.device)
                     slot.untyped_storage().resize_(0)
 
-
 class _BeforeBackward(torch.autograd.Function):
     """Identity on a block's outputs whose backward tells the swapper that block's backward comes next."""
 
@@ -2372,564 +4672,7 @@ class _BeforeBackward(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Appendix C: edit (image-to-image) geometry
-
-
-REFERENCE_MAX_PIXELS = 1024 * 1024  # the FLUX.2 pipelines shrink larger reference images to this area
-
-
-def check_edit_flags(args):
-    """Edit training: each data source has its own condition flag; prior preservation is refused."""
-    if args.cond_data_dir and not args.instance_data_dir:
-        raise UsageError("--cond_data_dir pairs with --instance_data_dir; with --dataset_name use --cond_image_column")
-    if args.cond_image_column and not args.dataset_name:
-        raise UsageError("--cond_image_column is a column of --dataset_name; with --instance_data_dir use --cond_data_dir")
-    if (args.cond_data_dir and args.instance_data_dir and Path(args.cond_data_dir).resolve() ==
-            Path(args.instance_data_dir).resolve()) or (args.cond_image_column and args.cond_image_column == args.image_column):
-        raise UsageError("the condition images are the targets (--cond_data_dir is --instance_data_dir, or "
-                         "--cond_image_column is --image_column): the LoRA would learn to copy its input")
-    if (args.cond_data_dir or args.cond_image_column) and args.with_prior_preservation:
-        raise UsageError("--with_prior_preservation does not combine with edit training (--cond_data_dir, "
-                         "--cond_image_column): its class images are text-to-image samples without a condition image, "
-                         "and a batch cannot mix rows with and without reference tokens (every row of a batch has the "
-                         "same token count). Regularise an edit LoRA with edit pairs of the class instead")
-
-
-def pair_conditions(targets, conditions, target_folder, cond_folder):
-    """Edit training from folders: attach to each target x.* the condition image of the same stem. A target without a
-    condition, a condition without a target, or a stem with two condition files is refused, all of them listed."""
-    by_stem = {}
-    for record in conditions:
-        by_stem.setdefault(Path(record.name).stem, []).append(record)
-    stems = {Path(r.name).stem for r in targets}
-    problems = [f"{target_folder}/{r.name}: no condition image {Path(r.name).stem}.* in {cond_folder}"
-                for r in targets if Path(r.name).stem not in by_stem]
-    problems += [f"{cond_folder}/{r.name}: no target image {Path(r.name).stem}.* in {target_folder}"
-                 for r in conditions if Path(r.name).stem not in stems]
-    problems += [f"{cond_folder}: {', '.join(r.name for r in found)} are the same stem's condition; keep one"
-                 for found in by_stem.values() if len(found) > 1]
-    if problems:
-        raise UsageError(f"--cond_data_dir: {len(problems)} image(s) without a partner (edit training pairs "
-                         f"x.* of --instance_data_dir with x.* of --cond_data_dir):\n  " + "\n  ".join(problems))
-    return [dataclasses.replace(r, conditions=tuple(by_stem[Path(r.name).stem])) for r in targets]
-
-
-def reference_size(bucket):
-    """(h, w) of the condition images of a target in `bucket`: the bucket itself, or, above 1024^2 pixels, what the
-    FLUX.2 pipelines make of a reference that large (Flux2ImageProcessor._resize_to_target_area to 1024^2 pixels,
-    sides floored to multiples of 16), so training sees references at the size inference gives them."""
-    h, w = bucket
-    if h * w <= REFERENCE_MAX_PIXELS:
-        return tuple(bucket)
-    scale = math.sqrt(REFERENCE_MAX_PIXELS / (h * w))
-    return int(h * scale) // 16 * 16, int(w * scale) // 16 * 16
-
-
-def follow_crop(transform, cond_size, bucket, cond_bucket=None):
-    """The crop of a condition image that matches its target's crop `transform` ((resized_hw, top, left) of
-    draw_crop in `bucket`): the condition resized to cover `cond_bucket` (default: the target's bucket) and cropped at
-    the same relative place. A condition of the target's size in the target's bucket gets exactly the target's
-    transform, so pixel-aligned pairs (relighting, retouching) stay aligned token for token."""
-    (rh, rw), top, left = transform
-    cond_bucket = bucket if cond_bucket is None else cond_bucket
-    (ch, cw), _, _ = draw_crop(cond_size, cond_bucket, True, None)
-
-    def place(offset, full, side, new, new_side):
-        return (new - new_side) // 2 if full == side else round(offset * (new - new_side) / (full - side))
-    return (ch, cw), place(top, rh, bucket[0], ch, cond_bucket[0]), place(left, rw, bucket[1], cw, cond_bucket[1])
-
-
-def validation_image_problem(size, buckets):
-    """Why the FLUX.2 pipelines would refuse --validation_image (of `size`, (w, h)) once fitted into its bucket
-    (Flux2ImageProcessor.check_image_input: sides of 64 px or more, aspect at most 8:1), or None."""
-    h, w = reference_size(buckets[nearest_bucket(size[1], size[0], buckets)])
-    if min(h, w) < 64 or max(h, w) > 8 * min(h, w):
-        return (f"it is fitted into the bucket {h}x{w} (h x w) as training conditions are, and the FLUX.2 pipelines "
-                "take condition images of at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
-    return None
-
-
-def fit_to_bucket(image, buckets):
-    """--validation_image as training uses conditions -> (the RGB PIL image resized to cover reference_size of its
-    nearest bucket and centre-cropped to it, the bucket: the size of the edited image)."""
-    bucket = buckets[nearest_bucket(image.height, image.width, buckets)]
-    size = reference_size(bucket)
-    return transform_image(image, (*draw_crop(image.size, size, True, None), False), size), bucket
-
-
-def edit_validation_condition(args, dataset):
-    """--validation_image, decoded once and fitted into its bucket -> (image, bucket), or None; refused when the
-    pipelines would refuse it. An edit run validating without one is told what it gets."""
-    if not args.validation_image:
-        if dataset.conditions and validation_prompts(args):
-            logger.warning("edit training validates without a condition image: give --validation_image to see the LoRA "
-                           "edit it (the validation images are generated from the prompt alone)")
-        return None
-    try:
-        image = ImageRecord("", (0, 0), path=args.validation_image).load()
-    except Exception as e:  # noqa: BLE001 - truncated, corrupt, a decompression bomb: not an image to use
-        raise UsageError(f"--validation_image {args.validation_image}: cannot be decoded ({e})") from None
-    buckets = dataset.ladders[args.resolutions.index(args.resolution)]  # several sides: validate at the largest
-    problem = validation_image_problem(image.size, buckets)
-    if problem:
-        raise UsageError(f"--validation_image {args.validation_image}: {problem}")
-    return fit_to_bucket(image, buckets)
-
-
-def describe_edit_data(dataset):
-    counts = sorted({len(ids) for ids in dataset.cond_ids})
-    return (f"edit training: {len(dataset.conditions)} condition images for {len(dataset.instances)} targets, "
-            f"{' or '.join(map(str, counts))} per target, their tokens after the target's (the loss covers the target's)")
-
-
-def reference_tokens(conditions, dtype):
-    """Edit training: condition latents, a list of R [B, C, h, w], -> (tokens [B, R*h*w, C] in `dtype`, image ids
-    [B, R*h*w, 4] int64), packed and numbered as Flux2Pipeline.prepare_image_latents does: reference r at time
-    coordinate 10 + 10 r, each one's rows and columns from 0, concatenated in reference order."""
-    from diffusers import Flux2Pipeline
-
-    bsz = conditions[0].shape[0]
-    tokens = torch.cat([Flux2Pipeline._pack_latents(c) for c in conditions], dim=1).to(dtype)
-    ids = Flux2Pipeline._prepare_image_ids([c[:1] for c in conditions]).to(conditions[0].device)
-    return tokens, ids.repeat(bsz, 1, 1)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix D: EMA of the LoRA
-
-
-RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
-
-
-def save_ema_lora(args, accelerator, run, raw, folder, dtype):
-    """--use_ema: the average is the LoRA; the last raw weights go beside it."""
-    save_lora(accelerator, run.transformer, raw, folder, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
-    with run.ema.applied(run.named_params):
-        write_lora_files(args, accelerator, run.transformer, lora_state_dict(accelerator, run.transformer), folder, dtype)
-
-
-class LoraEMA:
-    """Exponential moving average of the trainable (LoRA) parameters, kept in float32 on `device` (the CPU by
-    default, so it costs no GPU memory). It starts at the weights of the first optimizer step (not the random
-    init) and warms up: decay_t = min(decay, (1 + t) / (10 + t)), so early steps are not swamped."""
-
-    def __init__(self, named_params, decay, device="cpu"):
-        self.decay, self.device, self.step = decay, torch.device(device), 0
-        self.shadow = {n: p.detach().to(self.device, torch.float32, copy=True) for n, p in named_params.items()}
-
-    @torch.no_grad()
-    def update(self, named_params):
-        self.step += 1
-        decay = 0.0 if self.step == 1 else min(self.decay, (1 + self.step) / (10 + self.step))
-        for name, param in named_params.items():
-            self.shadow[name].mul_(decay).add_(param.detach().to(self.device, torch.float32), alpha=1 - decay)
-
-    def state_dict(self):
-        return {"step": self.step, "shadow": self.shadow}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
-        self.shadow = {n: v.to(self.device, torch.float32) for n, v in state["shadow"].items()}
-
-    @contextlib.contextmanager
-    def applied(self, named_params):
-        """Temporarily put the averaged weights into the model (validation, saving); the raw ones come back."""
-        raw = {n: p.detach().clone() for n, p in named_params.items()}
-        with torch.no_grad():
-            for name, param in named_params.items():
-                param.copy_(self.shadow[name])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, param in named_params.items():
-                    param.copy_(raw[name])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix E: validation extras (progress sheet, model card, upload)
-
-
-def show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale):
-    """After a validation: the condition image beside its images (edit mode), the progress sheet (a row label per
-    prompt and strength when there are several), the trackers, a log line."""
-    if condition is not None:
-        condition.save(folder / "condition.png")
-    elif stale:
-        (folder / "condition.png").unlink()
-    count = len(images) // (len(specs) * len(scales))
-    labels = [f"prompt {k + 1}, x{scale:g}" for k in range(len(specs)) for scale in scales for _ in range(count)]
-    sheet = update_progress_sheet(folder, 0, tag, step, len(images), labels if len(labels) > count else None)
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard" and len({im.size for im in images}) == 1:
-            tracker.writer.add_images(f"validation/{tag}", np.stack([np.asarray(im) for im in images]), step, dataformats="NHWC")
-        elif tracker.name == "tensorboard":  # several sizes: one image each
-            for row, image in enumerate(images):
-                tracker.writer.add_image(f"validation/{tag}/{row}", np.asarray(image), step, dataformats="HWC")
-        elif tracker.name == "wandb":
-            import wandb
-
-            captions = [f"{tag}: {specs[r // (count * len(scales))].prompt}" for r in range(len(images))]
-            tracker.log({"validation": [wandb.Image(im, caption=c) for im, c in zip(images, captions)]}, step=step)
-    logger.info(f"validation images ({', '.join(repr(s.prompt) for s in specs)}) in {folder}: {tag}-*.png; progress "
-                f"sheet {sheet}")
-
-
-@dataclass(frozen=True)
-class ValidationSpec:
-    """One validation prompt and what it overrides (None: the run's --resolution, steps, guidance and noise)."""
-
-    prompt: str
-    height: int | None = None
-    width: int | None = None
-    seed: int | None = None
-    steps: int | None = None
-    guidance: float | None = None
-
-
-@functools.cache
-def read_validation_prompts(path):
-    """--validation_prompts_file -> [ValidationSpec]: a prompt a line (blank lines and lines starting with # are
-    skipped), optionally ending in --size WxH (sides multiples of 16), --seed N, --steps N and --guidance X, in any
-    order. UsageError naming the file and the line."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--validation_prompts_file {path}: {e}") from None
-    specs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        prompt, *options = re.split(r"\s+--", line.strip())
-        found = {}
-        for option in options:
-            m = re.fullmatch(r"size (\d+)x(\d+)|seed (\d+)|steps ([1-9]\d*)|guidance (\d+(?:\.\d+)?)", option.strip())
-            if m is None or any(int(side) < 16 or int(side) % 16 for side in m.groups()[:2] if side):
-                raise UsageError(f"--validation_prompts_file {path}, line {number}: --{option.strip()}: expected --size "
-                                 "WxH (multiples of 16), --seed N, --steps N (N >= 1) or --guidance X")
-            if m.group(1):
-                found.update(width=int(m.group(1)), height=int(m.group(2)))
-            found.update({k: cast(v) for k, v, cast in (("seed", m.group(3), int), ("steps", m.group(4), int),
-                                                         ("guidance", m.group(5), float)) if v is not None})
-        if not prompt.strip() or prompt.startswith("--"):
-            raise UsageError(f"--validation_prompts_file {path}, line {number}: no prompt before the options")
-        specs.append(ValidationSpec(prompt.strip(), **found))
-    if not specs:
-        raise UsageError(f"--validation_prompts_file {path}: no prompt in it")
-    return specs
-
-
-def validation_specs(args, prompt):
-    """What a validation generates: `prompt` (if any), then every line of --validation_prompts_file ([trigger]
-    filled by --trigger_word)."""
-    listed = read_validation_prompts(args.validation_prompts_file) if args.validation_prompts_file else []
-    listed = [dataclasses.replace(s, prompt=with_trigger(s.prompt, args.trigger_word)) for s in listed]
-    return ([ValidationSpec(prompt)] if prompt else []) + listed
-
-
-def uses_cfg(args, family):
-    """Whether a validation samples [klein] base with classifier-free guidance (its negative: the empty prompt)."""
-    guidances = [args.validation_guidance_scale] + [s.guidance for s in validation_specs(args, None) if s.guidance]
-    return family.pipeline == "Flux2KleinPipeline" and not family.distilled and max(guidances) > 1
-
-
-def pipeline_call(args, run, spec, device):
-    """The pipeline's arguments for one validation spec: its cached embeddings (and [klein] CFG's empty prompt), size
-    (edit mode: the condition, in its bucket), steps, guidance, and the seed and device of its noise."""
-    family = run.data.family
-    guidance = spec.guidance if spec.guidance is not None else guidance_scale(args, family)
-    call = {"prompt_embeds": run.caches.prompts[spec.prompt].to(device, run.weight_dtype),
-            "height": spec.height or args.resolution, "width": spec.width or args.resolution,
-            "num_inference_steps": spec.steps or args.validation_inference_steps, "guidance_scale": guidance,
-            "seed": spec.seed if spec.seed is not None else seed_for("validation", run.data.seed), "device": device}
-    if family.pipeline == "Flux2KleinPipeline" and guidance > 1 and not family.distilled:
-        call["negative_prompt_embeds"] = run.caches.prompts[""].to(device, run.weight_dtype)
-    if run.data.condition is not None:  # edit mode: the pipeline appends the condition's tokens, as training did
-        condition, (height, width) = run.data.condition
-        call.update(image=[condition], height=spec.height or height, width=spec.width or width)
-    return call
-
-
-def label_image(text):
-    """A row label of the progress sheet."""
-    from PIL import ImageDraw, ImageFont
-
-    font = ImageFont.load_default()
-    image = Image.new("RGB", (int(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(text, font=font)) + 8, 16), "white")
-    ImageDraw.Draw(image).text((4, 2), text, fill="black", font=font)
-    return image
-
-
-def condition_changed(folder, condition):
-    """Whether validation/condition.png (the condition the base images were made for) is not `condition` (a PIL
-    image, or None for text-to-image validation)."""
-    path = Path(folder, "condition.png")
-    if not path.is_file():
-        return condition is not None
-    with Image.open(path) as old:
-        return condition is None or not np.array_equal(np.asarray(old.convert("RGB")), np.asarray(condition))
-
-
-def base_images_missing(accelerator, folder, count, stale=False):
-    """Whether the base model's validation images are still to be made (once per output folder, so resumes skip
-    them, unless `stale`: made for another condition image); agreed with the main process under FSDP, where every
-    process generates."""
-    missing = [stale or not all(Path(folder, f"base-{i}.png").is_file() for i in range(count))]
-    if is_fsdp(accelerator):
-        broadcast_object_list(missing)
-    return missing[0]
-
-
-def update_progress_sheet(folder, k, tag, step, count, labels=None):
-    """Add the column of validation `tag` (at optimizer `step`) to validation/progress-<k>.png, after the condition
-    image (edit mode: condition.png), the base model and the validations before it. A column of a later step is
-    dropped first: after a resume the run goes on from an earlier step. The columns are listed in progress-<k>.json;
-    their images are the PNGs of the folder."""
-    record = Path(folder, f"progress-{k}.json")
-    columns = json.loads(record.read_text())["columns"] if record.is_file() else []
-    columns = [c for c in columns if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
-    write_json_atomic(record, {"columns": columns})
-    condition = Path(folder, "condition.png")
-    sheet = progress_sheet(([("", [label_image(text) for text in labels])] if labels else []) +
-                           ([("condition", [Image.open(condition)])] if condition.is_file() else []) +
-                           [("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])] +
-                           [(f"step {c['step']}", [Image.open(Path(folder, f"{c['tag']}-{i}.png")) for i in range(count)])
-                            for c in columns])
-    path = Path(folder, f"progress-{k}.png")
-    sheet.save(path)
-    return path
-
-
-def progress_sheet(columns, pad=4):
-    """[(caption, [image per row])] -> one image: a column per entry, its caption on top, rows aligned. Users pick
-    the best checkpoint from it."""
-    from PIL import ImageDraw, ImageFont
-
-    font = ImageFont.load_default()
-    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    rows = max(len(images) for _, images in columns)
-    widths = [max([im.width for im in images] + [int(measure.textlength(caption, font=font))]) for caption, images in columns]
-    heights = [max(images[r].height for _, images in columns if r < len(images)) for r in range(rows)]
-    text_h = 14
-    sheet = Image.new("RGB", (sum(widths) + pad * (len(columns) + 1), text_h + sum(heights) + pad * (rows + 2)), "white")
-    draw, x = ImageDraw.Draw(sheet), pad
-    for (caption, images), width in zip(columns, widths):
-        draw.text((x, pad), caption, fill="black", font=font)
-        y = text_h + 2 * pad
-        for r, image in enumerate(images):
-            sheet.paste(image.convert("RGB"), (x, y))
-            y += heights[r] + pad
-        x += width + pad
-    return sheet
-
-
-def write_model_card(args, image_paths, prompt, family, dataset):
-    """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub. An edit dataset makes an
-    image-to-image LoRA, used with a condition image."""
-    edit = bool(dataset.conditions)
-    images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
-    widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
-    gallery = "\n".join(f"![{prompt}]({p})" for p in images)
-    if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
-        gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
-                    "![progress](validation/progress-0.png)")
-    shown = prompt or args.instance_prompt or "..."
-    kind = "DoRA" if args.use_dora else {"lokr": "LoKr", "loha": "LoHa"}.get(args.adapter, "LoRA")
-    files = {"diffusers": "", "comfyui": f"`{LORA_WEIGHTS_NAME}` is in ComfyUI's layout (ComfyUI's LoRA loader reads it).",
-             "both": f"ComfyUI: `{COMFYUI_WEIGHTS_NAME}` (its LoRA loader reads it); diffusers: `{LORA_WEIGHTS_NAME}`."}[
-                 args.lora_format]
-    use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
-           f'image = pipe(image=condition, prompt="{shown}").images[0]' if edit else f'image = pipe("{shown}").images[0]')
-    text = f"""---
-base_model: {args.pretrained_model_name_or_path}
-library_name: diffusers
-license: other
-instance_prompt: {json.dumps(args.instance_prompt)}
-tags:
-- {"image-to-image" if edit else "text-to-image"}
-- diffusers
-- lora
-- flux2
-- {"flux2-klein" if family.pipeline == "Flux2KleinPipeline" else "flux2-dev"}
-- dreambooth
-widget:
-{widget}---
-
-# {family.name} DreamBooth LoRA
-
-{kind} adapters (rank {args.rank}, alpha {args.lora_alpha}) for `{args.pretrained_model_name_or_path}`, trained with
-DreamBooth on {f"the prompt `{args.instance_prompt}`" if args.instance_prompt else "its dataset's captions"} for {args.max_train_steps} steps at learning rate {args.learning_rate}.
-{describe_captions(args, dataset)}
-{files}
-
-{gallery}
-
-## Use
-
-```py
-import torch
-from diffusers import {family.pipeline}
-
-pipe = {family.pipeline}.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
-pipe.enable_model_cpu_offload()  # moves each model to the GPU only while it runs
-pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
-{use}
-```
-
-(FLUX.2 [dev]: loading the Hub tokenizer as a PixtralProcessor needs `torchvision`.)
-
-License: the base model's license applies.
-"""
-    Path(args.output_dir, "README.md").write_text(text, encoding="utf-8")
-
-
-def push_to_hub(args):
-    from huggingface_hub import create_repo, upload_folder
-
-    repo_id = create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
-    upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
-                  commit_message="DreamBooth LoRA",  # the manifest names local paths: it stays here, with the checkpoints
-                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", MANIFEST_NAME])
-    logger.info(f"pushed to https://huggingface.co/{repo_id}")
-
-
-def available_trackers(report_to):
-    """--report_to -> (the trackers to start, those not installed: skipped with a warning)."""
-    from accelerate.utils import is_tensorboard_available, is_wandb_available
-
-    wanted = {"all": ["tensorboard", "wandb"], "none": []}.get(report_to, report_to.split(","))
-    available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}
-    return [t for t in wanted if available.get(t, True)], [t for t in wanted if not available.get(t, True)]
-
-
-def tracker_config(args):
-    """Flags for the trackers: scalars only, and never the Hub token."""
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
-            if k != "hub_token" and v is not None}
-
-
-def generate_images(pipeline, call, count):
-    """`count` images of one validation spec: the same noise at every validation, and for the base model's."""
-    call = dict(call)
-    generator = torch.Generator(call.pop("device")).manual_seed(call.pop("seed"))
-    return [pipeline(**call, generator=generator).images[0] for _ in range(count)]
-
-
-def validation_prompts(args):
-    """Prompts whose embeddings the run needs after the text encoder is gone."""
-    listed = [spec.prompt for spec in validation_specs(args, None)]
-    return [p for p in dict.fromkeys([args.validation_prompt, args.final_validation_prompt, *listed]) if p]
-
-
-@contextlib.contextmanager
-def adapters_off(model):
-    """The base model inside the block: the LoRA layers pass their input through unchanged."""
-    model.disable_adapters()
-    try:
-        yield model
-    finally:
-        model.enable_adapters()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix F: pre-flight checks (model fit, attention backends, checkpoints, surprising values)
-
-
-def empty_transformer(args):
-    """The checkpoint's transformer on the meta device: its modules and shapes from its config, no weights read."""
-    from accelerate import init_empty_weights
-    from diffusers import Flux2Transformer2DModel
-
-    config = read_model_json(args, "transformer/config.json", "transformer config")
-    with init_empty_weights():
-        return Flux2Transformer2DModel.from_config(config)
-
-
-def check_model_fit(args):
-    """The flags that must fit this checkpoint, from its config files (no weights are read): the text-encoder layers
-    exist and stack to the width the transformer takes; every --lora_layers entry is a preset or names linear layers
-    of the transformer (matched as PEFT does: the whole name or a dotted suffix)."""
-    model = empty_transformer(args)
-    config = model.config
-    # the remote encoder serves [dev]'s default layers; a --from_manifest run uses no text encoder (its manifest's
-    # prompt identity pins the layers), so it may not even have one
-    if not (args.remote_text_encoder or args.from_manifest):
-        text = read_model_json(args, "text_encoder/config.json", "text_encoder config")
-        text = text.get("text_config", text)  # [dev]'s Mistral 3 nests its language model's config
-        try:
-            depth, width, joint = text["num_hidden_layers"], text["hidden_size"], config["joint_attention_dim"]
-        except (KeyError, TypeError) as e:
-            raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: its text_encoder "
-                             f"or transformer config lacks {e}") from None
-        layers = args.text_encoder_out_layers
-        if max(layers) > depth:
-            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder has layers 0 "
-                             f"to {depth} (0: its embeddings)")
-        if len(layers) * width != joint:
-            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: {len(layers)} layers of width "
-                             f"{width} make {len(layers) * width} features; this transformer takes {joint} "
-                             f"({joint // width} layers)")
-    blocks = len(transformer_blocks(model))
-    if args.blocks_to_swap > blocks:
-        raise UsageError(f"--blocks_to_swap {args.blocks_to_swap}: this transformer has {blocks} blocks "
-                         f"({model.config.num_layers} double-stream, {model.config.num_single_layers} single-stream)")
-    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
-    targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
-    problems = unusable_lora_targets(targets, kinds)
-    if problems:
-        valid = sorted({re.sub(r"^(single_)?transformer_blocks\.\d+\.", "", n) for n, k in kinds.items() if k == "Linear"})
-        raise UsageError(f"--lora_layers {'; '.join(f'{t}: {why}' for t, why in problems.items())}; presets: "
-                         f"{', '.join(LORA_PRESETS)}; valid names include {', '.join(valid[:16])}")
-    if args.init_lora:
-        apply_init_lora(args, model)
-    if args.lora_format != "diffusers":
-        check_comfyui_targets(args, model)
-
-
-def unusable_lora_targets(targets, kinds):
-    """PEFT target names it cannot adapt -> {name: why}. kinds: {module name: class name}. A name must match (as PEFT
-    matches: the whole name or a dotted suffix) linear layers and nothing else: PEFT refuses anything else it
-    matches, e.g. `to_out`, which is a ModuleList in the double-stream blocks, and only once the model is loaded."""
-    problems = {}
-    for target in targets:
-        matched = [n for n in kinds if n == target or n.endswith("." + target)]
-        others = [n for n in matched if kinds[n] != "Linear"]
-        if len(others) == len(matched):
-            problems[target] = "no linear layer of the transformer has that name"
-        elif others:
-            problems[target] = (f"also names {others[0]} ({kinds[others[0]]}), which LoRA cannot adapt; name the linear "
-                                "layers more exactly (e.g. attn.to_out.0, single_transformer_blocks.0.attn.to_out)")
-    return problems
-
-
-def block_linear_names(model):
-    """Full names of the linear layers inside the transformer's double- and single-stream blocks (not the
-    embedders, the shared modulation, norm_out or proj_out)."""
-    return [n for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and re.match(r"(single_)?transformer_blocks\.\d+\.", n)]
-
-
-def adapted_modules(model):
-    """Names of the modules that carry a LoRA adapter."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
-
-
-def describe_lora(modules, num_params, rank):
-    """'LoRA rank R on M modules (D double-stream, S single-stream blocks), P M trainable parameters'."""
-    blocks = collections.defaultdict(set)
-    for name in modules:
-        kind, block = (name.split(".") + [""])[:2]
-        if kind in ("transformer_blocks", "single_transformer_blocks"):
-            blocks[kind].add(block)
-        else:
-            blocks["other"].add(name)
-    other = f", {len(blocks['other'])} outside them" if blocks["other"] else ""
-    return (f"LoRA rank {rank} on {len(modules)} modules ({len(blocks['transformer_blocks'])} double-stream, "
-            f"{len(blocks['single_transformer_blocks'])} single-stream blocks{other}), {num_params / 1e6:.3g} M "
-            "trainable parameters")
-
+# Option: attention backends (--attention_backend)
 
 # diffusers attention backends with a backward pass (sage and the NPU/XLA/AMD kernels are inference or other hardware)
 TRAINING_ATTENTION_BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math", "flex",
@@ -2941,12 +4684,10 @@ BROKEN_ATTENTION_BACKENDS = {
                      "picks a working SDPA kernel itself",
 }
 
-
 def attention_backend_problem(name):
     """Why --attention_backend `name` cannot train here (None: it can): unknown, inference-only, package missing
     (diffusers' own requirement check), or a CUDA kernel without a CUDA GPU."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
-
     if name not in TRAINING_ATTENTION_BACKENDS:
         known = {b.value for b in AttentionBackendName}
         return "no backward pass (inference only)" if name in known else "not a diffusers attention backend"
@@ -2962,557 +4703,30 @@ def attention_backend_problem(name):
         return "needs a CUDA GPU"
     return None
 
-
 def check_attention_backend(name):
     problem = attention_backend_problem(name)
     if problem:
         usable = [b for b in TRAINING_ATTENTION_BACKENDS if attention_backend_problem(b) is None]
         raise UsageError(f"--attention_backend {name}: {problem}; usable here: {', '.join(usable)}")
 
+@option
+class AttentionBackends(Option):
+    """Another attention kernel for training and validation than native SDPA (diffusers' attention dispatch). Cost:
+    none of its own; docs/speed.md measures what each kernel gains."""
 
-def checkpoint_problem(folder):
-    """Why checkpoint `folder` cannot be resumed from (None: it can): a file missing or unreadable, JSON that does not
-    parse, a tensor file cut short, or a tensor its JSON names that the tensor file lacks. Headers only: a checkpoint
-    is checked in milliseconds, before any model loads. Whether its tensors fit the model is load_checkpoint's test."""
-    folder = Path(folder)
+    name = "attention backends"
+    usable = ", ".join(b for b in TRAINING_ATTENTION_BACKENDS if b not in BROKEN_ATTENTION_BACKENDS)
+    flags = [flag("--attention_backend", default="native", help="Attention kernel (one whose package or GPU is "
+                  "missing is refused).", type=Accepts(f"a diffusers attention backend with a backward pass that "
+                  f"works here: {usable}", lambda v: v == "native" or check_attention_backend(v) is None))]
 
-    def tensor_names(skeleton):
-        if isinstance(skeleton, dict):
-            return [skeleton["__tensor__"]] if "__tensor__" in skeleton else [
-                n for _, v in skeleton["__items__"] for n in tensor_names(v)]
-        return [n for v in skeleton for n in tensor_names(v)] if isinstance(skeleton, list) else []
-
-    name = TRAINER_STATE_NAME
-    try:
-        state = json.loads((folder / name).read_text())
-        if not (isinstance(state, dict) and isinstance(state.get("global_step"), int) and state["global_step"] >= 0
-                and isinstance(state.get("seed"), int)):
-            return f"{name} has no global_step and seed"
-        for stem in ("training", *sorted(p.stem for p in folder.glob("rng-*.json"))):
-            name = f"{stem}.json"
-            skeleton = json.loads((folder / name).read_text())
-            name = f"{stem}.safetensors"
-            header = safetensors_header(folder / name)
-            missing = [n for n in tensor_names(skeleton) if n not in header]
-            if missing:
-                return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
-            if stem == "training" and "lora" not in dict(skeleton["__items__"]):
-                return f"{stem}.json holds no LoRA"
-    except FileNotFoundError:
-        return f"{name} is missing"
-    except OSError as e:
-        return f"{name} cannot be read ({e.strerror or e})"
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-        return f"{name} is damaged ({type(e).__name__}: {e})"
-    return None
-
-
-def state_fit_problem(saved, expected):
-    """Saved tensors (name -> tensor) against what the model has (name -> shape, or None where the model cannot tell)
-    -> what differs, or None."""
-    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
-    resized = [f"{n} {tuple(saved[n].shape)} vs {tuple(expected[n])}" for n in sorted(set(saved) & set(expected))
-               if expected[n] is not None and tuple(saved[n].shape) != tuple(expected[n])]
-    parts = [f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
-             f"{len(unexpected)} it has and this model has not (e.g. {unexpected[0]})" if unexpected else "",
-             f"{len(resized)} of another shape (e.g. {resized[0]})" if resized else ""]
-    return "; ".join(filter(None, parts)) or None
-
-
-def check_checkpoint_fits(checkpoint, accelerator, run, training):
-    """Refuse a checkpoint whose LoRA, EMA or optimizer does not fit this model and these flags, naming what differs.
-    FSDP2's DTensor.shape is the full shape; FSDP1's flat shards have none, so only their names are compared."""
-    if is_fsdp(accelerator):
-        from torch.distributed.tensor import DTensor
-
-        expected = {k: p.shape if isinstance(p, DTensor) else None for k, (_, p) in fsdp_lora_params(run.transformer).items()}
-    else:
-        from peft.utils import get_peft_model_state_dict
-
-        expected = {k: v.shape for k, v in get_peft_model_state_dict(accelerator.unwrap_model(run.transformer)).items()}
-    problem = state_fit_problem(training["lora"], expected)
-    if problem is None and run.ema is not None and training.get("ema") is not None:
-        ema_problem = state_fit_problem(training["ema"]["shadow"], {n: v.shape for n, v in run.ema.shadow.items()})
-        problem = ema_problem and f"its EMA: {ema_problem}"
-    saved_groups = [len(g["params"]) for g in training["optimizer"].get("param_groups", [])]
-    if problem is None and not is_fsdp(accelerator) and saved_groups != [len(g["params"]) for g in run.optimizer.param_groups]:
-        problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
-                         f"({problem}); was it trained with another --rank, --lora_layers or model?")
-
-
-def surprising_values(args):
-    """Legal values that are probably not what the user meant -> one warning line each."""
-    cores = cpu_cores()
-    notes = [
-        (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
-                                     "empty prompt, so the subject is barely tied to its prompt"),
-        (args.with_prior_preservation and args.prior_loss_weight == 0,
-         "--prior_loss_weight 0: the class images are encoded and trained on, but their loss counts for nothing"),
-        (args.output_preservation and args.output_preservation_weight == 0,
-         "--output_preservation_weight 0: every step pays for the base model's prediction, which counts for nothing"),
-        (not args.with_prior_preservation and (args.class_data_dir or args.class_prompt) is not None,
-         "--class_data_dir/--class_prompt without --with_prior_preservation: no class images are used"),
-        (args.max_sequence_length < 64, f"--max_sequence_length {args.max_sequence_length}: the chat template's system "
-                                        "message fills about 25 tokens first, so captions are cut short or away"),
-        (args.resolution > 2048, f"--resolution {args.resolution}: beyond FLUX.2's 4-megapixel range (2048^2)"),
-        (args.optimizer == "adamw" and args.learning_rate > 1e-2,
-         f"--learning_rate {args.learning_rate} with AdamW: LoRA runs use 1e-4 to 1e-3 and usually diverge above 1e-2"),
-        (args.optimizer == "prodigy" and args.learning_rate < 0.1,
-         f"--learning_rate {args.learning_rate} with Prodigy: its learning rate is a multiplier of the step it finds, "
-         "usually 1.0"),
-        (args.dataloader_num_workers is not None and args.dataloader_num_workers > cores,
-         f"--dataloader_num_workers {args.dataloader_num_workers}: more workers than this machine's {cores} cores"),
-        (args.max_train_steps is not None and args.checkpointing_steps > args.max_train_steps,
-         f"--checkpointing_steps {args.checkpointing_steps} > --max_train_steps {args.max_train_steps}: no checkpoint "
-         "is written before the end"),
-        (args.lr_scheduler != "constant" and args.max_train_steps is not None and args.lr_warmup_steps >= args.max_train_steps,
-         f"--lr_warmup_steps {args.lr_warmup_steps} >= --max_train_steps {args.max_train_steps}: the learning rate "
-         "never reaches its peak"),
-        (args.validation_prompt is not None and args.num_validation_images == 0,
-         "--validation_prompt with --num_validation_images 0: no validation images are made"),
-        (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
-        (args.validation_image is not None and not (args.validation_prompt or args.final_validation_prompt),
-         "--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"),
-    ]
-    return [note for surprising, note in notes if surprising]
-
-
-def find_resume_checkpoint(args):
-    """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
-    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint == "latest":
-        found = list_checkpoints(args.output_dir)
-        if not found:
-            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from scratch")
-            return None
-        for path in reversed(found):
-            problem = checkpoint_problem(path)
-            if problem is None:
-                return path
-            logger.warning(f"--resume_from_checkpoint latest: skipping {path}: {problem}")
-        raise UsageError(f"--resume_from_checkpoint latest: none of the {len(found)} checkpoints in {args.output_dir} "
-                         f"can be resumed from (newest, {found[-1].name}: {checkpoint_problem(found[-1])}); move them "
-                         "away to start from scratch")
-    path = Path(args.resume_from_checkpoint)
-    if not (path / TRAINER_STATE_NAME).is_file():
-        raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
-    problem = checkpoint_problem(path)
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
-    return path
-
-
-def check_resume_processes(args, checkpoint, accelerator):
-    """Refuse (exit 2, before any model loads) a resume that cannot continue the checkpointed run: processes that found
-    different checkpoints (an --output_dir per machine without the checkpoint copied to each), or a checkpoint written
-    by another number of processes (one rng-<rank> file each): the data each process trains on, its random streams and
-    the effective batch all depend on that number. The number of machines may change (2 x 1 = 1 x 2 processes)."""
-    if args.resume_from_checkpoint is None:
-        return
-    step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"] if checkpoint is not None else None
-    if accelerator.num_processes > 1:
-        found = gather_object([(step, str(checkpoint) if checkpoint is not None else f"none in {args.output_dir}")])
-        if len({s for s, _ in found}) > 1:
-            raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: the processes found different "
-                             f"checkpoints ({'; '.join(f'process {r}: {c}' for r, (_, c) in enumerate(found))}); every "
-                             "process reads the checkpoint: share --output_dir between machines, or copy checkpoint-N "
-                             "into each machine's --output_dir")
-    saved = len(list(checkpoint.glob("rng-*.json"))) if checkpoint is not None else 0
-    if saved and saved != accelerator.num_processes:
-        raise UsageError(f"--resume_from_checkpoint: {checkpoint} was written by {saved} process{'es' * (saved > 1)}, "
-                         f"this run has {accelerator.num_processes}; resume on {saved} (any number of machines), or "
-                         "start a new run")
-
-
-def check_batches_early(args, instances, seed, processes):
-    """The batch size, before the model's files are read and class images generated: more class images than asked
-    for only add samples, so this bound holds."""
-    buckets, classes_wanted = resolve_buckets(args), args.num_class_images if args.with_prior_preservation else 0
-    early = sample_groups(instances, buckets, max(len(instances) * len(args.resolutions) * args.repeats, classes_wanted))
-    check_batches(args.train_batch_size, BucketBatchSampler(early, args.train_batch_size, seed, num_replicas=processes),
-                  ladder_buckets(buckets)[1])
-
-
-def check_batches(batch_size, sampler, buckets):
-    """Refuse a batch size that leaves a process no full batch in an epoch (each batch holds one bucket)."""
-    if len(sampler) == 0:
-        sizes = {(*buckets[b], f"{r} references") if r else buckets[b]: len(members)
-                 for (b, r), members in sorted(sampler.by_bucket.items())}
-        raise UsageError(f"--train_batch_size {batch_size} leaves no full batch: samples per bucket (h, w) are {sizes} "
-                         f"over {sampler.num_replicas} process(es); lower --train_batch_size, raise --repeats, or use "
-                         "fewer buckets")
+    def after_lora(self, transformer, accelerator):
+        transformer.set_attention_backend(self.args.attention_backend)
+        return transformer
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Appendix G: distributed extras (shared entries, FSDP text encoder and loading, remote text encoder)
-
-
-def distributed_mode(accelerator):
-    """How the run is spread, in words, for the start-up line."""
-    from accelerate.utils import DistributedType
-
-    n, kind = accelerator.num_processes, accelerator.device.type
-    machines = max(1, n // int(os.environ.get("LOCAL_WORLD_SIZE", n)))
-    where = f"{n} {'GPUs' if kind == 'cuda' else 'processes'}" + (f" on {machines} machines" if machines > 1 else "")
-    return {DistributedType.NO: f"one process on the {'GPU' if kind == 'cuda' else kind.upper()}",
-            DistributedType.FSDP: f"FSDP (each process holds a shard of the model) over {where}"}.get(
-                accelerator.distributed_type, f"data parallel (every process a full copy, gradients averaged) over {where}")
-
-
-def agreed_todo(cache, keys, accelerator):
-    """cache.todo(keys), the same on every process (a collective): the entries some process lacks, in the order of
-    `keys`. With a cache folder per machine the folders can differ (one machine's entries evicted, or a new machine),
-    and the shares, rounds and collectives of precompute must be the same everywhere."""
-    todo = cache.todo(keys)
-    if accelerator.num_processes == 1:
-        return todo
-    lacking = {k for keys_of_one in gather_object([todo]) for k in keys_of_one}
-    return [k for k in dict.fromkeys(keys) if k in lacking]
-
-
-def check_same_images(accelerator, instances, classes):
-    """Every process must train on the same images. Folders of each machine's own can differ (stale copies; class
-    images, which every process generates into its --class_data_dir, each its share): the processes would build
-    different datasets and fail or hang at their first collective that no longer matches. Raises UsageError."""
-    if accelerator.num_processes == 1:
-        return
-    digest = lambda records: json_digest(sorted([r.name, list(r.size), r.content_hash()] for r in records))  # noqa: E731
-    seen = gather_object([(len(instances), len(classes), digest(instances), digest(classes))])
-    if len(set(seen)) > 1:
-        counts = "; ".join(f"process {r}: {n} instance and {c} class images" for r, (n, c, _, _) in enumerate(seen))
-        raise UsageError(f"the processes see different images ({counts}): every machine must see the same files at "
-                         "the same path. Share --instance_data_dir and --class_data_dir between machines or copy them; "
-                         "class images are generated by every process into its --class_data_dir, each its share, so "
-                         "with a folder per machine copy each machine's new class images into the others' folders")
-
-
-def share_entries(cache, keys, accelerator, per_round=16):
-    """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]).
-
-    Entries on a disk that every process sees are shared once everyone has written. Otherwise (in memory, a folder
-    local to each machine, or one that could not be written) a few entries are sent per round, so no process ever
-    pickles the whole cache into one buffer."""
-    if accelerator.num_processes == 1:
-        return
-    accelerator.wait_for_everyone()
-    from accelerate.utils import gather_object
-
-    store = cache.store
-    unseen = {k for k in keys if not (store.visible(k) if isinstance(store, DiskStore) else k in store)}
-    if not any(gather_object([len(unseen)])):
-        return
-    shares = [keys[r::accelerator.num_processes] for r in range(accelerator.num_processes)]
-    mine = shares[accelerator.process_index]
-    for start in range(0, max(map(len, shares)), per_round):
-        for key, value in gather_object([(k, cache[k]) for k in mine[start:start + per_round]]):
-            if key in unseen:
-                cache.put(key, value)
-
-
-def shard_text_encoder(text_encoder, accelerator):
-    """--fsdp_text_encoder: FSDP2-shard the text encoder over the processes (each holds 1/N of its weights, e.g.
-    ~12 GB of [dev]'s 48 GB on 4 GPUs); every decoder layer is a unit, gathered only while it runs. Every process
-    must then run the same number of forward passes, which precompute_prompts ensures."""
-    from torch.distributed.fsdp import fully_shard
-
-    layers = [m for m in text_encoder.modules() if type(m).__name__.endswith("DecoderLayer")]
-    for layer in layers:
-        fully_shard(layer)
-    fully_shard(text_encoder)
-    logger.info(f"text encoder sharded over {accelerator.num_processes} processes ({len(layers)} layers)")
-    return text_encoder
-
-
-def loads_from_rank_0(accelerator, quantized):
-    """Under FSDP with accelerate's cpu_ram_efficient_loading, only the first process reads the weights: accelerate
-    broadcasts them while it shards (its LoRA initialisation too), so the others build an empty model and a node
-    holds one copy of [dev]'s 64 GB in host memory, not one per process. Quantised weights: accelerate loads them on
-    every process."""
-    plugin = accelerator.state.fsdp_plugin if is_fsdp(accelerator) else None
-    return bool(plugin and plugin.cpu_ram_efficient_loading and not quantized and not accelerator.is_main_process)
-
-
-def fsdp_lora_params(transformer):
-    """Under FSDP: the LoRA parameters, {name as saved (peft's, without the adapter name): (name here, parameter)}."""
-    params = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n): p
-              for n, p in transformer.named_parameters() if p.requires_grad}
-    return {n.replace(".default.", "."): (n, p) for n, p in params.items()}
-
-
-def fsdp_lora_state_dict(transformer):
-    """The full LoRA gathered from the shards, a collective every process must join; never the frozen base."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
-    return {k.replace(".default.", "."): v for k, v in state.items()}  # peft's naming, without the adapter name
-
-
-def fsdp_optimizer_state(run):
-    """The optimizer's full state (its shards gathered: safetensors cannot hold DTensors; LoRA states are small),
-    keyed by parameter name. A collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(run.transformer, run.optimizer, options=StateDictOptions(full_state_dict=True))
-
-
-def fsdp_load_state(run, training):
-    """Resume under FSDP: every process passes the full tensors, torch keeps each process's shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    options, names = StateDictOptions(full_state_dict=True, strict=False), fsdp_lora_params(run.transformer)
-    set_model_state_dict(run.transformer, {names[k][0]: v for k, v in training["lora"].items()}, options=options)
-    set_optimizer_state_dict(run.transformer, run.optimizer, training["optimizer"], options=options)
-
-
-def hub_token(args):
-    from huggingface_hub import get_token
-
-    return args.hub_token or get_token()
-
-
-def remote_encoder(args):
-    """--remote_text_encoder: texts -> [dev] embeddings [B, L, D] from the Hugging Face endpoint, one prompt a request."""
-    url, token = args.remote_text_encoder_url, hub_token(args)
-    return lambda texts: torch.cat([remote_prompt_embeds(url, text, token) for text in texts])
-
-
-def remote_prompt_embeds(url, prompt, token):
-    """[dev] embedding [1, L, D] of one prompt from the remote text encoder. The reply is decoded with
-    torch.load(weights_only=True): tensors only, so a hostile or broken server cannot run code here."""
-    import io
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(url, data=json.dumps({"prompt": prompt}).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            content = response.read()
-    except urllib.error.HTTPError as e:
-        raise TrainingStopped(f"--remote_text_encoder: {url} answered HTTP {e.code} {e.reason}") from None
-    except urllib.error.URLError as e:
-        raise TrainingStopped(f"--remote_text_encoder: cannot reach {url} ({e.reason})") from None
-    try:
-        embeds = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - not a tensor-only payload: refuse whatever it is
-        raise TrainingStopped(f"--remote_text_encoder: {url} did not send a tensor ({type(e).__name__}: {e})") from None
-    if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3 or embeds.shape[0] != 1:
-        raise TrainingStopped(f"--remote_text_encoder: {url} sent {type(embeds).__name__} "
-                              f"{getattr(embeds, 'shape', '')}, expected a [1, L, D] tensor")
-    return embeds
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix H: class images
-
-
-def generate_class_images(args, accelerator, seed, existing, family):
-    """Fill --class_data_dir up to --num_class_images with images of the base model (each process a share)."""
-    import diffusers
-
-    taken = {p.name for p in Path(args.class_data_dir).iterdir()}
-    missing = args.num_class_images - existing
-    names = [n for n in (f"class-{i:05d}.png" for i in range(len(taken) + missing)) if n not in taken][:missing]
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
-        args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-    # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
-    pipeline = getattr(diffusers, family.pipeline).from_pretrained(
-        args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
-        torch_dtype=dtype, cache_dir=args.cache_dir)
-    pipeline.tokenizer = load_pipeline_tokenizer(args)
-    sizes = {name: sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers()))
-             for name, c in pipeline.components.items() if isinstance(c, torch.nn.Module)}
-    free = free_gpu_bytes(accelerator.device)
-    placement = pipeline_placement(list(sizes.values()), free, args.offload)
-    if placement == "device":
-        pipeline.to(accelerator.device)
-    else:
-        getattr(pipeline, f"enable_{placement}_cpu_offload")(device=accelerator.device)
-        why = "--offload" if args.offload else f"does not fit {human_bytes(free)} free on the GPU"
-        logger.info(f"class images: the pipeline ({human_bytes(sum(sizes.values()))}, the largest model "
-                    f"{human_bytes(max(sizes.values()))}) {why}: {placement} CPU offload ("
-                    f"{'one model' if placement == 'model' else 'one layer'} on the GPU at a time)")
-    pipeline.set_progress_bar_config(disable=True)
-    mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
-    batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
-    logger.info(f"generating {missing} class images into {args.class_data_dir}")
-    for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
-        generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i)) for i, _ in batch]
-        steps = {"num_inference_steps": args.validation_inference_steps} if family.distilled else {}
-        images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution, **steps,
-                          generator=generators, guidance_scale=guidance_scale(args, family),
-                          max_sequence_length=args.max_sequence_length,
-                          text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
-        for (_, name), image in zip(batch, images):
-            image.save(Path(args.class_data_dir, name))  # names not yet taken: existing images are never replaced
-    del pipeline
-    accelerator.wait_for_everyone()
-
-
-def free_gpu_bytes(device):
-    """Free memory on a CUDA device (None on any other)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-
-
-def pipeline_placement(component_bytes, free_bytes, offload):
-    """Where class-image generation puts the pipeline: "device" (all of it on the GPU), "model" (diffusers' model CPU
-    offload: one model on the GPU at a time) or "sequential" (one layer at a time: slow, but fits anything). Without a
-    GPU (free_bytes None) it stays where it is. A fifth more plus 2 GiB is left for activations: e.g. [dev]'s 112 GB
-    pipeline on an 80 GB card gets model offload (its largest model, the 64 GB transformer, fits); on 24 GB,
-    sequential."""
-    if free_bytes is None:
-        return "device"
-
-    def fits(n):
-        return n * 1.2 + 2 * 2**30 <= free_bytes
-
-    if not offload and fits(sum(component_bytes)):
-        return "device"
-    return "model" if fits(max(component_bytes, default=0)) else "sequential"
-
-
-def load_class_images(args, accelerator, seed, family, cache):
-    """Prior preservation: the class images of --class_data_dir, missing ones generated first (Appendix H)."""
-    Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
-    records = scan_folder(args.class_data_dir, cache, accelerator, read_captions=False)
-    if len(records) < args.num_class_images:
-        generate_class_images(args, accelerator, seed, len(records), family)
-        records = scan_folder(args.class_data_dir, cache, accelerator, read_captions=False)
-    return records
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix I: speed and memory levers, Hugging Face datasets
-
-
-def quantization(args, weight_dtype):
-    """--bnb_quantization_config_path -> the diffusers BitsAndBytesConfig of the frozen transformer (QLoRA: the base
-    in 4 or 8 bits, LoRA on top in float32), or None."""
-    if not args.bnb_quantization_config_path:
-        return None
-    from diffusers import BitsAndBytesConfig
-
-    config = read_bnb_config(args.bnb_quantization_config_path)
-    if config.get("load_in_4bit"):
-        config.setdefault("bnb_4bit_compute_dtype", weight_dtype)
-    return BitsAndBytesConfig(**config)
-
-
-def before_lora(args, accelerator, transformer):
-    """The frozen transformer's placement and precision, before LoRA is added. The whole model goes to the device
-    now, unless part of it must never be there at once: swapped blocks (placed by after_lora, once their LoRA exists)
-    and FSDP (which moves and shards one wrapped block at a time, so no GPU holds more than its shards plus one
-    block). Quantised weights are on the GPU already."""
-    if args.bnb_quantization_config_path:
-        from peft import prepare_model_for_kbit_training
-
-        transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
-    elif not (args.blocks_to_swap > 0 or is_fsdp(accelerator)):
-        transformer.to(accelerator.device)
-    if args.do_fp8_training:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
-        convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
-                                   module_filter_fn=lambda m, name: name != "proj_out" and (
-                                       not isinstance(m, torch.nn.Linear) or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
-    return transformer
-
-
-def after_lora(args, accelerator, transformer):
-    """What needs the LoRA layers in place: FSDP's lean loading, block swapping, the attention kernel, compilation."""
-    if is_fsdp(accelerator) and transformer.device.type == "meta":  # lean loading: accelerate hands the optimizer
-        transformer.to_empty(device="cpu")  # the sharded parameters by data pointer, 0 for all meta tensors
-    if args.blocks_to_swap:
-        transformer.block_swapper = BlockSwapper(transformer, args.blocks_to_swap, accelerator.device)
-        logger.info(f"block swapping: the frozen weights of the last {args.blocks_to_swap} of "
-                    f"{len(transformer_blocks(transformer))} blocks stay in pinned host memory; at most 2 of them "
-                    "are on the GPU at once")
-        if not args.bnb_quantization_config_path:  # quantised weights are on the GPU already
-            transformer.to(accelerator.device)  # the rest: embedders, the kept blocks, LoRA
-    if args.attention_backend != "native":
-        transformer.set_attention_backend(args.attention_backend)
-    if args.compile:
-        compile_blocks(transformer)
-    return transformer
-
-
-def other_optimizer(args, params, hyper):
-    """--optimizer prodigy (its learning rate multiplies the step size it finds) or --use_8bit_adam (bitsandbytes'
-    AdamW with 8-bit states)."""
-    if args.optimizer == "prodigy":
-        if args.use_8bit_adam:
-            logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
-        import prodigyopt  # present: validate_args checked
-
-        return prodigyopt.Prodigy(params, **hyper, beta3=args.prodigy_beta3, decouple=args.prodigy_decouple,
-                                  use_bias_correction=args.prodigy_use_bias_correction,
-                                  safeguard_warmup=args.prodigy_safeguard_warmup)
-    import bitsandbytes as bnb
-
-    return bnb.optim.AdamW8bit(params, **hyper)
-
-
-def compile_blocks(transformer):
-    """--compile: regional compilation. Each repeated block's forward is compiled; the copies of a block class share
-    one compiled graph (their weights are graph inputs), so compiling costs seconds per class instead of minutes
-    for the whole model, and LoRA, gradient checkpointing and module hooks stay outside it. Shapes: the first
-    bucket compiles static shapes; a second shape recompiles once with dynamic shapes, which then serve every
-    bucket (at most two compiles per block class and grad mode, whatever the ladder). The LoRA layers inside a
-    block are compiled with it; gradient checkpointing and module hooks wrap the block from outside."""
-    blocks = transformer_blocks(transformer)
-    for block in blocks:
-        block.forward = torch.compile(block.forward, fullgraph=True)
-    logger.info(f"--compile: {len(blocks)} blocks compile at their first use (the first step and the first "
-                "validation are slower; a second bucket shape compiles once more)")
-
-
-def each_tensor(inputs, fn):
-    """A copy of StepInputs with fn applied to every tensor (pin, move to the device)."""
-    names = ("embeds", "embed_rows", "images", "image_rows", "masks")
-    return dataclasses.replace(inputs, **{n: fn(getattr(inputs, n)) for n in names if getattr(inputs, n) is not None})
-
-
-class Prefetcher:
-    """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a
-    side stream while the current step computes. The loop calls prefetch() once the current step's GPU work is
-    queued and before anything that waits for the GPU (the loss check), so host work hides behind GPU work.
-    Yields (micro-step, batch, StepInputs on the device)."""
-
-    def __init__(self, loader, first_micro, prepare, device):
-        self.batches = enumerate(loader, start=first_micro)
-        self.prepare, self.device = prepare, device  # prepare(micro, batch) -> StepInputs on the host
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.ahead = None  # (micro, batch, inputs, copy-done event) of the next step
-
-    def prefetch(self):
-        if self.ahead is not None:
-            return
-        micro, batch = next(self.batches)
-        inputs = self.prepare(micro, batch)
-        if self.stream is None:
-            self.ahead = (micro, batch, each_tensor(inputs, lambda t: t.to(self.device)), None)
-            return
-        with torch.cuda.stream(self.stream):  # pinned host memory: the copy is asynchronous
-            inputs = each_tensor(inputs, lambda t: t.pin_memory().to(self.device, non_blocking=True))
-            done = torch.cuda.Event()
-            done.record()
-        self.ahead = (micro, batch, inputs, done)
-
-    def __iter__(self):
-        while True:
-            self.prefetch()
-            (micro, batch, inputs, done), self.ahead = self.ahead, None
-            if done is not None:
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(done)
-                each_tensor(inputs, lambda t: t.record_stream(stream))  # made on the side stream, used on this one
-            yield micro, batch, inputs
-
+# Option: compile, fp8 and 8-bit (--compile, --do_fp8_training, --bnb_quantization_config_path, --use_8bit_adam)
 
 def read_bnb_config(path):
     try:
@@ -3520,1164 +4734,157 @@ def read_bnb_config(path):
     except (OSError, ValueError) as e:
         raise UsageError(f"--bnb_quantization_config_path {path}: {e}") from None
     if not isinstance(config, dict) or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
-        raise UsageError(f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or load_in_8bit")
+        raise UsageError(f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or "
+                         "load_in_8bit")
     return config
 
+@option
+class SpeedAndMemory(Option):
+    """Levers of speed and memory: regional torch.compile, torchao float8 matmuls, a 4- or 8-bit frozen transformer
+    (QLoRA, bitsandbytes) and bitsandbytes' 8-bit AdamW. Costs: a one-off compile; fp8 and NF4 change the
+    numbers a little (NF4 costs dequantisation in every matmul); docs/speed.md and docs/memory.md measure them."""
 
-def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
-    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
-    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references)."""
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
-    split = load_dataset(name, config, cache_dir=cache_dir)["train"]
-    for flag, column in (("--image_column", image_column), ("--caption_column", caption_column),
-                         ("--cond_image_column", cond_column)):
-        if column is not None and column not in split.column_names:
-            raise UsageError(f"{flag} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
-    captions = split[caption_column] if caption_column else [None] * len(split)
-    conditions = split[cond_column] if cond_column else [()] * len(split)
-    records, empty = [], []
-    for i, (image, caption, cond) in enumerate(zip(split[image_column], captions, conditions)):
-        cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
-        if cond_column and not cond:
-            empty.append(str(i))
-        if not all(isinstance(c, Image.Image) for c in cond):
-            raise UsageError(f"--cond_image_column {cond_column!r}: row {i} holds {type(cond[0]).__name__}, not images "
-                             f"(feature {split.features[cond_column]}); cast the column to datasets.Image() (in a "
-                             "metadata.jsonl, name it <something>_file_name)")
-        refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
-                     for j, c in enumerate(cond))
-        if isinstance(caption, (list, tuple)):  # a list of captions: alternatives, as the lines of a caption file
-            caption = "\n".join(c for c in caption if c)
-        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), caption=(caption or "").strip() or None,
-                                   image=image, conditions=refs))
-    if empty:
-        raise UsageError(f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
-                         f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
-    return records
+    name = "compile, fp8 and 8-bit"
+    flags = [
+        flag("--compile", action="store_true", help="torch.compile the blocks: a one-off compile, then faster steps."),
+        flag("--do_fp8_training", action="store_true", help="torchao float8 matmuls (CUDA, compute capability 8.9+)."),
+        flag("--bnb_quantization_config_path", type=readable_file, help="JSON of a bitsandbytes config, e.g. "
+             "{\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}: a quantised frozen transformer (CUDA)."),
+        flag("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")]
 
+    def __init__(self, args):
+        super().__init__(args)
+        self.places_transformer = bool(args.bnb_quantization_config_path)  # quantised weights load onto the GPU
 
-def quiet_library_imports():
-    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
-    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
-    a plain run never uses. Their loggers keep errors only."""
-    import logging
+    def check(self):
+        args, cuda = self.args, torch.cuda.is_available()
+        if args.do_fp8_training and args.bnb_quantization_config_path:
+            raise UsageError("--do_fp8_training and --bnb_quantization_config_path exclude each other")
+        if args.do_fp8_training and not (cuda and torch.cuda.get_device_capability() >= (8, 9)):
+            raise UsageError("--do_fp8_training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)")
+        if args.bnb_quantization_config_path:
+            read_bnb_config(args.bnb_quantization_config_path)
+            if not cuda:
+                raise UsageError("--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
 
-    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    def quantization_config(self, weight_dtype):
+        """The diffusers BitsAndBytesConfig of the frozen transformer (QLoRA: the base in 4 or 8 bits, LoRA on top
+        in float32), or None."""
+        if not self.args.bnb_quantization_config_path:
+            return None
+        from diffusers import BitsAndBytesConfig
+        config = read_bnb_config(self.args.bnb_quantization_config_path)
+        if config.get("load_in_4bit"):
+            config.setdefault("bnb_4bit_compute_dtype", weight_dtype)
+        return BitsAndBytesConfig(**config)
 
+    def before_lora(self, transformer, accelerator):
+        if self.args.bnb_quantization_config_path:
+            from peft import prepare_model_for_kbit_training
+            transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
+        if self.args.do_fp8_training:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
+            convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
+                                       module_filter_fn=lambda m, name: name != "proj_out" and (
+                                           not isinstance(m, torch.nn.Linear)
+                                           or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
+        return transformer
 
-def cpu_cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    def after_lora(self, transformer, accelerator):
+        """--compile: regional compilation. Each repeated block's forward is compiled; the copies of a block class
+        share one compiled graph (their weights are graph inputs), so compiling costs seconds per class, not minutes,
+        and gradient checkpointing and module hooks wrap the block from outside (the LoRA layers inside compile with
+        it). The first bucket compiles static shapes; a second shape recompiles once with dynamic shapes, which then
+        serve every bucket."""
+        if self.args.compile:
+            blocks = transformer_blocks(transformer)
+            for block in blocks:
+                block.forward = torch.compile(block.forward, fullgraph=True)
+            logger.info(f"--compile: {len(blocks)} blocks compile at their first use (the first step and the first "
+                        "validation are slower; a second bucket shape compiles once more)")
+        return transformer
 
-
-def loader_workers(requested, cache_latents, local_processes):
-    """DataLoader workers: as requested; by default none with --cache_latents (a batch is a list of indices, all
-    inputs come from the caches), else a share of this machine's cores so decoding overlaps training."""
-    if requested is not None:
-        return requested
-    return 0 if cache_latents else max(1, min(8, cpu_cores() // local_processes - 1))
-
-
-@contextlib.contextmanager
-def on_device(module, device, offload):
-    """--offload: `module` lives on the CPU and comes to `device` only while it runs (cost: one host-device
-    copy of its weights each time, about 0.2 GB for the FLUX.2 VAE)."""
-    if not offload or module is None:
-        yield module
-        return
-    module.to(device)
-    try:
-        yield module
-    finally:
-        module.to("cpu")
-
-
-OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
-              "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
-              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
-              "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
-
-
-def quantized_text_encoder(load, mode, device, dtype):
-    """--text_encoder_quantization: the text encoder, for precompute only, with int8 weights (torchao weight-only:
-    any device; each linear layer goes to the device and is quantised there, so the bf16 model never is whole on
-    it) or NF4 (bitsandbytes, loaded onto a CUDA device). [dev]'s 24B Mistral: 48 GB in bf16, about 25 GB int8, 15 GB
-    NF4 (embeddings and, for NF4, the output layer stay bf16). Embeddings change a little: docs/memory.md."""
-    if mode == "nf4":
-        import transformers
-
-        config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-        return load(quantization_config=config, device_map={"": device}).eval()
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-    text_encoder = load().eval()
-    quantize_(text_encoder, Int8WeightOnlyConfig(), device=device)
-    return text_encoder.to(device)
+    def optimizer(self, params, hyper):
+        if not self.args.use_8bit_adam:
+            return None
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, **hyper)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Appendix J: image files and loss masks (decoding, EXIF, modes, the folder scan and its index)
-
-
-def to_rgb(image):
-    """Any Pillow mode -> 8-bit RGB: 16/32-bit grey scaled (not clipped) to 8 bits, palettes expanded, CMYK
-    converted, transparency composited on a neutral grey."""
-    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
-        array = np.asarray(image, dtype=np.float64)
-        scale = 257.0 if image.mode != "F" and array.max() > 255 else 1.0  # 16-bit data: 65535 -> 255
-        image = Image.fromarray(np.clip(array / scale, 0, 255).round().astype(np.uint8), "L")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*NEUTRAL_GREY, 255)), rgba).convert("RGB")
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def oriented_size(image):
-    """(width, height) as displayed: EXIF orientations 5-8 rotate by 90 degrees. Reads the header only."""
-    w, h = image.size
-    return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
-
-
-def inspect_image(path):
-    """Decode and hash one file -> ((width, height) as displayed, sha256). Decoding catches corrupt, truncated and
-    oversized files now rather than hours into training; JPEGs decode at 1/8 scale (every entropy-coded byte is
-    still read; the inverse DCT and colour conversion run on 1/64 of the pixels). Pillow and hashlib release the
-    GIL: threads scale."""
-    data = Path(path).read_bytes()
-    if not data:
-        raise ValueError("empty file")
-    with Image.open(io.BytesIO(data)) as im:  # over MAX_IMAGE_PIXELS: raises (scan_image_folder's filter)
-        size = oriented_size(im)
-        if im.format == "JPEG":
-            im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
-        im.load()
-    return size, hashlib.sha256(data).hexdigest()
-
-
-def scan_image_folder(folder, read_captions=True, index=None, workers=None, progress=False):
-    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
-
-    Every image is decoded and hashed once, so a corrupt, truncated, empty or oversized (decompression-bomb) file
-    is reported now, all of them in one message; files `index` (a ScanIndex, updated in place) knows unchanged are
-    neither decoded nor hashed again. The decoding is spread over `workers` threads (default: the cores); `progress`
-    shows a bar."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UsageError(f"{folder}: no such folder")
-    index = ScanIndex() if index is None else index
-    scanned_at = time.time()
-    records, bad, empty_captions, found = [], [], [], {}
-    candidates = [p for p in sorted(folder.iterdir())
-                  if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
-    stems = {p.stem for p in candidates}
-    masks = {p.stem[: -len("_mask")]: p for p in candidates if p.stem.endswith("_mask") and p.stem[: -len("_mask")] in stems}
-    mask_files = set(masks.values())
-    images = [p for p in candidates if p not in mask_files]  # x_mask.png beside x.png is x's mask, not an image
-    stats = {p: p.stat() for p in images}
-    known = {p: index.lookup(p.name, stats[p]) for p in images}
-    todo = [p for p in images if known[p] is None]
-    index.hits, index.decoded = len(images) - len(todo), len(todo)
-    # the filter is process-wide, so the threads see it; only this thread enters and leaves it
-    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        jobs = {p: pool.submit(inspect_image, p) for p in todo}
-        for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
-            try:
-                size, sha = known[path] or jobs[path].result()
-            except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
-                bad.append(f"{path}: {e}")
-                continue
-            found[path.name] = (stats[path], size, sha)
-            caption = None
-            txt = path.with_suffix(".txt")
-            if read_captions and txt.is_file():
-                try:
-                    caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
-                except UnicodeDecodeError as e:
-                    bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
-                if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
-                    empty_captions.append(txt.name)
-            mask = masks.get(path.stem)
-            records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
-                                       mask_path=str(mask) if mask else None, sha256=sha))
-    index.keep(found, scanned_at)
-    if bad:
-        raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
-    if empty_captions:
-        warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
-                      "those images use --instance_prompt", stacklevel=2)
-    return records
-
-
-class ScanIndex:
-    """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
-    time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
-    `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
-
-    def __init__(self, files=None):
-        self.files, self.hits, self.decoded = dict(files or {}), 0, 0
-
-    def lookup(self, name, stat):
-        entry = self.files.get(name)
-        if isinstance(entry, list) and len(entry) == 5 and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
-            return tuple(entry[2:4]), entry[4]
-        return None
-
-    def keep(self, found, scanned_at):
-        """Keep the entries of `found` ({name: (stat, size, sha256)}), dropping files no longer there; a file changed
-        within RACY_SECONDS of the scan is left out (a same-size edit in the same tick would look unchanged)."""
-        self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
-                      if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
-
-
-def load_mask(record):
-    """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
-    if record.mask_path is not None:
-        return ImageOps.exif_transpose(Image.open(record.mask_path)).convert("L")
-    image = ImageOps.exif_transpose(Image.open(record.path) if record.path is not None else record.image)
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        return image.convert("RGBA").getchannel("A")
-    return None
-
-
-def warn_small_images(dataset):
-    small = list(dict.fromkeys(r.name for ids in dataset.image_buckets for r, b in zip(dataset.instances, ids)
-                               if r.size[0] < dataset.buckets[b][1] or r.size[1] < dataset.buckets[b][0]))
-    if small:
-        logger.warning(f"{len(small)} image(s) are smaller than their bucket and will be upscaled "
-                       f"({', '.join(small[:5])}{', ...' if len(small) > 5 else ''})")
-
-
-def key_mask(dataset, key):
-    """The loss mask of a latent key, transformed like its pixels -> [1, H, W] in [0, 1] (ones: no mask)."""
-    kind, image_id, bucket, (rh, rw), top, left, flip = key
-    mask = load_mask(dataset.record(kind, image_id)) if kind == "instance" else None
-    if mask is None:
-        return torch.ones(1, *bucket)
-    mask = mask.resize((rw, rh), Image.Resampling.BILINEAR).crop((left, top, left + bucket[1], top + bucket[0]))
-    if flip:
-        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
-
-
-def reduce_mask(mask, latent_hw):
-    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
-    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
-
-
-def prepare_masks(dataset, latents):
-    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
-    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
-    cache = SampleCache()
-    for key in dict.fromkeys(dataset.cached_latent_keys()):
-        cache.put(key, reduce_mask(key_mask(dataset, key)[None], latents[key].shape[-2:]))
-    return cache
-
-
-NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
-
-
-def scan_folder(folder, cache, accelerator, read_captions=True):
-    """scan_image_folder with what earlier scans learnt (the disk cache's index: unchanged files are not decoded)."""
-    tic = time.perf_counter()
-    with cache.scan_index(folder, accelerator) as index:
-        records = scan_image_folder(folder, read_captions, index, progress=accelerator.is_local_main_process)
-    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
-                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
-    return records
-
-
-def load_instance_images(args, cache, accelerator):
-    if args.dataset_name:
-        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
-                               args.cache_dir, args.cond_image_column)
-    records = scan_folder(args.instance_data_dir, cache, accelerator)
-    if not records:
-        raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
-    if args.cond_data_dir:
-        conditions = scan_folder(args.cond_data_dir, cache, accelerator, read_captions=False)
-        records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
-    return records
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix K: the command line (what a flag accepts, --help, one-line errors)
-
-
-class Accepts:
-    """A flag's `type=`: `convert` turns the text into a value (text it cannot convert reads "invalid int value"),
-    `ok(value)` says whether the flag takes it (or raises UsageError with its own reason) and `what` says what it
-    takes. --help shows `what`, a refusal quotes it: the help cannot promise other values than the check takes."""
-
-    def __init__(self, what, ok=None, convert=str):
-        self.what, self.ok, self.convert, self.__name__ = what, ok, convert, convert.__name__
-
-    def __call__(self, text):
-        return self.convert(text)
-
-
-def integer(low, high=None, multiple=1):
-    what = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-    return Accepts(what + (f", a multiple of {multiple}" if multiple > 1 else ""),
-                   lambda v: v >= low and (high is None or v <= high) and v % multiple == 0, int)
-
-
-def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
-    left, right = "(" if low_open else "[", ")" if high_open else "]"
-    what = ("a finite number" if (low, high) == (-math.inf, math.inf) else
-            f"a number > {low}" if high == math.inf and low_open else f"a number >= {low}" if high == math.inf
-            else f"a number in {left}{low}, {high}{right}")
-    return Accepts(what, lambda v: math.isfinite(v) and (v > low if low_open else v >= low) and (
-        v < high if high_open else v <= high), float)
-
-
-def boolean(text):
-    if text.lower() in ("1", "true", "yes", "y"):
-        return True
-    if text.lower() in ("0", "false", "no", "n"):
-        return False
-    raise ValueError(text)
-
-
-def shift(text):
-    return text if text in ("none", "auto") else float(text)
-
-
-def sides(text):
-    """'512' -> 512; '512,768,1024' -> (512, 768, 1024)."""
-    values = tuple(int(v) for v in text.split(","))
-    return values[0] if len(values) == 1 else values
-
-
-def _sides_ok(value):
-    values = (value,) if isinstance(value, int) else value
-    return len(set(values)) == len(values) and all(16 <= v <= 4096 and v % 16 == 0 for v in values)
-
-
-def numbers(text):
-    return [float(x) for x in text.split(",")]
-
-
-def _folder_can_be(path, writable=False):
-    """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
-    existing parent writable."""
-    path = Path(path).absolute()
-    if path.exists():
-        return path.is_dir() and (not writable or os.access(path, os.W_OK | os.X_OK))
-    parent = next(p for p in path.parents if p.exists())
-    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
-
-
-def _ema_device(value):
-    device = torch.device(value)
-    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        raise UsageError(f"--ema_device {value}: no such CUDA device here; use cpu")
-    return device.type in ("cpu", "cuda")
-
-
-def _image_file(value):
-    """An image Pillow recognises, from its header (the pixels are decoded once, when the run uses them)."""
-    with Image.open(value) as image:
-        return image.size is not None
-
-
-TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
-BOOL = Accepts("true or false", convert=boolean)
-EXISTING_FOLDER = Accepts("an existing, readable folder", lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK))
-READABLE_FILE = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK))
-# existing download and class folders may be read-only (a shared model cache, class images all there)
-FOLDER_TO_WRITE = Accepts("a folder, existing or to be created", _folder_can_be)
-# FLUX.2 samples up to 4 MP (2048^2); 4096 leaves room for buckets, beyond it one image is over 65k tokens
-SIDES = Accepts("sides from 16 to 4096, multiples of 16, distinct, comma-separated", _sides_ok, sides)
-PROBABILITY, BELOW_ONE, POSITIVE, NON_NEGATIVE = number(0, 1), number(0, 1, high_open=True), number(0, low_open=True), number(0)
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Each flag's help, then what it accepts and its default (a help that says what its absence means holds
-    'default:' itself)."""
-
-    def _get_default_metavar_for_optional(self, action):
-        name = getattr(action.type, "__name__", "")
-        return {"int": "N", "float": "X", "boolean": "BOOL"}.get(name) or ("DIR" if action.dest.endswith("_dir") else "VALUE")
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if isinstance(action.type, Accepts):
-            text += f" Accepts {action.type.what}."
-        if action.default is not None and action.default is not False and action.default is not argparse.SUPPRESS:
-            text += " Default: %(default)s."
-        elif action.default is None and not action.required and "default:" not in text:
-            text += " Default: none."
-        return text
-
-
-class _Parser(argparse.ArgumentParser):
-    """A bad flag is one line and exit 2 (argparse would print its usage of 100 flags first); a refused value names
-    the flag, the value and what the flag accepts."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see --help)")
-
-    def _get_value(self, action, text):
-        value = super()._get_value(action, text)
-        rule = action.type if isinstance(action.type, Accepts) else None
-        if rule is not None and rule.ok is not None:
-            try:
-                ok = rule.ok(value)
-            except (TypeError, ValueError, OSError, RuntimeError):
-                ok = False
-            if not ok:
-                raise UsageError(f"{action.option_strings[0]} {text}: expected {rule.what}")
-        return value
-
-
-def parse_buckets(text):
-    """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
-    buckets = []
-    for pair in filter(None, (s.strip() for s in text.split(";"))):
-        m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
-        if not m:
-            raise UsageError(f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
-        h, w = int(m.group(1)), int(m.group(2))
-        if h <= 0 or w <= 0 or h % 16 or w % 16:
-            raise UsageError(f"--aspect_ratio_buckets {text}: sides must be positive multiples of 16, got {h},{w}")
-        buckets.append((h, w))
-    if not buckets:
-        raise UsageError(f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
-    return list(dict.fromkeys(buckets))
-
-
-def resolve_buckets(args):
-    """The buckets: a list, or with several --resolution sides one list per side (--aspect_ratio_buckets: lists
-    separated by |, one per side)."""
-    if args.aspect_ratio_buckets:
-        ladders = [parse_buckets(part) for part in args.aspect_ratio_buckets.split("|")]
-        if len(ladders) != len(args.resolutions):
-            raise UsageError(f"--aspect_ratio_buckets gives {len(ladders)} bucket list(s) for {len(args.resolutions)} "
-                             "--resolution side(s); separate one list per side with |")
-    else:
-        ladders = [bucket_ladder(r) if args.use_aspect_ratio_buckets else [(r, r)] for r in args.resolutions]
-    return ladders[0] if len(ladders) == 1 else ladders
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix L: checkpoint files (safetensors and JSON, atomic writes, file modes)
-
-
-WRITE_ERRORS = (OSError, SafetensorError)  # safetensors reports an I/O failure (a full disk) as its own error
-
-
-def flatten_state(obj, tensors, path="t"):
-    """Nested state (dicts, lists, tensors, scalars) -> JSON-able skeleton; tensors go into `tensors` by path.
-    Checkpoints are safetensors + JSON, so resuming never unpickles anything."""
-    if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().to("cpu").contiguous()
-        return {"__tensor__": path}
-    if isinstance(obj, dict):  # items as pairs: optimizer state is keyed by int
-        return {"__items__": [[k, flatten_state(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path}")
-
-
-def unflatten_state(obj, tensors):
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        return {k: unflatten_state(v, tensors) for k, v in obj["__items__"]}
-    if isinstance(obj, list):
-        return [unflatten_state(v, tensors) for v in obj]
-    return obj
-
-
-def write_state(folder, name, state):
-    """state -> <name>.json + <name>.safetensors."""
-    from safetensors.torch import save_file
-
-    tensors = {}
-    skeleton = flatten_state(state, tensors)
-    save_file(tensors, str(Path(folder, f"{name}.safetensors")))
-    follow_umask(Path(folder, f"{name}.safetensors"))
-    Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
-
-
-def read_state(folder, name):
-    from safetensors.torch import load_file
-
-    return unflatten_state(json.loads(Path(folder, f"{name}.json").read_text()),
-                           load_file(str(Path(folder, f"{name}.safetensors"))))
-
-
-def rng_state():
-    state = {"torch": torch.get_rng_state()}  # LoRA dropout draws from the global generators
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-@contextlib.contextmanager
-def writing(path):
-    """A write that fails (a full disk or quota, --output_dir removed under the run) ends the run with one line naming
-    `path` (exit 1), not a traceback. A folder that vanished is not made again (an empty one would hide the loss)."""
-    if not Path(path).parent.is_dir():
-        raise TrainingStopped(f"could not write {path}: {Path(path).parent} is gone (removed during the run?)")
-    try:
-        yield
-    except WRITE_ERRORS as e:
-        raise TrainingStopped(f"could not write {path} ({e})") from None
-
-
-def restore_rng(checkpoint, rank):
-    """This process's RNG state from a checkpoint (LoRA dropout draws from the global generators; the checkpoint holds
-    one file per process, check_resume_processes made sure of the count)."""
-    if (checkpoint / f"rng-{rank}.json").is_file():
-        rng = read_state(checkpoint, f"rng-{rank}")
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-
+# Option: validation extras (--validation_prompts_file, --validation_lora_scales)
 
 @functools.cache
-def umask():
-    """The process's umask (reading it means setting it: done once, before any thread starts)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def follow_umask(path):
-    """Give a written file the ordinary mode 0o666 & ~umask: safetensors >= 0.8 writes 0600 files, which another
-    user or container cannot read when the LoRA is copied into a shared model folder."""
-    os.chmod(path, 0o666 & ~umask())
-
-
-def write_json_atomic(path, data):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+def read_validation_prompts(path):
+    """--validation_prompts_file -> [ValidationSpec]: a prompt a line (blank lines and lines starting with # are
+    skipped), optionally ending in --size WxH (sides multiples of 16), --seed N, --steps N and --guidance X, in any
+    order. UsageError naming the file and the line."""
     try:
-        tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-
-
-def list_checkpoints(output_dir):
-    """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
-    found = []
-    for path in Path(output_dir).glob("checkpoint-*"):
-        m = CHECKPOINT_RE.match(path.name)
-        if m and path.is_dir():
-            if not m.group(2) and (path / TRAINER_STATE_NAME).is_file():
-                found.append((int(m.group(1)), path))
-            else:
-                logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
-    return [p for _, p in sorted(found)]
-
-
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
-
-
-def agree_seed(args, checkpoint, accelerator):
-    """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
-    seed = args.seed
-    if checkpoint is not None:
-        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["seed"]
-        if seed is not None and seed != saved:
-            logger.warning(f"--seed {seed} differs from the checkpoint's seed {saved}: the resumed run will not "
-                           "continue the original one exactly")
-        seed = saved if seed is None else seed
-    if seed is None:
-        seed = broadcast_object_list([secrets.randbelow(2**31)])[0] if accelerator.num_processes > 1 else secrets.randbelow(2**31)
-        logger.info(f"no --seed given; drew seed {seed} (pass --seed {seed} to repeat this run)")
-    return seed
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix M: stopping on a signal (preemption, Ctrl-C)
-
-
-class StopRequest:
-    """While active (a `with` block), SIGTERM and SIGINT (preemption, Ctrl-C) let the work in flight finish, then
-    every process stops at the same point; a second signal stops at once. A repeat within SAME_STOP_SECONDS is the
-    same request: a scheduler signals every process of a node (Slurm: of the job step) and torchrun forwards its own
-    copy to its workers, milliseconds apart. Afterwards the usual handlers are back, so a signal interrupts again
-    (final validation, upload)."""
-
-    SAME_STOP_SECONDS = 2.0
-
-    def __init__(self, after):
-        self.after, self.signum, self.since = after, 0, 0.0  # after: what finishes first, for the message
-
-    def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.signum and time.monotonic() - self.since >= self.SAME_STOP_SECONDS:
-            raise KeyboardInterrupt
-        if self.signum:
-            return  # the same request, delivered twice
-        self.signum, self.since = signum, time.monotonic()
-        print(f"\n{signal.Signals(signum).name} received: stopping {self.after} (signal again to stop at once)",
-              file=sys.stderr, flush=True)
-
-    def agreed(self, accelerator, *counts):
-        """(the signal or 0, and each of `counts` summed), agreed by every process: a collective, so all stop at once.
-        In the loop, the one host-device sync of an optimizer step."""
-        flags = torch.stack([torch.as_tensor(v, device=accelerator.device).long() for v in (self.signum, *counts)])
-        if accelerator.num_processes > 1:
-            flags = accelerator.gather(flags[None])  # [processes, 1 + len(counts)]
-            flags = torch.cat([flags[:, :1].max(0).values, flags[:, 1:].sum(0)])
-        return flags.tolist()
-
-
-class Progress:
-    """How far precompute got: entries needed, cached when it started, written since by this process."""
-
-    def __init__(self, needed, cached, persistent, stop):
-        self.needed, self.cached, self.written, self.persistent, self.stop = needed, cached, 0, persistent, stop
-
-    def check(self, accelerator):
-        """Before each batch, on every process (a collective): when any process was signalled, all stop."""
-        signum, written = self.stop.agreed(accelerator, self.written)
-        if signum:
-            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
-                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
-                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
-            logger.warning(message, main_process_only=False)
-            raise TrainingStopped(message, 128 + signum)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix N: the FLUX.2 families ([dev], [klein]): what differs, read from the checkpoint and its pipeline
-
-
-@dataclass(frozen=True)
-class Family:
-    """What differs between FLUX.2 checkpoints, read from their model_index.json; the rest is shared."""
-
-    name: str
-    pipeline: str  # diffusers class
-    text_encoder: str  # transformers class
-    distilled: bool = False  # [klein] distilled checkpoints sample in a few steps without CFG
-
-
-FAMILIES = {"Flux2Pipeline": ("FLUX.2 [dev]", "Mistral3ForConditionalGeneration"),
-            "Flux2KleinPipeline": ("FLUX.2 [klein]", "Qwen3ForCausalLM")}
-
-
-def read_model_json(args, name, what):
-    """A small JSON file of the checkpoint (model_index.json, <component>/config.json; for a Hub id only that file
-    is fetched) -> dict; UsageError naming `what` when it cannot be read."""
-    try:
-        if Path(args.pretrained_model_name_or_path).is_dir():
-            path = Path(args.pretrained_model_name_or_path, name)
-        else:
-            from huggingface_hub import hf_hub_download
-
-            path = hf_hub_download(args.pretrained_model_name_or_path, name, revision=args.revision, cache_dir=args.cache_dir)
-        return json.loads(Path(path).read_text())
-    except Exception as e:  # noqa: BLE001 - missing, unreachable or not JSON: the same advice
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: cannot read its "
-                         f"{what} ({e})") from None
-
-
-def detect_family(args):
-    """The checkpoint's family from its model_index.json (a small file; no weights are read)."""
-    config = read_model_json(args, "model_index.json", "model_index.json")
-    if config.get("_class_name") not in FAMILIES:
-        raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
-                         f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
-    name, text_encoder = FAMILIES[config["_class_name"]]
-    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
-
-
-def pipeline_default(family, method, parameter):
-    """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
-    import diffusers
-
-    return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
-
-
-def default_sampling_steps(family):
-    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
-    return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
-
-
-def resolve_family_defaults(args, family):
-    """Fill the flags whose right value depends on the family; say so where the user chose otherwise."""
-    if args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
-        raise UsageError(f"--remote_text_encoder serves FLUX.2 [dev] embeddings only, not {family.name}")
-    layers = list(pipeline_default(family, "encode_prompt", "text_encoder_out_layers"))
-    if args.text_encoder_out_layers is None:
-        args.text_encoder_out_layers = layers
-    elif list(args.text_encoder_out_layers) != layers:
-        logger.warning(f"--text_encoder_out_layers {args.text_encoder_out_layers} overrides the {family.name} "
-                       f"default {layers}")
-    if family.distilled:
-        size = re.search(r"(\d+B)\b", str(args.pretrained_model_name_or_path))
-        base = f"black-forest-labs/FLUX.2-klein-base-{size.group(1)}" if size else "the base [klein] checkpoint"
-        logger.warning(f"{args.pretrained_model_name_or_path} is a distilled FLUX.2 [klein] (few-step) checkpoint: "
-                       f"train LoRAs on {base}, as its authors recommend; the LoRA then works on both, and distilled "
-                       "validation here shows what it gives at 4 steps")
-    if args.validation_inference_steps is None:
-        args.validation_inference_steps = default_sampling_steps(family)
-    if args.validation_guidance_scale is None:
-        args.validation_guidance_scale = 1.0 if family.distilled else pipeline_default(family, "__call__", "guidance_scale")
-    logger.info(f"{family.name}{' (distilled)' if family.distilled else ''}: text-encoder layers "
-                f"{args.text_encoder_out_layers}, validation with {args.validation_inference_steps} steps")
-
-
-def load_pipeline_tokenizer(args):
-    """The FLUX.2 tokenizer without torchvision: the Hub's PixtralProcessor folder holds a plain fast tokenizer."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path, subfolder="tokenizer",
-                                              revision=args.revision, cache_dir=args.cache_dir)
-    if not tokenizer.chat_template:
-        raise UsageError(f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
-                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
-    return tokenizer
-
-
-def guidance_scale(args, family):
-    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
-    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
-
-
-def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
-    """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
-    encodes them ([dev]: Mistral chat with FLUX.2's system message; [klein]: Qwen3 chat)."""
-    import diffusers
-
-    kwargs = dict(text_encoder=text_encoder, tokenizer=tokenizer, prompt=list(prompts),
-                  max_sequence_length=max_sequence_length, hidden_states_layers=list(out_layers))
-    if family.pipeline == "Flux2KleinPipeline":
-        return diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(**kwargs)
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-    return diffusers.Flux2Pipeline._get_mistral_3_small_prompt_embeds(system_message=SYSTEM_MESSAGE, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix O: adapters users bring and take (--init_lora, DoRA, LoKr, LoHa, the ComfyUI file)
-
-COMFYUI_WEIGHTS_NAME = "pytorch_lora_weights_comfyui.safetensors"  # --lora_format both: beside the diffusers file
-# FLUX.2's linear layers: diffusers names (inside transformer_blocks.N / single_transformer_blocks.N, or global) ->
-# the BFL names of the original checkpoint, which ComfyUI's model and ai-toolkit files use; q, k and v are row blocks
-# of one fused qkv there. Read backwards from diffusers' own reader, _convert_non_diffusers_flux2_lora_to_diffusers.
-BFL_DOUBLE = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
-              "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
-              "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", None),
-              "attn.to_add_out": ("txt_attn.proj", None), "ff.linear_in": ("img_mlp.0", None),
-              "ff.linear_out": ("img_mlp.2", None), "ff_context.linear_in": ("txt_mlp.0", None),
-              "ff_context.linear_out": ("txt_mlp.2", None)}
-BFL_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
-BFL_GLOBAL = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
-              "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
-              "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
-              "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-              "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-              "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
-              "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
-              "single_stream_modulation.linear": "single_stream_modulation.lin"}
-
-
-def bfl_name(module):
-    """diffusers module name -> (BFL module name, row block of the fused qkv or None); ValueError saying why not.
-    norm_out.linear has no exact BFL form: BFL holds (shift, scale) where diffusers holds (scale, shift), and
-    diffusers' LoRA reader renames it without swapping the halves."""
-    m = re.fullmatch(r"(single_)?transformer_blocks\.(\d+)\.(.+)", module)
-    if m and m.group(1) and m.group(3) in BFL_SINGLE:
-        return f"single_blocks.{m.group(2)}.{BFL_SINGLE[m.group(3)]}", None
-    if m and not m.group(1) and m.group(3) in BFL_DOUBLE:
-        bfl, block = BFL_DOUBLE[m.group(3)]
-        return f"double_blocks.{m.group(2)}.{bfl}", block
-    if module in BFL_GLOBAL:
-        return BFL_GLOBAL[module], None
-    raise ValueError(f"{module}: no exact ComfyUI (BFL) name" + (" (its shift and scale halves are in the other "
-                     "order there)" if module == "norm_out.linear" else ""))
-
-
-def to_comfyui(state):
-    """A LoRA (PEFT names, scale folded into lora_B) -> ComfyUI's FLUX.2 layout: diffusion_model.<BFL name>.lora_A /
-    lora_B.weight, the ai-toolkit layout, which diffusers' loader reads too. The fused qkv is exact: A = the three A
-    stacked [r_q + r_k + r_v, in], B block-diagonal [3h, r_q + r_k + r_v] (a projection not adapted is a zero row
-    block), so B @ A stacks the three updates. No .alpha tensors: ComfyUI then applies scale 1, which is the folded
-    scale (and diffusers' reader of this layout refuses .alpha keys)."""
-    out, fused = {}, collections.defaultdict(dict)
-    for key, value in state.items():
-        module, _, part = key.rpartition(".lora_")
-        bfl, block = bfl_name(module)
-        if block is None:
-            out[f"diffusion_model.{bfl}.lora_{part}"] = value
-        else:
-            fused[bfl].setdefault(block, {})[part] = value
-    for bfl, blocks in fused.items():
-        a = torch.cat([blocks[b]["A.weight"] for b in sorted(blocks)])  # [R, in]
-        h = next(iter(blocks.values()))["B.weight"].shape[0]
-        b_matrix, col = a.new_zeros(3 * h, a.shape[0]), 0  # [3h, R]
-        for block in sorted(blocks):
-            r = blocks[block]["A.weight"].shape[0]
-            b_matrix[block * h:(block + 1) * h, col:col + r] = blocks[block]["B.weight"]
-            col += r
-        out[f"diffusion_model.{bfl}.lora_A.weight"], out[f"diffusion_model.{bfl}.lora_B.weight"] = a, b_matrix
-    return out
-
-
-def to_lycoris(state, config):
-    """A LoKr or LoHa (PEFT names) -> the LyCORIS layout ComfyUI reads for FLUX.2: lycoris_<name with _> for the
-    separate q, k and v (ComfyUI applies them to row slices of the fused qkv: a Kronecker or Hadamard product has no
-    block-diagonal form to fuse), diffusion_model.<BFL name> for the rest, and .alpha. ComfyUI scales a LoKr whose
-    two factors are full matrices by 1, where PEFT scales it by alpha / r: then alpha / r goes into lokr_w1 instead."""
-    groups = collections.defaultdict(dict)
-    for key, value in state.items():
-        module, _, part = key.rpartition(".")
-        groups[module][part] = value
-    out = {}
-    for module, parts in groups.items():
-        bfl, block = bfl_name(module)
-        name = f"lycoris_{module.replace('.', '_')}" if block is not None else f"diffusion_model.{bfl}"
-        r = config.rank_pattern.get(module, config.r)
-        alpha = float(config.alpha_pattern.get(module, config.alpha))
-        if "lokr_w1" in parts and "lokr_w2" in parts:  # no factor decomposed
-            out.update({f"{name}.lokr_w1": parts["lokr_w1"] * (alpha / r), f"{name}.lokr_w2": parts["lokr_w2"]})
-        else:
-            out.update({f"{name}.{p}": v for p, v in parts.items()})
-            out[f"{name}.alpha"] = torch.tensor(alpha)
-    return out
-
-
-def check_adapter_flags(args, fsdp):
-    """The adapter's combinations, before anything loads (validate_args calls it)."""
-    special = "DoRA" if args.use_dora else {"lokr": "LoKr", "loha": "LoHa"}.get(args.adapter)
-    unverified = [flag for flag, given in (("FSDP", fsdp), ("--bnb_quantization_config_path", args.bnb_quantization_config_path),
-                                           ("--do_fp8_training", args.do_fp8_training),
-                                           ("--blocks_to_swap", args.blocks_to_swap)) if given]
-    if special and unverified:
-        raise UsageError(f"{special} (--use_dora, --adapter) is not verified with {', '.join(unverified)} here; train a "
-                         "plain LoRA with those, or this adapter without them")
-    if args.adapter != "lora" and (args.use_dora or args.lora_dropout or args.init_lora):
-        raise UsageError(f"--adapter {args.adapter} takes no --use_dora, --lora_dropout or --init_lora (a LoRA file)")
-    if args.use_dora and args.lora_format != "diffusers":
-        raise UsageError("--use_dora with --lora_format comfyui/both: ComfyUI scales DoRA against the base weights' "
-                         "norms, PEFT against the adapted weights' (and ComfyUI's convention is changing), so no "
-                         "ComfyUI file is exact; keep --lora_format diffusers")
-
-
-@dataclass(frozen=True)
-class InitLora:
-    state: dict  # PEFT names, no prefix: lora_A / lora_B [/ lora_magnitude_vector]
-    ranks: dict  # module -> rank
-    scales: dict  # module -> the file's alpha / rank (what its loaders apply)
-    use_dora: bool
-
-    @property
-    def rank(self):  # the most common one; the others go into rank_pattern
-        return collections.Counter(self.ranks.values()).most_common(1)[0][0]
-
-
-@functools.cache
-def read_init_lora(path):
-    """--init_lora (a file, a folder holding pytorch_lora_weights.safetensors, or a Hub id) -> InitLora, read by
-    diffusers' own Flux2Pipeline.lora_state_dict, so every layout it reads works: ours, ai-toolkit/BFL (fused qkv:
-    A duplicated, B split per projection), kohya (alpha folded). Columns of lora_B that are all zero (the other
-    projections' blocks of a fused qkv) are dropped with their rows of lora_A, and modules with no update at all, so a
-    fused file gives back its per-projection ranks and targets. UsageError when it is no FLUX.2 LoRA."""
-    from diffusers import Flux2Pipeline
-    from safetensors.torch import load_file
-
-    file = Path(path) / LORA_WEIGHTS_NAME if Path(path).is_dir() else Path(path)
-    try:
-        source = load_file(str(file)) if file.is_file() else path  # else a Hub repo id, downloaded by diffusers
-        if isinstance(source, dict):
-            for key in [k for k in source if k.startswith("diffusion_model.") and k.endswith(".alpha")]:
-                module = key.removesuffix(".alpha")  # BFL alphas, which diffusers' reader refuses: folded into B
-                down = next(k for k in (f"{module}.lora_A.weight", f"{module}.lora_down.weight") if k in source)
-                up = down.replace("lora_A", "lora_B").replace("lora_down", "lora_up")
-                source[up] = source[up] * (source.pop(key).item() / source[down].shape[0])
-        state, meta = Flux2Pipeline.lora_state_dict(source, return_lora_metadata=True)
-    except UsageError:
-        raise
-    except Exception as e:  # noqa: BLE001 - missing, unreadable, not a LoRA diffusers reads: the same advice
-        raise UsageError(f"--init_lora {path}: cannot read a FLUX.2 LoRA from it ({type(e).__name__}: {e})") from None
-    pattern = r"transformer\.(.+)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)"
-    parts = collections.defaultdict(dict)
-    for key, value in state.items():
-        m = re.fullmatch(pattern, key)
-        if m is None:
-            raise UsageError(f"--init_lora {path}: {key} is not a LoRA tensor of the transformer (LoKr, LoHa, text "
-                             "encoder and bias adapters cannot be continued)")
-        parts[m.group(1)][m.group(2)] = value
-    meta = {k.removeprefix("transformer."): v for k, v in (meta or {}).items()}
-    out, ranks, scales = {}, {}, {}
-    for module, t in parts.items():
-        a, b = t["lora_A.weight"], t["lora_B.weight"]
-        keep = b.ne(0).any(dim=0)
-        if not keep.any() and "lora_magnitude_vector" not in t:
-            continue  # a projection's zero block of a fused qkv: no update
-        a, b = a[keep].contiguous(), b[:, keep].contiguous()
-        out.update({f"{module}.lora_A.weight": a, f"{module}.lora_B.weight": b})
-        if "lora_magnitude_vector" in t:
-            out[f"{module}.lora_magnitude_vector"] = t["lora_magnitude_vector"]
-        ranks[module] = a.shape[0]
-        rank = t["lora_A.weight"].shape[0]  # the file's (without metadata: alpha = rank, scale 1)
-        alpha = pattern_value(meta.get("alpha_pattern"), module, meta.get("lora_alpha", rank))
-        scales[module] = alpha / pattern_value(meta.get("rank_pattern"), module, meta.get("r", rank))
-    if not ranks:
-        raise UsageError(f"--init_lora {path}: it holds no update (every lora_B is zero)")
-    return InitLora(out, ranks, scales, any("lora_magnitude_vector" in t for t in parts.values()))
-
-
-def pattern_value(pattern, module, default):
-    """A PEFT rank_pattern / alpha_pattern entry for `module` (its keys match as PEFT matches them), else default."""
-    for key, value in (pattern or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def apply_init_lora(args, model):
-    """--init_lora: its rank, targets and DoRA become the run's; a conflicting --rank, --lora_layers or --use_dora,
-    or a module this model lacks, is refused (exit 2) naming both. model: the transformer on the meta device."""
-    init, parser = read_init_lora(args.init_lora), build_parser()
-    linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    lacking = sorted(set(init.ranks) - linear)
-    if lacking:
-        raise UsageError(f"--init_lora {args.init_lora}: this transformer has no linear layer {', '.join(lacking[:5])}"
-                         f"{' ...' if len(lacking) > 5 else ''} (a LoRA of another model?)")
-    if args.rank != parser.get_default("rank") and args.rank != init.rank:
-        raise UsageError(f"--rank {args.rank} conflicts with --init_lora {args.init_lora}, which has rank {init.rank}")
-    if args.lora_layers != parser.get_default("lora_layers"):
-        targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
-        named = {n for n in linear if any(n == t or n.endswith("." + t) for t in targets)}
-        if named != set(init.ranks):
-            raise UsageError(f"--lora_layers {args.lora_layers} names other layers than --init_lora {args.init_lora} "
-                             f"adapts ({len(named)} against {len(init.ranks)} layers)")
-    if args.use_dora and not init.use_dora:
-        raise UsageError(f"--use_dora conflicts with --init_lora {args.init_lora}, a plain LoRA")
-    args.rank, args.use_dora = init.rank, init.use_dora
-
-
-def adapter_config(args, transformer):
-    """The PEFT config of the run: a LoRA (DoRA with --use_dora) on --lora_layers, a LoKr or LoHa (--adapter), or the
-    rank and targets of --init_lora."""
-    from peft import LoHaConfig, LoKrConfig, LoraConfig
-
-    if args.init_lora:
-        init = read_init_lora(args.init_lora)
-        targets, pattern = sorted(init.ranks), {m: r for m, r in init.ranks.items() if r != init.rank}
-    else:
-        targets = lora_target_modules(args.lora_layers, transformer.config.num_single_layers, block_linear_names(transformer))
-        pattern = {}
-    if args.adapter == "lokr":
-        return LoKrConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets,
-                          decompose_both=args.lokr_decompose_both, decompose_factor=args.lokr_factor)
-    if args.adapter == "loha":
-        return LoHaConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets)
-    extra = {"use_dora": True} if args.use_dora else {}
-    if pattern:
-        extra["rank_pattern"] = {f"^{m}$": r for m, r in pattern.items()}
-    return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      init_lora_weights="gaussian", target_modules=targets, **extra)
-
-
-def load_init_lora(transformer, args):
-    """Put --init_lora's weights into the fresh adapter, lora_B rescaled from the file's scale to this run's
-    (--lora_alpha / rank of the module): the adapted model starts as the base model with that LoRA applied."""
-    from peft import set_peft_model_state_dict
-
-    init = read_init_lora(args.init_lora)
-    state = {}
-    for key, value in init.state.items():
-        module = key.rsplit(".lora_", 1)[0]
-        rescale = init.scales[module] / (args.lora_alpha / init.ranks[module])
-        state[key] = value * rescale if ".lora_B." in key else value
-    result = set_peft_model_state_dict(transformer, state, adapter_name="default")
-    if result.unexpected_keys:
-        raise UsageError(f"--init_lora {args.init_lora}: {len(result.unexpected_keys)} tensors found no layer "
-                         f"(e.g. {result.unexpected_keys[0]})")
-    logger.info(f"--init_lora {args.init_lora}: {len(init.ranks)} layers start from its weights")
-
-
-def check_comfyui_targets(args, model):
-    """--lora_format comfyui/both: every adapted layer needs a ComfyUI (BFL) name; refused before anything loads."""
-    targets = sorted(read_init_lora(args.init_lora).ranks) if args.init_lora else lora_target_modules(
-        args.lora_layers, model.config.num_single_layers, block_linear_names(model))
-    problems = []
-    for name in (n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)):
-        if any(name == t or name.endswith("." + t) for t in targets):
-            try:
-                bfl_name(name)
-            except ValueError as e:
-                problems.append(str(e))
-    if problems:
-        raise UsageError(f"--lora_format {args.lora_format}: {'; '.join(problems[:3])}; leave those layers out of "
-                         "--lora_layers, or keep --lora_format diffusers")
-
-
-def save_comfyui(accelerator, transformer, state, folder, dtype, weight_name):
-    """The ComfyUI file: a LoRA in BFL layout (its scale folded in), a LoKr or LoHa in the LyCORIS layout."""
-    from safetensors.torch import save_file
-
-    config = accelerator.unwrap_model(transformer).peft_config["default"]
-    state = to_comfyui(portable_lora(state, config.to_dict())) if config.peft_type.value == "LORA" else to_lycoris(state, config)
-    save_file({k: v.to(dtype or v.dtype).contiguous() for k, v in state.items()}, str(Path(folder, weight_name)),
-              metadata={"format": "pt"})
-    follow_umask(Path(folder, weight_name))
-
-
-def write_lora_files(args, accelerator, transformer, state, folder, dtype, weight_name=LORA_WEIGHTS_NAME):
-    """The final LoRA in --lora_format: diffusers' layout, ComfyUI's, or both (ComfyUI's beside, its own name)."""
-    if args.lora_format != "comfyui":
-        save_lora(accelerator, transformer, state, folder, dtype, weight_name)
-    if args.lora_format != "diffusers":
-        name = weight_name if args.lora_format == "comfyui" else weight_name.replace(".safetensors", "_comfyui.safetensors")
-        save_comfyui(accelerator, transformer, state, folder, dtype, name)
-
-
-@contextlib.contextmanager
-def lora_strength(model, scale):
-    """Validation at --validation_lora_scales: every adapter layer's scaling times `scale` inside the block, then
-    restored exactly (dividing back could leave a rounding error in the weights' scale for training)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "scaling")]
-    saved = [dict(m.scaling) for m in layers]
-    for layer in layers:
-        layer.scaling.update({k: v * scale for k, v in layer.scaling.items()})
-    try:
-        yield
-    finally:
-        for layer, scaling in zip(layers, saved):
-            layer.scaling.update(scaling)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix P: trigger words and output preservation (--trigger_word, --output_preservation)
-
-TRIGGER = "[trigger]"  # the placeholder ai-toolkit's captions use
-
-
-def with_trigger(text, word):
-    """`text` with the [trigger] placeholder filled by `word` (no word, or no text: unchanged)."""
-    return text.replace(TRIGGER, word) if word and text else text
-
-
-def mentions(text, word):
-    """Whether `word` stands in `text` as a word of its own (not inside another)."""
-    return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text or "") is not None
-
-
-def check_trigger_flags(args):
-    """Flag combinations, before anything loads; fills [trigger] in the prompts given as flags."""
-    placed = [f for f in ("instance_prompt", "class_prompt", "validation_prompt", "final_validation_prompt")
-              if TRIGGER in (getattr(args, f) or "")]
-    if placed and not args.trigger_word:
-        raise UsageError(f"{TRIGGER} in --{placed[0]}: give --trigger_word, the word it stands for")
-    for flag in placed:
-        setattr(args, flag, with_trigger(getattr(args, flag), args.trigger_word))
-    if args.class_word and not args.output_preservation:
-        raise UsageError("--class_word is the word --output_preservation puts in place of --trigger_word; add "
-                         "--output_preservation, or leave --class_word out")
-    if not args.output_preservation:
-        return
-    for refused, why in ((not (args.trigger_word and args.class_word), "needs --trigger_word and --class_word (the "
-                          "preservation prompt is the caption with the one replaced by the other)"),
-                         (args.with_prior_preservation, "and --with_prior_preservation are two ways to the same end: "
-                          "choose one"),
-                         (args.cond_data_dir or args.cond_image_column, "is not supported for edit training"),
-                         (args.compile, "is not supported with --compile (switching the adapters off for the base "
-                          "prediction would compile the blocks twice)")):
-        if refused:
-            raise UsageError(f"--output_preservation {why}")
-    if mentions(args.class_word, args.trigger_word):
-        raise UsageError(f"--class_word {args.class_word!r} contains --trigger_word {args.trigger_word!r}")
-
-
-def apply_trigger(args, instances):
-    """--trigger_word: [trigger] filled in every caption, and 'WORD, ' put before each caption alternative that lacks
-    the word -> the records with their new captions. A [trigger] without the word, or images without a caption whose
-    --instance_prompt lacks it, are refused with their names (the run would train a subject it cannot name)."""
-    word, bare = args.trigger_word, [r.name for r in instances if not r.caption]
-    if not word:
-        placed = [r.name for r in instances if TRIGGER in (r.caption or "")]
-        if placed:
-            raise UsageError(f"{TRIGGER} in the captions of {', '.join(placed[:5])}{', ...' * (len(placed) > 5)}: give "
-                             "--trigger_word, the word it stands for")
-        return instances
-    args.instance_prompt = with_trigger(args.instance_prompt, word)
-    if bare and not mentions(args.instance_prompt, word):
-        raise UsageError(f"--trigger_word {word}: --instance_prompt {args.instance_prompt!r}, the prompt of "
-                         f"{len(bare)} image(s) without a caption ({', '.join(bare[:3])}), does not contain it; write "
-                         f"it in (or {TRIGGER} where it goes)")
-
-    def fill(line):
-        line = with_trigger(line, word)
-        return line if mentions(line, word) else f"{word}, {line}"
-
-    return [dataclasses.replace(r, caption="\n".join(map(fill, caption_lines(r.caption)))) if r.caption else r
-            for r in instances]
-
-
-def describe_captions(args, dataset):
-    """One sentence for the log and the model card: captions, their alternatives, the trigger word, preservation."""
-    counts = [len(caption_lines(r.caption)) for r in dataset.instances]
-    captioned = sum(1 for c in counts if c)
-    text = (f"{captioned} of {len(counts)} images captioned, {sum(counts)} caption alternatives (one drawn per sample "
-            f"and epoch)" if captioned else f"{len(counts)} images, all with the instance prompt")
-    if args.trigger_word:
-        text += f"; trigger word `{args.trigger_word}`"
-    if args.output_preservation:
-        text += (f"; output preservation: `{args.trigger_word}` -> `{args.class_word}`, weight "
-                 f"{args.output_preservation_weight}")
-    return text + "."
-
-
-def preservation_text(text, word, class_word):
-    """An instance text with the trigger word replaced by the class word: what output preservation keeps unchanged."""
-    return re.sub(rf"(?<!\w){re.escape(word)}(?!\w)", class_word.replace("\\", r"\\"), text)
-
-
-def preserver(args):
-    """--output_preservation: instance text -> its preservation prompt; else None."""
-    if not args.output_preservation:
-        return None
-    return functools.partial(preservation_text, word=args.trigger_word, class_word=args.class_word)
-
-
-def preservation_prompts(args, texts):
-    """The preservation prompts of `texts` (instance texts and others: a text without the word maps to itself)."""
-    preserve = preserver(args)
-    return [preserve(t) for t in texts] if preserve else []
-
-
-def preservation_inputs(transformer, inputs, embeds):
-    """--output_preservation's share of a step. inputs: the transformer's keyword arguments for B rows; embeds:
-    [P, L, D] the preservation prompts of the first P rows. The base model (adapters off, no gradients) predicts
-    the first P rows' noisy latents under those prompts; the returned inputs append the same P rows, so one forward
-    gives the adapted model's prediction to train toward it -> (inputs of B + P rows, base prediction [P, T, C]).
-    Cost: one forward of P rows without gradients, and P more rows in the trained forward and backward."""
-    from accelerate.utils import extract_model_from_parallel
-
-    p = embeds.shape[0]
-    extra = {k: None if v is None else v[:p] for k, v in inputs.items()}
-    extra["encoder_hidden_states"] = embeds
-    with torch.no_grad(), adapters_off(extract_model_from_parallel(transformer)):
-        base = transformer(**extra, return_dict=False)[0]
-    return {k: None if v is None else torch.cat([v, extra[k]]) for k, v in inputs.items()}, base
-
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--validation_prompts_file {path}: {e}") from None
+    specs = []
+    for number_, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        prompt, *options = re.split(r"\s+--", line.strip())
+        found = {}
+        for setting in options:
+            m = re.fullmatch(r"size (\d+)x(\d+)|seed (\d+)|steps ([1-9]\d*)|guidance (\d+(?:\.\d+)?)", setting.strip())
+            if m is None or any(int(side) < 16 or int(side) % 16 for side in m.groups()[:2] if side):
+                raise UsageError(f"--validation_prompts_file {path}, line {number_}: --{setting.strip()}: expected "
+                                 "--size WxH (multiples of 16), --seed N, --steps N (N >= 1) or --guidance X")
+            if m.group(1):
+                found.update(width=int(m.group(1)), height=int(m.group(2)))
+            found.update({k: cast(v) for k, v, cast in (("seed", m.group(3), int), ("steps", m.group(4), int),
+                                                         ("guidance", m.group(5), float)) if v is not None})
+        if not prompt.strip() or prompt.startswith("--"):
+            raise UsageError(f"--validation_prompts_file {path}, line {number_}: no prompt before the options")
+        specs.append(ValidationSpec(prompt.strip(), **found))
+    if not specs:
+        raise UsageError(f"--validation_prompts_file {path}: no prompt in it")
+    return specs
+
+@option
+class ValidationExtras(Option):
+    """More validation prompts (each with its own size, seed, steps, guidance) and the LoRA at several strengths:
+    a row of the progress sheet per prompt and strength. Cost: their images at every validation."""
+
+    name = "validation extras"
+    flags = [
+        flag("--validation_prompts_file", type=Accepts("a readable text file of prompts (checked line by line)",
+             lambda v: read_validation_prompts(v) is not None), help="More validation prompts, one a line, each "
+             "optionally ending in --size WxH --seed N --steps N --guidance X."),
+        flag("--validation_lora_scales", type=Accepts("comma-separated numbers >= 0", lambda v: all(
+            math.isfinite(x) and x >= 0 for x in v), numbers), default="1",
+             help="The LoRA's strengths each validation shows, e.g. 0.5,1,1.5.")]
+
+    def validation_specs(self):
+        path = self.args.validation_prompts_file
+        return read_validation_prompts(path) if path else []
+
+    def validation_scales(self):
+        return self.args.validation_lora_scales
+
+    @contextlib.contextmanager
+    def lora_strength(self, model, scale):
+        """Every adapter layer's scaling times `scale` inside the block, then restored exactly (dividing back could
+        leave a rounding error in the scale training goes on with); 0 switches the adapters off."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        if scale == 0:
+            with adapters_off(model):
+                yield
+            return
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "scaling")]
+        saved = [dict(m.scaling) for m in layers]
+        for layer in layers:
+            layer.scaling.update({k: v * scale for k, v in layer.scaling.items()})
+        try:
+            yield
+        finally:
+            for layer, scaling in zip(layers, saved):
+                layer.scaling.update(scaling)
 
 if __name__ == "__main__":
     try:

@@ -30,6 +30,7 @@ skipped once --budget_s is spent. Results also go to --out (JSON lines) as they 
 """
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
@@ -39,6 +40,7 @@ import sys
 import time
 import unittest.mock
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -408,14 +410,17 @@ def time_row(row, bench, accelerator, rate):
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     data, caches = cached_inputs(row, config, text_tokens, dtype)
     named = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
-    run = T.Run(data=data, caches=caches, weight_dtype=dtype, vae=None, latent_stats=None, transformer=transformer,
-                optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-                noise_scheduler=scheduler, sigmas=scheduler.sigmas.float(), named_params=named, ema=None,
+    hooks = T.Hooks(args)
+    if row.get("preservation"):  # --output_preservation's share of the step, weight 1
+        hooks.options.append(T.TriggerWords(SimpleNamespace(output_preservation_weight=1.0)))
+    run = T.Run(data=dataclasses.replace(data, hooks=hooks), caches=caches, weight_dtype=dtype, vae=None,
+                latent_stats=None, transformer=transformer, optimizer=optimizer,
+                lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), noise_scheduler=scheduler,
+                sigmas=scheduler.sigmas.float(), named_params=named,
                 step_config=T.StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
-                                         3.5 if config["guidance_embeds"] else None, 1.0,
-                                         preservation_weight=1.0 if row.get("preservation") else 0.0))
+                                         3.5 if config["guidance_embeds"] else None))
     prefetch = not row["baseline"]
-    preserve = (lambda text: text + " class") if row.get("preservation") else None
+    preserve = (lambda texts: [t + " class" for t in texts]) if row.get("preservation") else None
     prefetcher = T.Prefetcher(data.loader, 0, lambda m, batch: T.gather_inputs(
         batch, data.dataset, caches, 0.0, random.Random(m), preserve), device)
     if not prefetch:

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random FLUX.2 [dev] checkpoint on disk and a way to run the real script."""
 
+import argparse
 import atexit
 import os
 import shutil
@@ -142,6 +143,7 @@ def checkpoint_run(tiny_model):
     named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW(named.values())
     return Accelerator(cpu=True), T.Run(
-        data=T.Data(None, None, 0, None, None, None), caches=None, weight_dtype=torch.float32, vae=None, latent_stats=None,
-        transformer=transformer, optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-        noise_scheduler=None, sigmas=None, named_params=named, ema=None, step_config=None)
+        data=T.Data(None, None, 0, None, None, None, hooks=T.Hooks(argparse.Namespace())), caches=None,
+        weight_dtype=torch.float32, vae=None, latent_stats=None, transformer=transformer, optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), noise_scheduler=None, sigmas=None,
+        named_params=named, step_config=None)

@@ -48,6 +48,12 @@ def _adapted(model, accelerator, *extra, seed=1):
     return args, transformer.eval()
 
 
+def _write(args, transformer, folder):
+    """The final LoRA files of `transformer` as finish() writes them (--lora_format's options included)."""
+    hooks = T.Hooks(args)
+    T.write_lora_files(PLAIN, transformer, T.lora_state_dict(PLAIN, transformer, hooks), folder, torch.float32, hooks)
+
+
 def _out(transformer):
     with torch.no_grad():
         return transformer(**INPUTS, return_dict=False)[0]
@@ -89,7 +95,7 @@ def test_the_comfyui_file_read_by_diffusers_converter_gives_the_diffusers_files_
                                                                                          tmp_path):
     args, transformer = _adapted(tiny_model, accelerator, "--lora_layers", preset, "--lora_format", "both", "--rank",
                                  "3", "--lora_alpha", "6")
-    T.write_lora_files(args, PLAIN, transformer, T.lora_state_dict(PLAIN, transformer), tmp_path, torch.float32)
+    _write(args, transformer, tmp_path)
     comfy = load_file(str(tmp_path / T.COMFYUI_WEIGHTS_NAME))
     assert comfy and all(k.startswith("diffusion_model.") and not k.endswith(".alpha") for k in comfy)
     assert any(".img_attn.qkv." in k for k in comfy)  # q, k and v fused, as ComfyUI's model holds them
@@ -163,7 +169,7 @@ def test_a_lycoris_file_reloads_through_peft_to_the_trained_outputs(adapter, ran
 
     args, transformer = _adapted(tiny_model, accelerator, "--adapter", adapter, "--lora_format", "comfyui",
                                  "--lora_layers", "all-linear", "--rank", rank, "--lora_alpha", "3", *extra)
-    T.write_lora_files(args, PLAIN, transformer, T.lora_state_dict(PLAIN, transformer), tmp_path, torch.float32)
+    _write(args, transformer, tmp_path)
     written = load_file(str(tmp_path / T.LORA_WEIGHTS_NAME))
     assert any(k.startswith("lycoris_transformer_blocks_0_attn_to_q.") for k in written)  # a row slice in ComfyUI
     assert any(k.startswith("diffusion_model.single_blocks.0.linear1.") for k in written)
@@ -188,7 +194,7 @@ def test_a_lycoris_file_reloads_through_peft_to_the_trained_outputs(adapter, ran
 
 def test_a_dora_file_loads_with_diffusers_and_gives_the_trained_outputs(tiny_model, accelerator, tmp_path):
     args, transformer = _adapted(tiny_model, accelerator, "--use_dora", "--rank", "3", "--lora_alpha", "6")
-    T.write_lora_files(args, PLAIN, transformer, T.lora_state_dict(PLAIN, transformer), tmp_path, torch.float32)
+    _write(args, transformer, tmp_path)
     assert any("lora_magnitude_vector" in k for k in load_file(str(tmp_path / T.LORA_WEIGHTS_NAME)))
     loaded = _diffusers_load(tiny_model, tmp_path / T.LORA_WEIGHTS_NAME)
     assert not torch.allclose(_out(transformer), _out(_fresh(tiny_model)), atol=1e-4)
@@ -205,7 +211,7 @@ def test_adapter_combinations_that_cannot_work_are_refused(extra, message, tmp_p
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "p",
                          "--output_dir", str(tmp_path), *extra])
     with pytest.raises(T.UsageError, match=message):
-        T.check_adapter_flags(args, fsdp=False)
+        T.Adapters(args).check()
     if "--do_fp8_training" not in extra:
         with pytest.raises(T.UsageError, match=message):
             T.validate_args(args)
@@ -236,7 +242,7 @@ def lora_files(tiny_model, accelerator, tmp_path_factory):
     folder = tmp_path_factory.mktemp("loras")
     args, transformer = _adapted(tiny_model, accelerator, "--rank", "3", "--lora_alpha", "6", "--lora_format", "both",
                                  "--lora_layers", "attention,to_qkv_mlp_proj,ff.linear_in")
-    T.write_lora_files(args, PLAIN, transformer, T.lora_state_dict(PLAIN, transformer), folder, torch.float32)
+    _write(args, transformer, folder)
     (folder / "ours").mkdir()
     (folder / T.LORA_WEIGHTS_NAME).rename(folder / "ours" / T.LORA_WEIGHTS_NAME)
     bfl = load_file(str(folder / T.COMFYUI_WEIGHTS_NAME))
@@ -252,7 +258,7 @@ def test_init_lora_starts_from_the_model_that_load_lora_weights_makes(layout, lo
 
     PartialState()
     args = _args(tiny_model, "--init_lora", lora_files[layout], "--lora_alpha", "5")  # a scale of its own: rescaled
-    T.check_model_fit(args)  # reads the file: its rank and layers become the run's
+    T.resolve_model_flags(args, T.Hooks(args))  # reads the file: its rank and layers become the run's
     assert args.rank == 3 and set(T.read_init_lora(str(lora_files[layout])).ranks.values()) == {3}  # as trained
     ours = T.prepare_transformer(args, accelerator, T.load_transformer(args, torch.float32)).eval()
     pipe = Flux2Pipeline.from_pretrained(tiny_model, tokenizer=None)
@@ -261,6 +267,10 @@ def test_init_lora_starts_from_the_model_that_load_lora_weights_makes(layout, lo
     expected = _out(pipe.transformer.eval())
     assert not torch.allclose(expected, _out(_fresh(tiny_model)), atol=1e-4)
     torch.testing.assert_close(_out(ours), expected, rtol=1e-5, atol=1e-6)
+
+
+def _resolve(args):
+    return T.resolve_model_flags(args, T.Hooks(args))
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -273,8 +283,8 @@ def test_init_lora_conflicts_are_refused_naming_both(extra, message, lora_files,
 
     PartialState()
     with pytest.raises(T.UsageError, match=message):
-        T.check_model_fit(_args(tiny_model, "--init_lora", lora_files["ours"], *extra))
-    T.check_model_fit(_args(tiny_model, "--init_lora", lora_files["ours"], "--rank", "3"))  # the same: fine
+        _resolve(_args(tiny_model, "--init_lora", lora_files["ours"], *extra))
+    _resolve(_args(tiny_model, "--init_lora", lora_files["ours"], "--rank", "3"))  # the same: fine
 
 
 def test_init_lora_refuses_layers_the_model_lacks(lora_files, tiny_model, tmp_path):
@@ -285,7 +295,7 @@ def test_init_lora_refuses_layers_the_model_lacks(lora_files, tiny_model, tmp_pa
     state = {k.replace("transformer_blocks.0.", "transformer_blocks.7."): v for k, v in state.items()}
     save_file(state, str(tmp_path / "other.safetensors"))
     with pytest.raises(T.UsageError, match="has no linear layer single_transformer_blocks.7.attn.to_qkv_mlp_proj"):
-        T.check_model_fit(_args(tiny_model, "--init_lora", tmp_path / "other.safetensors"))
+        _resolve(_args(tiny_model, "--init_lora", tmp_path / "other.safetensors"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -213,7 +213,8 @@ def test_cold_scan_is_spread_over_threads(tmp_path, monkeypatch):
         return real(path)
 
     monkeypatch.setattr(T, "inspect_image", slow)
-    records = T.scan_image_folder(tmp_path, workers=2)
+    monkeypatch.setattr(T, "cpu_cores", lambda: 2)  # a thread per core
+    records = T.scan_image_folder(tmp_path)
     assert len(threads) == 2 and threading.get_ident() not in threads and [r.name for r in records] == [f"{k}.png" for k in range(4)]
 
 
@@ -281,7 +282,7 @@ def test_cache_flags_are_checked_before_anything_loads(extra, message, tmp_path)
     with pytest.raises(T.UsageError, match=message):
         args = T.parse_args(["--pretrained_model_name_or_path", "m", *extra])
         T.validate_args(args)
-        T.open_cache(args)  # the manifest is read once, here
+        T.read_manifest(args.from_manifest)  # what --from_manifest reads first, before any model
 
 
 def test_manifest_settings_replace_the_data_flags_and_say_so(tmp_path, caplog):

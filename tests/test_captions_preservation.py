@@ -46,7 +46,8 @@ def test_each_caption_line_is_an_alternative_drawn_per_seed_epoch_and_sample():
     args = SimpleNamespace(caption_dropout=0.0, output_preservation=False, validation_prompt=None,
                            final_validation_prompt=None, validation_prompts_file=None, trigger_word=None,
                            validation_guidance_scale=1.0)
-    assert set(T.needed_prompts(args, ds, SimpleNamespace(pipeline="Flux2Pipeline"))) == {
+    data = SimpleNamespace(dataset=ds, hooks=T.Hooks(args), specs=(), family=SimpleNamespace(pipeline="Flux2Pipeline"))
+    assert set(T.needed_prompts(args, data)) == {
         "first a", "second a", "third a", "only b", "a photo of sks"}
 
 
@@ -92,22 +93,29 @@ def _trigger_args(word, instance_prompt="a photo of [trigger] dog", **extra):
     return SimpleNamespace(trigger_word=word, instance_prompt=instance_prompt, **extra)
 
 
+def apply_trigger(args, records):
+    """What prepare_data does with the trigger option: the prompt flags filled, then the captions."""
+    option = T.TriggerWords(args)
+    option.resolve(None)
+    return option.images(records)
+
+
 def test_trigger_word_fills_the_placeholder_and_goes_before_captions_that_lack_it():
     records = [_record("a", "[trigger] on a sofa\na dog, sks style\nasks nothing"), _record("b")]
     args = _trigger_args("sks")
-    out = T.apply_trigger(args, records)
+    out = apply_trigger(args, records)
     assert T.caption_lines(out[0].caption) == ["sks on a sofa", "a dog, sks style", "sks, asks nothing"]
     assert out[1].caption is None and args.instance_prompt == "a photo of sks dog"
-    assert T.apply_trigger(args, out) == out  # idempotent: a --from_manifest run applies it to applied captions
+    assert apply_trigger(args, out) == out  # idempotent: a --from_manifest run applies it to applied captions
 
 
 def test_trigger_word_problems_are_refused_naming_the_images_or_flag():
     with pytest.raises(T.UsageError, match=r"\[trigger\] in the captions of a: give --trigger_word"):
-        T.apply_trigger(_trigger_args(None, "p"), [_record("a", "[trigger] dog"), _record("b", "dog")])
+        apply_trigger(_trigger_args(None, "p"), [_record("a", "[trigger] dog"), _record("b", "dog")])
     with pytest.raises(T.UsageError, match=r"--instance_prompt 'a photo of a dog'.*1 image\(s\) without a caption \(b\)"):
-        T.apply_trigger(_trigger_args("sks", "a photo of a dog"), [_record("a", "dog"), _record("b")])
+        apply_trigger(_trigger_args("sks", "a photo of a dog"), [_record("a", "dog"), _record("b")])
     # every image captioned: the instance prompt is unused, so it need not name the subject
-    assert T.apply_trigger(_trigger_args("sks", "a photo of a dog"), [_record("a", "dog")])[0].caption == "sks, dog"
+    assert apply_trigger(_trigger_args("sks", "a photo of a dog"), [_record("a", "dog")])[0].caption == "sks, dog"
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -136,10 +144,13 @@ def test_trigger_fills_validation_prompts_and_the_file(tmp_path):
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt",
                          "a [trigger] dog", "--trigger_word", "sks", "--validation_prompt", "a [trigger] dog, oil",
                          "--validation_prompts_file", str(listed)])
-    T.check_trigger_flags(args)
+    hooks = T.Hooks(args)
+    hooks.each("check")
+    hooks.each("resolve", None)
     assert args.instance_prompt == "a sks dog"
-    assert T.validation_prompts(args) == ["a sks dog, oil", "sks at the beach", "a plain prompt"]
-    assert [s.prompt for s in T.validation_specs(args, args.validation_prompt)] == T.validation_prompts(args)
+    data = SimpleNamespace(specs=T.option_validation_specs(hooks))
+    assert T.validation_prompts(args, data) == ["a sks dog, oil", "sks at the beach", "a plain prompt"]
+    assert [s.prompt for s in T.validation_specs(args, data, args.validation_prompt)] == T.validation_prompts(args, data)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,10 +180,12 @@ def adapted(tiny_model):
 def _step(transformer, preserve, weight=0.7, seed=0):
     latents = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(1))
     embeds = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
-    cfg = T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, 1.0, preservation_weight=weight)
+    cfg = T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, 1.0)
     sigmas = torch.linspace(1, 0.001, 1000)
+    option = T.TriggerWords(SimpleNamespace(output_preservation_weight=weight))
+    extra = None if preserve is None else option.step_extra(preserve)  # what micro_step passes for the extra rows
     return T.flow_matching_step(transformer, latents, embeds, 2, sigmas, cfg, torch.Generator().manual_seed(seed),
-                                preserve=preserve), latents, embeds, cfg, sigmas
+                                extra=extra), latents, embeds, cfg, sigmas
 
 
 def test_preservation_adds_the_weighted_distance_between_adapted_and_base_predictions_on_the_same_noise(adapted):
@@ -260,7 +273,9 @@ def test_int8_text_encoder_embeddings_are_close_to_full_precision_and_cached_apa
                                              cache_dir=None))
     prompts = ["a photo of sks dog", "a red car at night, rain on the road"]
     full_model = load().eval()
-    quantized = T.quantized_text_encoder(load, "int8", torch.device("cpu"), torch.float32)
+    int8 = T.TextEncoders(T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--text_encoder_quantization",
+                                         "int8"]))
+    quantized = int8.text_encoder(load, SimpleNamespace(device=torch.device("cpu")), torch.float32)
     assert any("Int8" in type(m.weight).__name__ or "AffineQuantized" in type(m.weight).__name__
                for m in quantized.modules() if isinstance(m, torch.nn.Linear))
     with torch.no_grad():
@@ -273,7 +288,8 @@ def test_int8_text_encoder_embeddings_are_close_to_full_precision_and_cached_apa
     args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--text_encoder_out_layers", "1", "2"])
     plain = T.cache_identity(args, torch.float32, family).prompts
     args.text_encoder_quantization = "int8"
-    assert T.cache_identity(args, torch.float32, family).prompts == plain + ["int8"]  # the default identity: unchanged
+    identity = T.TextEncoders(args).cache_identity(torch.float32, family)
+    assert identity.prompts == plain + ["int8"]  # the default identity: unchanged
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -350,6 +366,5 @@ def test_a_manifest_of_several_resolutions_restores_their_buckets(tmp_path):
 def test_a_missing_caption_alternative_is_traced_to_its_image():
     ds = T.DreamBoothDataset([_record("a.png", "first\nsecond"), _record("b.png")], "a photo of sks", [(32, 32)],
                              with_pixels=False)
-    disk = SimpleNamespace(root="/cache", manifest={"cache": "/cache"})
-    message = T.missing_entries_message(disk, ds, ["second", "a photo of sks", "elsewhere"], [], 9)
+    message = T.missing_entries_message("/cache", "/cache", ds, ["second", "a photo of sks", "elsewhere"], [], 9)
     assert "3 of 9 cache entries" in message and "from a.png, b.png, prompt 'elsewhere'" in message, message

@@ -504,7 +504,7 @@ def test_swapped_blocks_train_and_validate_an_edit_lora_like_resident_ones(tiny_
     """--blocks_to_swap (its CUDA requirement lifted for the CPU) with the longer edit sequence: the same LoRA and
     edit-mode validation image as without swapping, bit for bit."""
     targets, conds = pairs
-    monkeypatch.setattr(T, "check_block_swap", lambda *a: None)
+    monkeypatch.setattr(T.BlockSwapping, "check", lambda self: None)
     common = ["--max_train_steps", "2", "--gradient_checkpointing", "--cache_latents", "--precompute_cache_dir", "none",
               "--validation_prompt", "relight", "--validation_image", conds / "p0.png", "--num_validation_images", "1"]
     plain, swapped = tmp_path / "plain", tmp_path / "swapped"

@@ -82,7 +82,7 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp_and_the_sharded_text_encod
                for k, v in ckpt.items())  # full tensors, not shards
 
 
-def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_load_nothing(tiny_model):
+def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_load_nothing(tiny_model, monkeypatch):
     """Under FSDP no process moves the whole transformer to its device (accelerate shards it one block at a time);
     without FSDP it is moved. With cpu_ram_efficient_loading, only process 0 reads weights: the others get an empty
     model whose parameters (LoRA included) have distinct storage, as accelerate's optimizer hand-over needs."""
@@ -94,12 +94,15 @@ def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_loa
     import train_dreambooth_lora_flux2 as T
 
     PartialState(cpu=True)  # for the logger
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate's FSDP config sets: the FSDP option is on
     args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--instance_prompt", "x", "--rank", "2"])
+    option = T.FSDP(args)
+    assert [type(o) for o in T.Hooks(args).options] == [T.FSDP]
 
     def accelerator(kind, main=True, lean=False):  # "meta" stands in for the GPU: a move there is visible
         plugin = SimpleNamespace(cpu_ram_efficient_loading=lean)
         return SimpleNamespace(device=torch.device("meta"), distributed_type=kind, is_main_process=main,
-                               state=SimpleNamespace(fsdp_plugin=plugin))
+                               process_index=0 if main else 1, state=SimpleNamespace(fsdp_plugin=plugin))
 
     def moves(kind):
         transformer, calls = T.load_transformer(args, torch.float32), []
@@ -110,13 +113,18 @@ def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_loa
     assert moves(DistributedType.MULTI_CPU) == [((torch.device("meta"),), {})]
     assert moves(DistributedType.FSDP) == []
 
-    assert T.loads_from_rank_0(accelerator(DistributedType.FSDP, main=False, lean=True), quantized=None)
-    assert not T.loads_from_rank_0(accelerator(DistributedType.FSDP, main=True, lean=True), quantized=None)
-    assert not T.loads_from_rank_0(accelerator(DistributedType.FSDP, main=False, lean=False), quantized=None)
-    assert not T.loads_from_rank_0(accelerator(DistributedType.FSDP, main=False, lean=True), quantized="nf4.json")
-    assert not T.loads_from_rank_0(accelerator(DistributedType.MULTI_CPU, main=False, lean=True), quantized=None)
+    def empty(*how):  # what the option loads instead of the weights (None: the weights are loaded)
+        return option.load_transformer(accelerator(*how), torch.float32)
+
+    assert empty(DistributedType.FSDP, False, True) is not None
+    assert empty(DistributedType.FSDP, True, True) is None
+    assert empty(DistributedType.FSDP, False, False) is None
+    assert empty(DistributedType.MULTI_CPU, False, True) is None
+    quantized = T.FSDP(T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--bnb_quantization_config_path",
+                                     __file__]))
+    assert quantized.load_transformer(accelerator(DistributedType.FSDP, False, True), torch.float32) is None
     empty = T.prepare_transformer(args, accelerator(DistributedType.FSDP, main=False, lean=True),
-                                  T.load_transformer(args, torch.float32, empty=True))
+                                  empty(DistributedType.FSDP, False, True))
     params = list(empty.parameters())
     assert {p.device.type for p in params} == {"cpu"} and any(p.requires_grad for p in params)
     assert len({p.data_ptr() for p in params}) == len(params)

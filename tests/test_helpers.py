@@ -124,7 +124,7 @@ def test_dataset_items_carry_their_index_and_repeats_multiply_samples():
 
 def test_every_class_image_is_paired_within_one_epoch():
     instances, classes = _records([(32, 32)] * 2), _records([(32, 32)] * 7)
-    ds = DreamBoothDataset(instances, "sks", BUCKETS, repeats=1, classes=classes, class_prompt="a dog", with_pixels=False)
+    ds = DreamBoothDataset(instances, "sks", BUCKETS, repeats=1, classes=classes, with_pixels=False)
     assert len(ds) == 7  # at least one sample per class image
     class_ids = {ds.latent_key(s, 0)[1] for s in range(ds.num_samples, ds.num_slots)}
     assert class_ids == set(range(7))
@@ -132,13 +132,13 @@ def test_every_class_image_is_paired_within_one_epoch():
 
 def test_slots_and_prompt_keys_lay_out_instance_then_class():
     ds = DreamBoothDataset(_records([(32, 32)] * 2, ["cap a", None]), "sks", BUCKETS, repeats=2,
-                           classes=_records([(32, 32)]), class_prompt="a dog", with_pixels=False)
+                           classes=_records([(32, 32)], ["a dog"]), with_pixels=False)
     assert ds.slots([3, 0]) == [3, 0, 7, 4]
     assert [ds.prompt_key(s, 0) for s in range(ds.num_slots)] == ["cap a", "sks", "cap a", "sks"] + ["a dog"] * 4
 
 
 def test_class_image_follows_its_instance_bucket():
-    ds = DreamBoothDataset(_records([(48, 32)]), "sks", BUCKETS, classes=_records([(32, 32)]), class_prompt="c")
+    ds = DreamBoothDataset(_records([(48, 32)]), "sks", BUCKETS, classes=_records([(32, 32)], ["c"]))
     item = ds[(0, 0)]["pixel_values"]
     assert item.shape == (2, 3, 32, 48)
 

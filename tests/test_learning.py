@@ -262,7 +262,7 @@ def test_progress_sheet_puts_each_validation_in_a_column_under_its_caption():
     colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
     columns = [(f"step {i}", [Image.new("RGB", (20, 10), c), Image.new("RGB", (20, 10), tuple(v // 2 for v in c))])
                for i, c in enumerate(colours)]
-    sheet = T.progress_sheet(columns, pad=4)
+    sheet = T.progress_sheet(columns)
     measure, font = ImageDraw.Draw(Image.new("RGB", (1, 1))), ImageFont.load_default()
     assert sheet.height == 14 + 2 * 10 + 4 * 4  # caption band, two rows, padding
     x = 4
@@ -281,7 +281,7 @@ def test_progress_sheet_drops_columns_of_a_timeline_a_resume_left(tmp_path):
         for i in range(2):
             Image.new("RGB", (8, 8), (i * 100, 0, 0)).save(tmp_path / f"{tag}-{i}.png")
     for tag, step in (("step-10", 10), ("step-20", 20), ("step-15", 15)):
-        T.update_progress_sheet(tmp_path, 0, tag, step, 2)
+        T.update_progress_sheet(tmp_path, tag, step, 2)
     assert [c["tag"] for c in json.loads((tmp_path / "progress-0.json").read_text())["columns"]] == ["step-10", "step-15"]
     assert Image.open(tmp_path / "progress-0.png").size[1] == 14 + 2 * 8 + 4 * 4
 

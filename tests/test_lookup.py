@@ -17,8 +17,9 @@ def _dataset():
     """3 instance images (two captioned) and 2 class images, one 32x32 bucket, random flips, fixed crops."""
     instances = [T.ImageRecord(name=f"i{k}.png", size=(40, 40), caption=c, sha256=f"{k}" * 64)
                  for k, c in enumerate(["a red sks dog", None, "a sks dog on grass"])]
-    classes = [T.ImageRecord(name=f"c{k}.png", size=(40, 40), sha256=f"c{k}" * 32) for k in range(2)]
-    return T.DreamBoothDataset(instances, "a sks dog", [(32, 32)], classes=classes, class_prompt="a dog", seed=SEED,
+    # class images carry the class prompt as their caption
+    classes = [T.ImageRecord(name=f"c{k}.png", size=(40, 40), caption="a dog", sha256=f"c{k}" * 32) for k in range(2)]
+    return T.DreamBoothDataset(instances, "a sks dog", [(32, 32)], classes=classes, seed=SEED,
                                random_flip=True, with_pixels=False, fixed_crops=True)
 
 

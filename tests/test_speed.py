@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from types import SimpleNamespace
 
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import ROOT, base_args
@@ -32,11 +33,13 @@ def _train(args, tiny_model, shapes, steps_per_shape=2, preservation=0.0):
     named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     optimizer = T.setup_optimizer(args, list(named.values()), accelerator)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler")
-    run = T.Run(data=T.Data(None, None, 0, None, None, None), caches=None, weight_dtype=torch.float32, vae=None,
-                latent_stats=None, transformer=transformer, optimizer=optimizer,
+    hooks = T.Hooks(args)
+    if preservation:  # the option's step share, at this weight
+        hooks.options.append(T.TriggerWords(SimpleNamespace(output_preservation_weight=preservation)))
+    run = T.Run(data=T.Data(None, None, 0, None, None, None, hooks=hooks), caches=None, weight_dtype=torch.float32,
+                vae=None, latent_stats=None, transformer=transformer, optimizer=optimizer,
                 lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), noise_scheduler=scheduler,
-                sigmas=scheduler.sigmas.float(), named_params=named, ema=None,
-                step_config=T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, 1.0, preservation_weight=preservation))
+                sigmas=scheduler.sigmas.float(), named_params=named, step_config=T.StepConfig("none", 0.0, 1.0, 1.29, 3.5))
     g = torch.Generator().manual_seed(1)
     losses, micro = [], 0
     for h, w in shapes:
@@ -44,7 +47,7 @@ def _train(args, tiny_model, shapes, steps_per_shape=2, preservation=0.0):
             prompts = 2 if preservation else 1  # [the rows' prompt, their preservation prompt]
             inputs = T.StepInputs(torch.randn(prompts, MAX_SEQUENCE_LENGTH, JOINT_ATTENTION_DIM, generator=g),
                                   torch.tensor([0, 0] + [1, 1] * bool(preservation)), torch.randn(2, 4, h, w, generator=g),
-                                  torch.arange(2), None, encoded=True, preserved=2 if preservation else 0)
+                                  torch.arange(2), None, encoded=True, extra_rows=2 if preservation else 0)
             loss, _ = T.micro_step(accelerator, run, inputs, 2, micro, False, "mode")
             T.optimizer_step(args, accelerator, run)
             losses.append(loss.item())
@@ -199,7 +202,7 @@ def test_run_state_is_typed_and_a_misspelt_field_is_an_error():
     caches = T.Caches(T.SampleCache())
     with pytest.raises(dataclasses.FrozenInstanceError):
         caches.latent = None  # the typo (latents) the frozen dataclass must refuse
-    assert {f.name for f in dataclasses.fields(T.Run)} >= {"transformer", "optimizer", "ema", "named_params"}
+    assert {f.name for f in dataclasses.fields(T.Run)} >= {"transformer", "optimizer", "named_params", "step_config"}
     assert all(dataclasses.fields(cls) and cls.__dataclass_params__.frozen for cls in (T.Data, T.Caches, T.Run))
 
 

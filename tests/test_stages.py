@@ -22,7 +22,7 @@ def accelerator():
 
 def _precompute(args, accelerator, dataset):
     """Stage 2 in memory for a dataset built here -> (Caches, the VAE if still needed, its statistics)."""
-    data = T.Data(DEV, None, 0, dataset, None, None)
+    data = T.Data(DEV, None, 0, dataset, None, None, hooks=T.Hooks(args))
     return T.precompute(args, accelerator, data, torch.float32, T.MemoryCache())
 
 
@@ -94,7 +94,7 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
 
     pipe = _pipeline(tiny_model)
     fresh_dataset = T.DreamBoothDataset(instances, args.instance_prompt, dataset.buckets, repeats=2, classes=classes,
-                                        class_prompt=args.class_prompt, seed=0, center_crop=True, with_pixels=True)
+                                        seed=0, center_crop=True, with_pixels=True)
     captions = {Path(p).name: (Path(p).with_suffix(".txt").read_text().strip() if Path(p).with_suffix(".txt").exists()
                                else args.instance_prompt) for p in paths}
     seen = set()
@@ -143,10 +143,10 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
     prompts = T.SampleCache()
     prompts.put("a sks dog", torch.randn(1, MAX_SEQUENCE_LENGTH, 32))
     before = {n: (p.device, p.dtype, p.requires_grad, p.detach().clone()) for n, p in transformer.named_parameters()}
-    run = T.Run(data=T.Data(DEV, None, 0, None, None, None), caches=T.Caches(prompts), weight_dtype=torch.float32, vae=vae,
-                latent_stats=(mean, std), transformer=transformer, optimizer=None, lr_scheduler=None,
-                noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"),
-                sigmas=None, named_params={}, ema=None, step_config=None)
+    run = T.Run(data=T.Data(DEV, None, 0, None, None, None, hooks=T.Hooks(args)), caches=T.Caches(prompts),
+                weight_dtype=torch.float32, vae=vae, latent_stats=(mean, std), transformer=transformer, optimizer=None,
+                lr_scheduler=None, sigmas=None, named_params={}, step_config=None,
+                noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"))
     paths = T.run_validation(args, accelerator, run, "a sks dog", "step-3", 3)
     assert [p.name for p in paths] == ["step-3-0.png", "step-3-1.png"] and all(p.stat().st_size > 0 for p in paths)
     assert transformer.training

@@ -176,13 +176,3 @@ def test_every_edit_step_gets_its_references(tiny_model, tmp_path, accelerator, 
     for step, sample in enumerate(_samples(args), start=1):
         expected = _reference_loss(run, args, sample["micro_step"], sample["epoch"], sample["indices"])
         assert losses[step] == pytest.approx(expected.item(), rel=1e-4), step
-
-
-def test_the_core_fits_above_the_appendix_in_1600_lines_and_every_appendix_has_a_banner():
-    """The training path reads alone: everything above '# Appendix: optional machinery' (flags included) is at most
-    1,600 lines, and the appendix sections follow in order, each under its banner."""
-    lines = open(T.__file__, encoding="utf-8").read().splitlines()
-    banner = lines.index("# Appendix: optional machinery")
-    assert banner <= 1601, banner
-    sections = [line[len("# Appendix "):].split(":")[0] for line in lines[banner + 1:] if line.startswith("# Appendix ")]
-    assert sections == [chr(ord("A") + i) for i in range(len(sections))] and len(sections) >= 16, sections
