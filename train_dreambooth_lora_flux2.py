@@ -265,6 +265,10 @@ def validate_args(args, hooks=None):
                "--instance_prompt is required (unless --from_manifest, or captions cover every image)")
         refuse(args.caption_column and not args.dataset_name, "--caption_column is a column of --dataset_name; "
                "--instance_data_dir reads same-stem .txt captions")
+    for option in OPTIONS:  # an option's setting without its switch would be ignored: say so
+        for name in option.stray_flags(args)[:1]:
+            raise UsageError(f"--{name} has no effect without "
+                             f"{option.requires or ' or '.join('--' + s for s in option.switches)}")
     hooks.each("check")
     refuse(args.mixed_precision == "fp16" and not cuda, "--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on "
            "this machine")
@@ -312,14 +316,15 @@ def flag(*names, **settings):
     return names, settings
 
 class Option:
-    """A feature of Part 3: its flags and what it does at the recipe's seams (the methods named in SEAMS; see the
-    Hooks calls in the recipe for what each receives). It is on while one of its `switches` (default: all its flags)
-    holds other than the default, its `env` variable is "true", or a flag, prompt or caption holds its
-    `placeholder`; an option that is off is never called. Attributes read with Hooks.flag: replaces_data,
-    no_text_encoder, places_transformer, sharded_text_encoder. An option reads another option's flag with
-    vars(args).get(name): it is absent once that option is deleted."""
+    """A feature of Part 3: its flags and what it does at the recipe's seams (SEAMS; the Hooks calls in the recipe
+    show what each receives). On while one of its `switches` (default: all its flags) is not its default, its `env`
+    variable is "true", or a flag, prompt or caption holds its `placeholder`; never called while off, when its other
+    flags are refused (they would do nothing). Hooks.flag reads: replaces_data, no_text_encoder, places_transformer,
+    sharded_text_encoder. Another option's flag is read with vars(args).get(name): gone once that option is."""
 
     name, flags, switches, env, placeholder = "", (), (), None, None
+    resume_flags = ()  # its flags a resumed run must share with its checkpoint (the adapter's)
+    requires = ""  # what its other flags need, in words (default: one of its switches)
 
     def __init__(self, args):
         self.args = args
@@ -330,15 +335,27 @@ class Option:
             raise TypeError(f"{cls.__name__}: {unknown} are not seams of the recipe")
 
     @classmethod
+    def _set(cls, args):
+        """Its flags that hold other than their default."""
+        found = []
+        for names, settings in cls.flags:
+            default, convert = settings.get("default"), settings.get("type")
+            default = convert(default) if isinstance(default, str) and convert else default
+            found += [names[0][2:]] if vars(args).get(names[0][2:]) not in (None, False, default) else []
+        return found
+
+    @classmethod
     def wanted(cls, args, texts=()):
         if cls.env is not None:
             return os.environ.get(cls.env, "").lower() == "true"
-        defaults = {}
-        for names, settings in cls.flags:
-            default, convert = settings.get("default"), settings.get("type")
-            defaults[names[0][2:]] = convert(default) if isinstance(default, str) and convert else default
-        on = any(vars(args).get(d) not in (None, False, defaults.get(d)) for d in cls.switches or defaults)
+        on = any(name in (cls.switches or [n[0][2:] for n, _ in cls.flags]) for name in cls._set(args))
         return on or bool(cls.placeholder and any(cls.placeholder in (t or "") for t in texts))
+
+    @classmethod
+    def stray_flags(cls, args):
+        """Its flags set while none of its switches is: they would have no effect."""
+        found = cls._set(args)
+        return [] if not cls.switches or any(s in found for s in cls.switches) else found
 
 class Hooks:
     """The options that are on, called at the recipe's seams; a default run has none, so each call returns at once.
@@ -546,8 +563,11 @@ class DreamBoothDataset(torch.utils.data.Dataset):
             return "instance", i % count, bucket
         return "class", i % len(self.classes), bucket
 
+    def record_list(self, kind):
+        return {"instance": self.instances, "class": self.classes, "cond": self.conditions}[kind]
+
     def record(self, kind, image_id):
-        return {"instance": self.instances, "class": self.classes, "cond": self.conditions}[kind][image_id]
+        return self.record_list(kind)[image_id]
 
     def latent_key(self, slot, epoch):
         """What the VAE sees for a slot in an epoch: (kind, image id, bucket, resized size, top, left, flip).
@@ -886,6 +906,8 @@ class Data:
     condition: tuple | None = None  # edit validation: (the condition image fitted to its bucket, that bucket)
     hooks: Hooks | None = None  # the options that are on
     specs: tuple = ()  # the options' validation prompts (ValidationSpec), beside --validation_prompt
+    run_id: str = ""  # every file of this run's checkpoints carries it: files of two runs never form one
+    images: dict = dataclasses.field(default_factory=dict)  # image name -> SHA-256, recorded in each checkpoint
 
 @dataclass(frozen=True)
 class Caches:
@@ -969,13 +991,12 @@ def build_data(args, instances, classes, seed, accelerator):
     return dataset, sampler, loader
 
 def prepare_data(args, accelerator, cache, hooks=None):
-    """Everything that can fail on the user's input, before any weights load: the images, the resume point and seed,
-    the flags the model family resolves and that must fit its configs; then class images and the data. Resolves
-    and then freezes `args`. hooks: the run's options (default: those `args` turns on)."""
+    """Everything that can fail on the user's input, before any weights load: images, resume point, seed, the flags
+    the family resolves; then class images and the data. Resolves, then freezes `args`. hooks: default `args`'s."""
     hooks = hooks or Hooks(args)
     instances = hooks.first("load_images", cache, accelerator, default=lambda: load_instance_images(
         args, cache, accelerator))
-    hooks.wake(args, [r.caption for r in instances])
+    hooks.wake(args, [r.caption for r in instances] + [s.prompt for s in hooks.collect("validation_specs")])
     uncaptioned = [r.name for r in instances if not r.caption]
     if uncaptioned and not args.instance_prompt:
         source = (f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption"
@@ -990,6 +1011,7 @@ def prepare_data(args, accelerator, cache, hooks=None):
     # the batch size, before class images are generated: more class images than asked for only add samples
     check_batches_early(args, instances, seed, accelerator.num_processes, hooks.first("class_count") or 0)
     family = resolve_model_flags(args, hooks)
+    check_resume_flags(args, checkpoint)  # the adapter a checkpoint was trained with
     classes = hooks.first("class_images", accelerator, seed, family, cache) or []
     instances = hooks.chain("images", instances)
     check_same_images(accelerator, instances, classes)
@@ -998,36 +1020,18 @@ def prepare_data(args, accelerator, cache, hooks=None):
         args.max_train_steps = args.num_train_epochs * math.ceil(len(sampler) / args.gradient_accumulation_steps)
     specs = option_validation_specs(hooks)
     condition = hooks.first("condition", dataset, bool(args.validation_prompt or args.final_validation_prompt or specs))
+    images = {f"{kind}/{r.name}": r.content_hash() for kind in ("instance", "class") for r in dataset.record_list(kind)}
+    warn_changed_images(checkpoint, images)
     freeze(args)
-    return Data(family, checkpoint, seed, dataset, sampler, loader, condition, hooks, specs)
+    return Data(family, checkpoint, seed, dataset, sampler, loader, condition, hooks, specs,
+                agree_run_id(accelerator), images)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 2: precompute (prompt embeddings, latents)
 
-class MemoryCache:
-    """--precompute_cache_dir none: the entries live in each process's memory, and a run holds and leaves nothing.
-    The recipe reaches a cache only through this interface, which the disk cache (Part 2) implements too:
-    scan_index(folder, accelerator) (a context: what earlier scans learnt about a folder's files), stores() (the
-    prompt and latent mappings), hold() (before anyone looks at the entries: -> what is missing) and settle()."""
-
-    persistent = False  # a stopped precompute keeps its entries
-
-    @contextlib.contextmanager
-    def scan_index(self, folder, accelerator):
-        yield ScanIndex()
-
-    def stores(self, args, dataset, identity):
-        return SampleCache(), SampleCache() if args.cache_latents else None
-
-    def hold(self, accelerator, needed):
-        return {name: store.todo(keys) for name, (store, keys) in needed.items()}
-
-    def settle(self, args, accelerator, data, caches):
-        report_memory_copies(caches, local_processes(accelerator))
-
 def open_cache(args):
-    """The run's cache: the disk cache (--precompute_cache_dir, by default per user) or, for 'none', memory."""
+    """The run's cache (MemoryCache or DiskCache, Part 2): the disk cache by default, per user; 'none': memory."""
     root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
     return MemoryCache() if root is None else DiskCache.open(root, args)
 
@@ -1275,38 +1279,14 @@ def lora_state_dict(accelerator, transformer, hooks):
         accelerator.unwrap_model(transformer)))
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
-def adapter_settings(accelerator, transformer):
-    """The PEFT config of the run's adapter (PEFT names it "default")."""
-    return accelerator.unwrap_model(transformer).peft_config["default"]
-
-def portable_lora(state, config):
-    """Fold each module's LoRA scale (alpha / its rank; rank_pattern: --init_lora's ranks) into its lora_B, so the
-    file means the same to every loader: diffusers reads alpha from the file's metadata (written as alpha = rank,
-    scale 1), while ComfyUI, the main consumer of FLUX.2 LoRAs, reads alpha only from `.alpha` tensors."""
-    ranks = {m.strip("^$"): r for m, r in config["rank_pattern"].items()}
-    return {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"]))
-            if ".lora_B." in k else v for k, v in state.items()}
-
-def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME):
-    """The adapter as diffusers' FLUX.2 LoRA file, a LoRA's scale folded in (portable_lora), in `dtype` (default: its
-    own). Other PEFT adapters (LoKr, LoHa) keep their alpha in the metadata."""
-    from diffusers import Flux2Pipeline
-    config = adapter_settings(accelerator, transformer).to_dict()
-    if config["peft_type"] == "LORA":
-        state = portable_lora(state, config)
-        config.update(lora_alpha=config["r"], alpha_pattern=dict(config["rank_pattern"]))  # every scale 1
-    config.update(target_modules=sorted(config["target_modules"]))
-    Flux2Pipeline.save_lora_weights(folder, weight_name=weight_name, transformer_lora_adapter_metadata=config,
-                                    transformer_lora_layers={k: v.to(dtype or v.dtype) for k, v in state.items()})
-    follow_umask(Path(folder, weight_name))
-
 def save_checkpoint(args, accelerator, run, global_step):
     """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part. Holds the
     LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer, LR
     schedule, grad scaler, the options' state and each process's RNG state as safetensors + JSON, and
-    trainer_state.json (written last) with the step and seed."""
-    final = Path(args.output_dir, f"checkpoint-{global_step}")
-    partial = final.with_name(final.name + ".partial")
+    trainer_state.json (written last) with the step, seed, adapter flags and images. Every file carries the run's
+    identity, checked before the rename: files of two runs never form one checkpoint."""
+    final, run_id = Path(args.output_dir, f"checkpoint-{global_step}"), run.data.run_id
+    partial = final.with_name(f"{final.name}.partial-{run_id}")  # this run's own: two runs never share one
     try:  # a full disk or quota, or --output_dir removed under the run: one line, and no half checkpoint
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
@@ -1318,21 +1298,29 @@ def save_checkpoint(args, accelerator, run, global_step):
         optimizer = run.hooks.first("optimizer_state", accelerator, run, default=run.optimizer.state_dict)
         if accelerator.is_main_process:
             for rank, state in enumerate(rngs):
-                write_state(partial, f"rng-{rank}", state)
-            save_lora(accelerator, run.transformer, lora, partial)
+                write_state(partial, f"rng-{rank}", state, run_id)
+            save_lora(accelerator, run.transformer, lora, partial, run_id=run_id)
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
             training = {"lora": lora, "optimizer": optimizer, "lr_scheduler": run.lr_scheduler.state_dict(),
                         "scaler": scaler}  # the raw adapter: resumes bit for bit
             for extra in run.hooks.each("training_state"):
                 training.update(extra)
-            write_state(partial, "training", training)
+            write_state(partial, "training", training, run_id)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            (partial / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": global_step, "seed": run.data.seed}))
+            state = {"global_step": global_step, "seed": run.data.seed, "run": run_id or None,
+                     "flags": flags_to_keep(args), "images": run.data.images}
+            (partial / TRAINER_STATE_NAME).write_text(json.dumps(state))
+            problem = checkpoint_problem(partial)  # every file whole and this run's
+            if problem:
+                raise TrainingStopped(f"could not write {final}: {problem} (does another run write to --output_dir?)")
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
     except WRITE_ERRORS as e:
         shutil.rmtree(partial, ignore_errors=True)
+        if not Path(args.output_dir).is_dir():
+            raise TrainingStopped(f"could not write {final}: --output_dir {args.output_dir} is gone (removed during "
+                                  "the run?); its checkpoints went with it") from None
         found = list_checkpoints(args.output_dir)
         raise TrainingStopped(f"could not write {final} ({e}); earlier checkpoints are intact "
                               f"(latest: {found[-1] if found else 'none'})") from None
@@ -1340,7 +1328,10 @@ def save_checkpoint(args, accelerator, run, global_step):
         if args.checkpoints_total_limit is not None:
             older = [c for c in list_checkpoints(args.output_dir) if c != final]
             for old in older[: max(0, len(older) + 1 - args.checkpoints_total_limit)]:
-                shutil.rmtree(old)
+                try:  # a checkpoint that cannot be deleted (read-only) stays; the run goes on
+                    shutil.rmtree(old)
+                except OSError as e:
+                    logger.warning(f"--checkpoints_total_limit: could not delete {old} ({e}); it stays")
         logger.info(f"saved {final}")
     accelerator.wait_for_everyone()
 
@@ -1531,8 +1522,9 @@ class StopRequest:
 
     SAME_STOP_SECONDS = 2.0
 
-    def __init__(self, after):
+    def __init__(self, after, interrupt=False):
         self.after, self.signum, self.since = after, 0, 0.0  # after: what finishes first, for the message
+        self.interrupt = interrupt  # nothing to finish (the final validation): stop at once, saying so
 
     def __enter__(self):
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -1543,6 +1535,9 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
+        if self.interrupt:
+            raise TrainingStopped(f"stopped by {signal.Signals(signum).name} during the final validation; the LoRA "
+                                  "is saved and the model card written without its images", 128 + signum)
         if self.signum and time.monotonic() - self.since >= self.SAME_STOP_SECONDS:
             raise KeyboardInterrupt
         if self.signum:
@@ -1754,16 +1749,22 @@ def finish(args, accelerator, run):
                                                              dtype, run.hooks))
         logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}")
     prompt = args.validation_prompt or args.final_validation_prompt
-    paths = []
+    paths, stopped = [], None
     if ((prompt or run.data.specs) and not args.skip_final_inference and args.num_validation_images > 0
             and validates_here(accelerator)):
-        paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
+        try:  # a signal here stops the images, not the model card: the LoRA is saved already
+            with StopRequest("", interrupt=True):
+                paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
+        except TrainingStopped as e:
+            stopped = e
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with writing(Path(args.output_dir, "README.md")):
             write_model_card(args, paths, prompt, run)
-        if args.push_to_hub:
+        if args.push_to_hub and stopped is None:
             push_to_hub(args)
+    if stopped is not None:
+        raise stopped
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1783,6 +1784,7 @@ def main(argv=None):
         cache = open_cache(args)
         data = prepare_data(args, accelerator, cache, hooks)  # resolves the flags, then freezes them
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        lock = hold_output_dir(args, accelerator)  # noqa: F841 - held while it is open: one run per output folder
         caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, cache)
         run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
         global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
@@ -1922,7 +1924,8 @@ class _Parser(argparse.ArgumentParser):
             except (TypeError, ValueError, OSError, RuntimeError):
                 ok = False
             if not ok:
-                raise UsageError(f"{action.option_strings[0]} {text}: expected {rule.what}")
+                shown = text if text.isprintable() else repr(text)  # one line, whatever the value holds
+                raise UsageError(f"{action.option_strings[0]} {shown}: expected {rule.what}")
         return value
 
 def parse_buckets(text):
@@ -2058,9 +2061,13 @@ def checkpoint_problem(folder):
         if not (isinstance(state, dict) and isinstance(state.get("global_step"), int) and state["global_step"] >= 0
                 and isinstance(state.get("seed"), int)):
             return f"{name} has no global_step and seed"
+        run = state.get("run")  # checkpoints before run identities have none
         for stem in ("training", *sorted(p.stem for p in folder.glob("rng-*.json"))):
             name = f"{stem}.json"
-            skeleton = json.loads((folder / name).read_text())
+            data = json.loads((folder / name).read_text())
+            if run is not None and (not isinstance(data, dict) or data.get("run") != run):
+                return f"{name} was written by another run than {TRAINER_STATE_NAME} (files of two runs)"
+            skeleton = skeleton_of(data)
             name = f"{stem}.safetensors"
             header = safetensors_header(folder / name)
             missing = [n for n in tensor_names(skeleton) if n not in header]
@@ -2068,6 +2075,10 @@ def checkpoint_problem(folder):
                 return f"{name} lacks {len(missing)} tensors that {stem}.json names (e.g. {missing[0]})"
             if stem == "training" and "lora" not in dict(skeleton["__items__"]):
                 return f"{stem}.json holds no LoRA"
+        for path in sorted(folder.glob("*.safetensors")) if run is not None else []:
+            name = path.name
+            if safetensors_header(path).get("__metadata__", {}).get("run") != run:
+                return f"{name} was written by another run than {TRAINER_STATE_NAME} (files of two runs)"
     except FileNotFoundError:
         return f"{name} is missing"
     except OSError as e:
@@ -2201,10 +2212,40 @@ def warn_small_images(dataset):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoint files: safetensors and JSON (nothing is unpickled), atomic writes, file modes, the seed
+# Checkpoint and LoRA files: safetensors and JSON (nothing is unpickled), atomic writes, file modes, the seed
+
+def adapter_settings(accelerator, transformer):
+    """The PEFT config of the run's adapter (PEFT names it "default")."""
+    return accelerator.unwrap_model(transformer).peft_config["default"]
+
+def portable_lora(state, config):
+    """Fold each module's LoRA scale (alpha / its rank; rank_pattern: --init_lora's ranks) into its lora_B, so the
+    file means the same to every loader: diffusers reads alpha from the file's metadata (written as alpha = rank,
+    scale 1), while ComfyUI, the main consumer of FLUX.2 LoRAs, reads alpha only from `.alpha` tensors."""
+    ranks = {m.strip("^$"): r for m, r in config["rank_pattern"].items()}
+    return {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"]))
+            if ".lora_B." in k else v for k, v in state.items()}
+
+def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME, run_id=None):
+    """The adapter as diffusers' FLUX.2 LoRA file (what Flux2Pipeline.save_lora_weights writes: transformer.<name>
+    tensors, the PEFT config as lora_adapter_metadata), a LoRA's scale folded in (portable_lora), in `dtype`
+    (default: its own); in a checkpoint, with the run's identity. LoKr and LoHa keep their alpha in the metadata."""
+    from safetensors.torch import save_file
+    config = adapter_settings(accelerator, transformer).to_dict()
+    if config["peft_type"] == "LORA":
+        state = portable_lora(state, config)
+        config.update(lora_alpha=config["r"], alpha_pattern=dict(config["rank_pattern"]))  # every scale 1
+    config.update(target_modules=sorted(config["target_modules"]))
+    config = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(config, indent=2, sort_keys=True)}
+    save_file({f"transformer.{k}": v.to(dtype or v.dtype).contiguous() for k, v in state.items()},
+              str(Path(folder, weight_name)), metadata={**metadata, **({"run": run_id} if run_id else {})})
+    follow_umask(Path(folder, weight_name))
 
 WRITE_ERRORS = (OSError, SafetensorError)  # safetensors reports an I/O failure (a full disk) as its own error
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial)?$")
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial(-\w+)?)?$")  # checkpoint-N.partial-<run>: being written
+RUN_LOCK = ".run.lock"  # in --output_dir: locked by the main process of the run writing there
+RESUME_FLAGS = ("rank", "lora_alpha", "lora_layers")  # a resume keeps them (and the options' resume_flags)
 
 def flatten_state(obj, tensors, path="t"):
     """Nested state (dicts, lists, tensors, scalars) -> a JSON-able skeleton; tensors go into `tensors` by path."""
@@ -2228,18 +2269,22 @@ def unflatten_state(obj, tensors):
         return [unflatten_state(v, tensors) for v in obj]
     return obj
 
-def write_state(folder, name, state):
-    """state -> <name>.json + <name>.safetensors."""
+def write_state(folder, name, state, run_id=None):
+    """state -> <name>.json + <name>.safetensors, both holding the run's identity."""
     from safetensors.torch import save_file
     tensors = {}
     skeleton = flatten_state(state, tensors)
-    save_file(tensors, str(Path(folder, f"{name}.safetensors")))
+    save_file(tensors, str(Path(folder, f"{name}.safetensors")), metadata={"run": run_id} if run_id else None)
     follow_umask(Path(folder, f"{name}.safetensors"))
-    Path(folder, f"{name}.json").write_text(json.dumps(skeleton))
+    Path(folder, f"{name}.json").write_text(json.dumps({"run": run_id, "state": skeleton} if run_id else skeleton))
+
+def skeleton_of(data):
+    """A state's JSON -> its skeleton (checkpoints before run identities hold the bare skeleton)."""
+    return data["state"] if isinstance(data, dict) and "state" in data and "run" in data else data
 
 def read_state(folder, name):
     from safetensors.torch import load_file
-    return unflatten_state(json.loads(Path(folder, f"{name}.json").read_text()),
+    return unflatten_state(skeleton_of(json.loads(Path(folder, f"{name}.json").read_text())),
                            load_file(str(Path(folder, f"{name}.safetensors"))))
 
 def rng_state():
@@ -2301,6 +2346,70 @@ def list_checkpoints(output_dir):
             else:
                 logger.warning(f"{path} is incomplete (killed while writing?); ignoring it")
     return [p for _, p in sorted(found)]
+
+def agree_run_id(accelerator):
+    """This run's identity, the same on every process."""
+    run_id = secrets.token_hex(8)
+    return broadcast_object_list([run_id])[0] if accelerator.num_processes > 1 else run_id
+
+def hold_output_dir(args, accelerator):
+    """One run per output folder: the main process holds an exclusive lock on <output_dir>/.run.lock while it runs
+    and writes who holds it; a second run is refused, exit 2, naming the holder. A POSIX record lock (lockf), which
+    the kernel drops when the process dies, even on SIGKILL (no stale lock to clear), and which forked DataLoader
+    workers do not inherit (an flock would live on in them). Holding it, the partial checkpoints killed runs left
+    are deleted: nobody else writes here. -> the open lock file (the lock lives as long as it stays open)."""
+    import fcntl
+    import socket
+    held, problem = None, None
+    if accelerator.is_main_process:
+        held = open(Path(args.output_dir, RUN_LOCK), "a+")  # noqa: SIM115 - held open for the run: it is the lock
+        try:
+            fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
+            held.seek(0)
+            problem = (f"--output_dir {args.output_dir} is in use by {held.read().strip() or 'another run'}: one run "
+                       "per output folder; wait for it to end, stop it, or choose another --output_dir")
+            held.close()
+        except OSError as e:  # a file system without locks: nothing to hold
+            logger.warning(f"--output_dir {args.output_dir} cannot be locked ({e}): nothing stops a second run there")
+        if problem is None:
+            held.seek(0)
+            held.truncate()
+            held.write(f"the run of process {os.getpid()} on {socket.gethostname()} since {time.strftime('%c')}")
+            held.flush()
+            for stale in Path(args.output_dir).glob("checkpoint-*.partial*"):
+                shutil.rmtree(stale, ignore_errors=True)
+    if accelerator.num_processes > 1:
+        problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise UsageError(problem)
+    return held
+
+def flags_to_keep(args):
+    """The flags a resumed run must share with its checkpoint: the adapter's rank, scale, layers and kind."""
+    return {name: vars(args).get(name) for name in (*RESUME_FLAGS, *(n for o in OPTIONS for n in o.resume_flags))}
+
+def check_resume_flags(args, checkpoint):
+    """Refuse to resume with another adapter than the checkpoint's (another --lora_alpha would change the LoRA's
+    scale mid-run), before any model loads."""
+    if checkpoint is None:
+        return
+    saved, now = json.loads((checkpoint / TRAINER_STATE_NAME).read_text()).get("flags", {}), flags_to_keep(args)
+    changed = [f"--{k} {now[k]} (the checkpoint's: {saved[k]})" for k in now if k in saved and saved[k] != now[k]]
+    if changed:
+        raise UsageError(f"--resume_from_checkpoint {checkpoint}: {', '.join(changed)}; resume with the flags that "
+                         "trained it")
+
+def warn_changed_images(checkpoint, images):
+    """A resume whose images changed on disk (or were added or removed) since the checkpoint: one warning naming
+    them; the resumed run does not continue the original exactly."""
+    saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text()).get("images") if checkpoint else None
+    if saved is None or saved == images:
+        return
+    changed = sorted({n for n in saved.keys() | images.keys() if saved.get(n) != images.get(n)})
+    logger.warning(f"--resume_from_checkpoint {checkpoint}: {len(changed)} image(s) changed, added or removed since "
+                   f"it was written ({', '.join(n.split('/', 1)[1] for n in changed[:5])}"
+                   f"{', ...' if len(changed) > 5 else ''}): the resumed run does not continue the original exactly")
 
 def agree_seed(args, checkpoint, accelerator):
     """The run's seed: --seed, else the resumed checkpoint's, else drawn on the main process and broadcast."""
@@ -2771,6 +2880,8 @@ class Eviction:
     evicted: int
     evicted_bytes: int
     protected_bytes: int  # entries this or another live run uses: never deleted
+    strays: int = 0  # temporary files of writes a killed run never finished, deleted
+    stray_bytes: int = 0
 
 def cache_entries(root):
     """-> [(mtime, bytes, path relative to root)] of every entry under root (prompts/, latents/, ...)."""
@@ -2786,6 +2897,20 @@ def cache_entries(root):
                         found.append((st.st_mtime, st.st_size, f"{kind.name}/{shard.name}/{entry.name}"))
     return found
 
+STRAY_SECONDS = 3600  # a temporary entry file this old is a killed run's: a live write takes seconds
+
+def remove_stray_writes(root):
+    """Delete the temporary files (.<entry>.<pid>.<hex>.tmp) that runs killed while writing left behind (an hour
+    old: a write takes seconds) -> (how many, bytes)."""
+    count = nbytes = 0
+    for path in Path(root).glob("*/*/.*.tmp"):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            if st.st_mtime < time.time() - STRAY_SECONDS:
+                path.unlink()
+                count, nbytes = count + 1, nbytes + st.st_size
+    return count, nbytes
+
 def evict_lru(root, max_bytes, keep=()):
     """Delete least-recently-used entries of `root` until it holds at most `max_bytes`, never one in `keep` (the
     calling run's) or in a live lease (another run's); stale leases (their run is gone) are removed. -> Eviction."""
@@ -2799,6 +2924,7 @@ def evict_lru(root, max_bytes, keep=()):
                 protected.update(json.loads(lease.read_text())["entries"])
             except (OSError, ValueError, KeyError):  # live but unreadable: its entries are unknown, delete nothing
                 blind = True
+        strays = remove_stray_writes(root)
         entries = cache_entries(root)
         size = before = sum(e[1] for e in entries)
         evicted = evicted_bytes = 0
@@ -2810,7 +2936,28 @@ def evict_lru(root, max_bytes, keep=()):
             with contextlib.suppress(FileNotFoundError):
                 Path(root, rel).unlink()
                 evicted, evicted_bytes, size = evicted + 1, evicted_bytes + nbytes, size - nbytes
-    return Eviction(before, size, evicted, evicted_bytes, sum(e[1] for e in entries if e[2] in protected))
+    return Eviction(before, size, evicted, evicted_bytes, sum(e[1] for e in entries if e[2] in protected), *strays)
+
+class MemoryCache:
+    """--precompute_cache_dir none: the entries live in each process's memory, and a run holds and leaves nothing.
+    The recipe reaches a cache only through this interface, which DiskCache (below) implements too:
+    scan_index(folder, accelerator) (a context: what earlier scans learnt about a folder's files), stores() (the
+    prompt and latent mappings), hold() (before anyone looks at the entries: -> what is missing) and settle()."""
+
+    persistent = False  # a stopped precompute keeps its entries
+
+    @contextlib.contextmanager
+    def scan_index(self, folder, accelerator):
+        yield ScanIndex()
+
+    def stores(self, args, dataset, identity):
+        return SampleCache(), SampleCache() if args.cache_latents else None
+
+    def hold(self, accelerator, needed):
+        return {name: store.todo(keys) for name, (store, keys) in needed.items()}
+
+    def settle(self, args, accelerator, data, caches):
+        report_memory_copies(caches, local_processes(accelerator))
 
 class DiskCache:
     """The disk cache of a run (--precompute_cache_dir): its entry stores, the scan index of image folders, its lease
@@ -3002,6 +3149,8 @@ def settle_cache(accelerator, disk, entries):
         line += f"; {human_bytes(eviction.size_after)} of the {human_bytes(disk.max_bytes)} bound"
         if eviction.evicted:
             line += f", {eviction.evicted} least-recently-used entries deleted ({human_bytes(eviction.evicted_bytes)})"
+        if eviction.strays:
+            line += f", {eviction.strays} files killed runs left deleted ({human_bytes(eviction.stray_bytes)})"
         if eviction.size_after > disk.max_bytes:
             line += (f"; over the bound: {human_bytes(eviction.protected_bytes)} are entries this or another live run "
                      "uses (raise --precompute_cache_max_gb)")
@@ -3856,6 +4005,8 @@ class Adapters(Option):
 
     name = "adapters and the ComfyUI file"
     switches = ("adapter", "use_dora", "init_lora", "lora_format")
+    resume_flags = ("adapter", "use_dora", "lokr_factor", "lokr_decompose_both")
+    requires = "--adapter lokr"  # of its flags, only LoKr's are not switches
     flags = [
         flag("--adapter", choices=["lora", "lokr", "loha"], default="lora",
              help="LoRA, or LyCORIS' LoKr (Kronecker factors) or LoHa (Hadamard product)."),
@@ -3884,6 +4035,14 @@ class Adapters(Option):
         if args.adapter != "lora" and (args.use_dora or args.lora_dropout or args.init_lora):
             raise UsageError(f"--adapter {args.adapter} takes no --use_dora, --lora_dropout or --init_lora (a LoRA "
                              "file)")
+        lokr = [f for f in ("lokr_factor", "lokr_decompose_both") if f in self._set(args)]
+        if lokr and args.adapter != "lokr":
+            raise UsageError(f"--{lokr[0]} has no effect without --adapter lokr")
+        init = args.init_lora
+        if init and not Path(init).exists() and (init.endswith(".safetensors") or not re.fullmatch(r"[\w.-]+/[\w.-]+",
+                                                                                                 init)):
+            raise UsageError(f"--init_lora {init}: no such file or folder (expected a .safetensors file, a folder "
+                             f"holding {LORA_WEIGHTS_NAME}, or a Hub id owner/name)")
         if args.use_dora and args.lora_format != "diffusers":
             raise UsageError("--use_dora with --lora_format comfyui/both: ComfyUI scales DoRA against the base "
                              "weights' norms, PEFT against the adapted weights' (and ComfyUI's convention is "
@@ -3896,11 +4055,19 @@ class Adapters(Option):
         if not args.init_lora:
             return
         init, parser, model = read_init_lora(args.init_lora), build_parser(), empty_transformer(args)
-        linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        lacking = sorted(set(init.ranks) - linear)
+        linear = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear)}
+        lacking = sorted(set(init.ranks) - set(linear))
         if lacking:
             raise UsageError(f"--init_lora {args.init_lora}: this transformer has no linear layer "
                              f"{', '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''} (a LoRA of another model?)")
+        sizes = {m: (init.state[f"{m}.lora_A.weight"].shape[1], init.state[f"{m}.lora_B.weight"].shape[0])
+                 for m in init.ranks}
+        resized = [m for m in sorted(sizes) if sizes[m] != linear[m]]
+        if resized:
+            (i, o), (mi, mo) = sizes[resized[0]], linear[resized[0]]
+            raise UsageError(f"--init_lora {args.init_lora}: {len(resized)} layers are of another size (e.g. "
+                             f"{resized[0]}: {i} -> {o} features there, {mi} -> {mo} here): a LoRA of another model?")
         if args.rank != parser.get_default("rank") and args.rank != init.rank:
             raise UsageError(f"--rank {args.rank} conflicts with --init_lora {args.init_lora}, which has rank "
                              f"{init.rank}")
@@ -3966,6 +4133,11 @@ class Adapters(Option):
                                  f"(e.g. {result.unexpected_keys[0]})")
             logger.info(f"--init_lora {args.init_lora}: {len(init.ranks)} layers start from its weights")
         return transformer
+
+    def load_training_state(self, training):
+        if self.args.init_lora:  # a resume: the checkpoint's weights continue the run, the file's are replaced
+            logger.warning(f"--init_lora {self.args.init_lora}: its weights are replaced by the checkpoint's (its rank "
+                           "and layers still shape the adapter)")
 
     def adapter_name(self):
         return self.kind
@@ -4090,6 +4262,10 @@ def read_init_lora(path):
         raise
     except Exception as e:  # noqa: BLE001 - missing, unreadable, not a LoRA diffusers reads: the same advice
         raise UsageError(f"--init_lora {path}: cannot read a FLUX.2 LoRA from it ({type(e).__name__}: {e})") from None
+    if not state:  # diffusers' reader keeps no key it does not know for FLUX.2
+        example = f" (e.g. {next(iter(source))})" if isinstance(source, dict) and source else ""
+        raise UsageError(f"--init_lora {path}: no layer of a FLUX.2 transformer in it{example}: a LoRA of another "
+                         "model (SDXL, FLUX.1)?")
     pattern = r"transformer\.(.+)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)"
     parts = collections.defaultdict(dict)
     for key, value in state.items():
@@ -4115,6 +4291,9 @@ def read_init_lora(path):
         scales[module] = alpha / pattern_value(meta.get("rank_pattern"), module, meta.get("r", rank))
     if not ranks:
         raise UsageError(f"--init_lora {path}: it holds no update (every lora_B is zero)")
+    broken = [k for k, v in out.items() if not torch.isfinite(v).all()]
+    if broken:
+        raise UsageError(f"--init_lora {path}: {len(broken)} tensors hold NaN or infinite values (e.g. {broken[0]})")
     return InitLora(out, ranks, scales, any("lora_magnitude_vector" in t for t in parts.values()))
 
 def pattern_value(pattern, module, default):
@@ -4147,8 +4326,11 @@ class TriggerWords(Option):
 
     name = "trigger words and output preservation"
     placeholder = TRIGGER  # a [trigger] without --trigger_word turns this on, to refuse it
+    switches, requires = ("trigger_word", "output_preservation", "class_word"), "--output_preservation"
     flags = [
-        flag("--trigger_word", help="The subject's word: fills [trigger], and goes before caption lines lacking it."),
+        flag("--trigger_word", type=Accepts("a word or words on one line, without spaces around", lambda v: bool(
+            v.strip()) and v == v.strip() and "\n" not in v and "\r" not in v),
+             help="The subject's word: fills [trigger], and goes before caption lines lacking it."),
         flag("--output_preservation", action="store_true", help="Keep the class's look without class images: the "
              "prediction for the caption with --trigger_word replaced by --class_word trains toward the base model's."),
         flag("--class_word", help="What --output_preservation puts in place of --trigger_word, e.g. 'dog'."),
@@ -4213,6 +4395,9 @@ class TriggerWords(Option):
                 for r in instances]
 
     def prompt(self, text):
+        if TRIGGER in text and not self.args.trigger_word:
+            raise UsageError(f"{TRIGGER} in the validation prompt {text!r}: give --trigger_word, the word it stands "
+                             "for")
         return with_trigger(text, self.args.trigger_word)
 
     def describe(self, dataset):
@@ -4268,6 +4453,7 @@ class TextEncoders(Option):
 
     name = "text encoders"
     switches = ("remote_text_encoder", "text_encoder_quantization", "fsdp_text_encoder")
+    requires = "--remote_text_encoder"
     flags = [
         flag("--remote_text_encoder", action="store_true",
              help="[dev]: embeddings from Hugging Face's remote text encoder (uses your Hub login)."),
@@ -4382,7 +4568,7 @@ class Prodigy(Option):
     Cost: about twice AdamW's optimizer state."""
 
     name = "Prodigy"
-    switches = ("optimizer",)
+    switches, requires = ("optimizer",), "--optimizer prodigy"
     replaces_optimizer = True
     flags = [
         flag("--optimizer", type=str.lower, default="adamw", choices=["adamw", "prodigy"],
@@ -4832,9 +5018,11 @@ def read_validation_prompts(path):
         found = {}
         for setting in options:
             m = re.fullmatch(r"size (\d+)x(\d+)|seed (\d+)|steps ([1-9]\d*)|guidance (\d+(?:\.\d+)?)", setting.strip())
-            if m is None or any(int(side) < 16 or int(side) % 16 for side in m.groups()[:2] if side):
+            if (m is None or any(not sides_ok(int(side)) for side in m.groups()[:2] if side)
+                    or (m.group(3) and int(m.group(3)) > 2**32 - 1)):  # --resolution's sides, --seed's range
                 raise UsageError(f"--validation_prompts_file {path}, line {number_}: --{setting.strip()}: expected "
-                                 "--size WxH (multiples of 16), --seed N, --steps N (N >= 1) or --guidance X")
+                                 "--size WxH (sides from 16 to 4096, multiples of 16), --seed N (0 to 4294967295), "
+                                 "--steps N (N >= 1) or --guidance X")
             if m.group(1):
                 found.update(width=int(m.group(1)), height=int(m.group(2)))
             found.update({k: cast(v) for k, v, cast in (("seed", m.group(3), int), ("steps", m.group(4), int),

@@ -46,6 +46,7 @@ REFUSED = {
     "latent_sampling": ["median"],
     "caption_dropout": ["-0.1", "1.5", "nan"],
     "ema_decay": ["1", "-0.1", "1.5"],
+    "trigger_word": ["", "   ", " sks"],
     "ema_device": ["gpu", "cuda:99"],
     "rank": ["0", "-4"],
     "lora_alpha": ["0", "-1"],
@@ -98,7 +99,7 @@ REFUSED = {
 # Flags that accept any text (prompts, names, Hub ids: the Hub itself is the judge, and only with --push_to_hub)
 FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column", "cond_image_column",
              "instance_prompt", "class_prompt", "hub_model_id", "hub_token", "validation_prompt", "final_validation_prompt",
-             "trigger_word", "class_word", "init_lora"}  # init_lora: a file, folder or Hub file, read (and judged) later
+             "class_word", "init_lora"}  # init_lora: a file, folder or Hub file, read (and judged) later
 # Flags never refused, and why
 NEVER_REFUSED = {"precompute_cache_dir": "the cache never stops a run: a folder it cannot write warns, entries stay in memory"}
 # Edge values that must still be accepted: the ranges are not stricter than they say
@@ -111,6 +112,11 @@ ACCEPTED = {
     "remote_text_encoder_url": ["http://127.0.0.1:8000/predict"], "ema_device": ["cpu"], "aspect_ratio_buckets": ["32,48;48,32"],
     "pretrained_model_name_or_path": ["black-forest-labs/FLUX.2-dev", "FOLDER"], "lora_layers": ["attention,proj_out"],
 }
+
+
+# a setting of an option needs the option on
+SWITCHES = {"ema_decay": ["--use_ema"], "ema_device": ["--use_ema"],
+            "remote_text_encoder_url": ["--text_encoder_quantization", "int8"]}
 
 
 def _actions():
@@ -139,6 +145,7 @@ def _validate(places, flag, value):
             "--instance_prompt", "a photo of sks dog", "--output_dir", places["out"]]
     # --flag=value: argparse takes "-1e-4" after a space for an option (its message then names no value)
     argv += [f"--{flag}", *value.split(" ")] if flag == "text_encoder_out_layers" else [f"--{flag}={value}"]
+    argv += SWITCHES.get(flag, [])  # what turns the flag's option on (without it the flag is refused)
     T.validate_args(T.parse_args(argv))
     return value
 

@@ -240,10 +240,10 @@ def test_disk_full_while_checkpointing_keeps_earlier_checkpoints(checkpoint_run,
     T.save_checkpoint(args, accelerator, run, 2)
     real_write = T.write_state
 
-    def full_disk(folder, name, state):
+    def full_disk(folder, name, state, run_id=None):
         if name == "training":
             raise OSError(28, "No space left on device")
-        real_write(folder, name, state)
+        real_write(folder, name, state, run_id)
 
     monkeypatch.setattr(T, "write_state", full_disk)
     with pytest.raises(T.TrainingStopped, match="No space left on device.*checkpoint-2"):

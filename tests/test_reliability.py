@@ -1,0 +1,424 @@
+"""Nothing lost, nothing surprising (issue 34): one run per output folder, checkpoints whose files are one run's, a
+checkpoint that cannot be deleted, a signal during the final validation, a resume whose images or adapter changed,
+stray cache files, and the bad inputs of the newest features (refused with one line, exit 2, before models load).
+The last part makes tests strong where the suite ran alpha = rank or ranks alike: an --init_lora file with .alpha,
+LoKr and LoHa with --lora_alpha, validation strengths, and every process's own RNG state in a checkpoint."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import ROOT, SCRIPT, base_args, launch
+from tests.test_console import _patched
+
+LORA = T.LORA_WEIGHTS_NAME
+
+
+def _errors(proc):
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def _wait_for(condition, proc, seconds=300):
+    deadline = time.time() + seconds
+    while not condition():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run per output folder; a checkpoint is one run's files
+
+
+def test_a_second_run_on_the_same_output_folder_is_refused_and_a_killed_ones_lock_is_free(tiny_model, images,
+                                                                                          tmp_path):
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, str(SCRIPT), *base_args(tiny_model, images, out, "--max_train_steps",
+                                                                      "200", "--checkpointing_steps", "1000")],
+                             cwd=ROOT, env=_patched(tmp_path, FAIL_IN="never", SLOW_STEPS="0.2"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (out / "logs" / "samples-0.jsonl").is_file(), first)  # training: the lock is held
+        second = launch(base_args(tiny_model, images, out, "--max_train_steps", "2", "--seed", "1"), check=False)
+        assert second.returncode == 2 and len(_errors(second)) == 1, second.stderr[-3000:]
+        assert f"--output_dir {out} is in use by the run of process {first.pid} on " in second.stderr
+        assert "loading the" not in second.stderr  # refused before any model loads
+    finally:
+        first.kill()  # SIGKILL: no clean-up runs, the lock file stays; the kernel drops its lock
+        first.wait()
+    (out / "checkpoint-7.partial-0123456789abcdef").mkdir()  # what a run killed while checkpointing leaves
+    launch(base_args(tiny_model, images, out, "--max_train_steps", "2", "--checkpointing_steps", "2"))
+    assert (out / LORA).is_file() and (out / "checkpoint-2").is_dir()
+    assert not list(out.glob("*.partial*"))  # nobody else could be writing it: deleted
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_model, tmp_path_factory):
+    """Two runs of two seeds, checkpoints at 2 and 4: the files of a checkpoint, and what a mixed one refuses."""
+    from tests.tiny_flux2 import make_images
+
+    root = tmp_path_factory.mktemp("two-runs")
+    make_images(str(root / "images"))
+    for seed in ("0", "1"):
+        launch(base_args(tiny_model, root / "images", root / f"seed{seed}", "--max_train_steps", "4",
+                         "--checkpointing_steps", "2", "--seed", seed, "--cache_latents"),
+               env={"XDG_CACHE_HOME": str(root / "xdg")})
+    return root
+
+
+@pytest.mark.parametrize("other", ["training.safetensors", "training.json", "rng-0.safetensors", LORA])
+def test_a_checkpoint_mixing_two_runs_files_is_refused_and_passed_over(other, two_runs, tmp_path, caplog):
+    from accelerate import PartialState
+
+    PartialState()  # `latest` warns through accelerate's logger
+    mixed = tmp_path / "out" / "checkpoint-4"
+    shutil.copytree(two_runs / "seed0" / "checkpoint-4", mixed)
+    shutil.copy(two_runs / "seed1" / "checkpoint-4" / other, mixed / other)  # the other run wrote this one
+    assert T.checkpoint_problem(two_runs / "seed0" / "checkpoint-4") is None
+    assert T.checkpoint_problem(mixed) == f"{other} was written by another run than trainer_state.json (files of two runs)"
+    shutil.copytree(two_runs / "seed0" / "checkpoint-2", tmp_path / "out" / "checkpoint-2")
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--output_dir", str(tmp_path / "out"),
+                         "--resume_from_checkpoint", "latest"])
+    assert T.find_resume_checkpoint(args).name == "checkpoint-2"  # latest passes over it
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--resume_from_checkpoint", str(mixed)])
+    with pytest.raises(T.UsageError, match="a damaged checkpoint: .* written by another run"):
+        T.find_resume_checkpoint(args)
+
+
+def test_a_checkpoint_write_that_finds_another_runs_file_stops_before_renaming(checkpoint_run, tmp_path, monkeypatch):
+    """Another writer in the same folder (the lock held nothing: a file system without locks): this run's check of
+    its own checkpoint, before the rename, finds the foreign file; no checkpoint-1 appears."""
+    accelerator, run = checkpoint_run
+    run = T.Run(**{**vars(run), "data": T.Data(None, None, 0, None, None, None, hooks=run.hooks, run_id="aaaa")})
+    args = SimpleNamespace(output_dir=str(tmp_path), checkpoints_total_limit=None, rank=4, lora_alpha=4,
+                           lora_layers="default")
+    real = T.write_state
+    monkeypatch.setattr(T, "write_state", lambda folder, name, state, run_id=None: real(
+        folder, name, state, "bbbb" if name == "training" else run_id))
+    with pytest.raises(T.TrainingStopped, match="training.json was written by another run"):
+        T.save_checkpoint(args, accelerator, run, 1)
+    assert not (tmp_path / "checkpoint-1").exists()
+    monkeypatch.setattr(T, "write_state", real)
+    T.save_checkpoint(args, accelerator, run, 1)
+    assert T.checkpoint_problem(tmp_path / "checkpoint-1") is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Faults that must lose nothing
+
+
+ROTATION_SITE = """
+import errno, os, shutil
+_rmtree = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if str(path).endswith("checkpoint-2") and not kwargs.get("ignore_errors"):  # a read-only checkpoint
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    return _rmtree(path, *args, **kwargs)
+shutil.rmtree = rmtree
+"""
+
+
+def test_a_checkpoint_the_rotation_cannot_delete_stays_and_the_run_finishes(tiny_model, images, tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ROTATION_SITE)
+    out = tmp_path / "out"
+    proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "6", "--checkpointing_steps", "2",
+                            "--checkpoints_total_limit", "1"), env={"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"})
+    assert f"could not delete {out}/checkpoint-2 ([Errno 30] Read-only file system" in proc.stderr
+    assert (out / LORA).is_file() and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2",
+                                                                                         "checkpoint-6"]
+
+
+SLOW_VALIDATION_SITE = """
+import functools, os, time
+import diffusers
+_call = diffusers.Flux2Pipeline.__call__
+@functools.wraps(_call)  # the script reads the pipeline's defaults from its signature
+def slow(self, *args, **kwargs):
+    with open(os.environ["CALLS"], "a") as f:  # the test signals once the final validation is under way
+        f.write("call\\n")
+    time.sleep(1.0)
+    return _call(self, *args, **kwargs)
+diffusers.Flux2Pipeline.__call__ = slow
+"""
+
+
+def test_a_signal_during_the_final_validation_ends_with_one_message_and_writes_the_model_card(tiny_model, images,
+                                                                                               tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_VALIDATION_SITE)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *base_args(
+        tiny_model, images, out, "--max_train_steps", "2", "--validation_prompt", "a dog", "--num_validation_images",
+        "8", "--validation_epochs", "1000")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}",
+             "CALLS": str(tmp_path / "calls")})
+    calls = tmp_path / "calls"
+    _wait_for(lambda: calls.is_file() and len(calls.read_text().splitlines()) >= 10, proc)  # the LoRA's images
+    assert (out / LORA).is_file()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == ("stopped by SIGTERM during the final validation; the LoRA is saved "
+                                               "and the model card written without its images")
+    assert load_file(str(out / LORA)) and "DreamBooth LoRA" in (out / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def resumable(tiny_model, tmp_path_factory):
+    """A run stopped after checkpoint-2 of 4, its images in a folder of its own."""
+    from tests.tiny_flux2 import make_images
+
+    root = tmp_path_factory.mktemp("resumable")
+    make_images(str(root / "images"))
+    common = ["--max_train_steps", "2", "--checkpointing_steps", "2", "--rank", "4", "--lora_alpha", "4"]
+    launch(base_args(tiny_model, root / "images", root / "out", *common))
+    return root
+
+
+def _resume(tiny_model, root, out, *extra, images=None):
+    if not out.exists():
+        shutil.copytree(root / "out" / "checkpoint-2", out / "checkpoint-2")
+    return launch(base_args(tiny_model, images or root / "images", out, "--max_train_steps", "4", "--rank", "4",
+                            "--resume_from_checkpoint", "latest", *extra), check=False)
+
+
+def test_a_resume_whose_images_changed_says_which(resumable, tiny_model, tmp_path):
+    images = tmp_path / "images"
+    shutil.copytree(resumable / "images", images)
+    Image.new("RGB", (40, 48), "red").save(images / "img_03.png")  # edited since the checkpoint
+    (images / "img_05.png").unlink()
+    proc = _resume(tiny_model, resumable, tmp_path / "out", images=images)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"checkpoint-2: 2 image\(s\) changed, added or removed since it was written \(img_03.png, "
+                     r"img_05.png\): the resumed run does not continue the original exactly", proc.stderr)
+    same = _resume(tiny_model, resumable, tmp_path / "same")
+    assert same.returncode == 0 and "changed, added or removed" not in same.stderr
+
+
+@pytest.mark.parametrize("extra, changed", [(["--lora_alpha", "8"], "--lora_alpha 8 (the checkpoint's: 4)"),
+                                            (["--lora_layers", "attention"], "--lora_layers attention"),
+                                            (["--adapter", "loha"], "--adapter loha (the checkpoint's: lora)")])
+def test_a_resume_with_another_adapter_is_refused_before_models_load(extra, changed, resumable, tiny_model, tmp_path):
+    proc = _resume(tiny_model, resumable, tmp_path / "out", *extra)
+    assert proc.returncode == 2 and len(_errors(proc)) == 1 and changed in proc.stderr, proc.stderr[-3000:]
+    assert "resume with the flags that trained it" in proc.stderr and "loading the" not in proc.stderr
+
+
+def test_stray_temporary_cache_files_of_killed_runs_are_removed(tmp_path):
+    store = T.DiskCache(tmp_path).store("prompts", lambda key: T.json_digest(key))
+    store["a"] = torch.ones(4)
+    shard = store.path("a").parent
+    old, fresh = shard / f".{store.path('a').name}.123.abcd.tmp", shard / ".x.safetensors.456.ef01.tmp"
+    for path in (old, fresh):
+        path.write_bytes(b"0" * 1000)
+    os.utime(old, (time.time() - 2 * T.STRAY_SECONDS,) * 2)  # a killed run's, long ago
+    result = T.evict_lru(tmp_path, 10**9)
+    assert (result.strays, result.stray_bytes) == (1, 1000) and not old.exists() and fresh.exists()
+    assert store.path("a").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad inputs of the newest features: exit 2, one line naming the flag or file, before models load
+
+
+def _refused(args, *fragments):
+    proc = launch(args, check=False)
+    assert proc.returncode == 2 and len(_errors(proc)) == 1, proc.stderr[-3000:]
+    assert all(f in proc.stderr for f in fragments), proc.stderr[-3000:]
+    assert "loading the" not in proc.stderr
+    return proc
+
+
+def _lora_file(tiny_model, tmp_path):
+    """A LoRA file of the tiny model, as this script writes it (rank 2 on the attention preset)."""
+    from accelerate import Accelerator
+
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--rank", "2", "--lora_layers",
+                         "attention", "--text_encoder_out_layers", "1", "2"])
+    transformer = T.prepare_transformer(args, Accelerator(cpu=True), T.load_transformer(args, torch.float32))
+    for name, param in transformer.named_parameters():
+        if param.requires_grad:
+            param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name)))
+    hooks = T.Hooks(args)
+    state = T.lora_state_dict(SimpleNamespace(unwrap_model=lambda m: m, distributed_type=None), transformer, hooks)
+    T.save_lora(SimpleNamespace(unwrap_model=lambda m: m), transformer, state, tmp_path)
+    return load_file(str(tmp_path / LORA))
+
+
+def test_init_lora_files_that_cannot_start_this_run_are_refused_naming_the_file(tiny_model, images, tmp_path):
+    state = _lora_file(tiny_model, tmp_path)
+    wide = {k: torch.cat([v, v], dim=1) if ".lora_A." in k else v for k, v in state.items()}  # another model's inputs
+    save_file(wide, str(tmp_path / "wide.safetensors"))
+    _refused(base_args(tiny_model, images, tmp_path / "a", "--init_lora", tmp_path / "wide.safetensors"),
+             f"--init_lora {tmp_path / 'wide.safetensors'}: ", "layers are of another size", "here): a LoRA of another model?")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in state.items()}, str(tmp_path / "nan.safetensors"))
+    _refused(base_args(tiny_model, images, tmp_path / "b", "--init_lora", tmp_path / "nan.safetensors"),
+             "tensors hold NaN or infinite values")
+    _refused(base_args(tiny_model, images, tmp_path / "c", "--init_lora", tmp_path / "missing.safetensors"),
+             f"--init_lora {tmp_path / 'missing.safetensors'}: no such file or folder")
+    sdxl = {}
+    for name in ("lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q", "lora_unet_mid_block_proj_in"):
+        sdxl.update({f"{name}.lora_down.weight": torch.randn(4, 64), f"{name}.lora_up.weight": torch.randn(64, 4),
+                     f"{name}.alpha": torch.tensor(4.0)})
+    save_file(sdxl, str(tmp_path / "sdxl.safetensors"))
+    _refused(base_args(tiny_model, images, tmp_path / "d", "--init_lora", tmp_path / "sdxl.safetensors"),
+             "no layer of a FLUX.2 transformer in it (e.g. lora_unet_", "a LoRA of another model")
+
+
+def test_validation_prompt_files_are_bounded_and_a_trigger_needs_its_word(tiny_model, images, tmp_path):
+    for line, fragment in (("a dog --seed 99999999999999999999999", "--seed N (0 to 4294967295)"),
+                           ("a dog --size 65536x65536", "--size WxH (sides from 16 to 4096")):
+        (tmp_path / "prompts.txt").write_text(line + "\n")
+        with pytest.raises(T.UsageError, match=re.escape(fragment)):
+            T.read_validation_prompts.__wrapped__(str(tmp_path / "prompts.txt"))
+    (tmp_path / "trigger.txt").write_text("[trigger] at the beach\n")
+    _refused(base_args(tiny_model, images, tmp_path / "out", "--validation_prompts_file", tmp_path / "trigger.txt"),
+             "[trigger] in the validation prompt '[trigger] at the beach': give --trigger_word")
+
+
+@pytest.mark.parametrize("word", ["", "   ", "sks\ndog", " sks"])
+def test_a_trigger_word_is_a_word_on_one_line(word):
+    with pytest.raises(T.UsageError, match=r"(?s)--trigger_word .*: expected a word or words on one line"):
+        T.parse_args(["--pretrained_model_name_or_path", "m", "--trigger_word", word])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lokr_factor", "4"], "--lokr_factor has no effect without --adapter lokr"),
+    (["--use_dora", "--lokr_decompose_both"], "--lokr_decompose_both has no effect without --adapter lokr"),
+    (["--ema_decay", "0.99"], "--ema_decay has no effect without --use_ema"),
+    (["--prodigy_beta3", "0.9"], "--prodigy_beta3 has no effect without --optimizer prodigy"),
+    (["--remote_text_encoder_url", "https://x.org/p"], "--remote_text_encoder_url has no effect without --remote_text"),
+    (["--output_preservation_weight", "2"], "--output_preservation_weight has no effect without --output_preservation"),
+])
+def test_a_setting_of_an_option_that_is_off_is_refused(extra, message, tmp_path):
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "p",
+                         "--output_dir", str(tmp_path), *extra])
+    with pytest.raises(T.UsageError, match=re.escape(message)):
+        T.validate_args(args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tests that kill what ran unseen while alpha was the rank and every rank drew alike
+
+
+def test_an_init_lora_file_with_alpha_tensors_starts_from_its_scaled_update(tiny_model, tmp_path):
+    """An ai-toolkit/BFL file may carry `.alpha` tensors (scale alpha / rank, fused qkv included): the run starts
+    from the update the file means, the same as from the file with that scale folded into lora_B."""
+    from accelerate import Accelerator, PartialState
+
+    PartialState()
+    state = _lora_file(tiny_model, tmp_path)
+    peft_state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    bfl = T.to_comfyui(peft_state)
+    assert any(".img_attn.qkv." in k for k in bfl)  # q, k, v fused: the block-diagonal B of rank 6
+    save_file(bfl, str(tmp_path / "plain.safetensors"))
+    scaled = {}
+    for key, value in bfl.items():
+        module = key.rsplit(".lora_", 1)[0]
+        rank, alpha = bfl[f"{module}.lora_A.weight"].shape[0], 0.5 * bfl[f"{module}.lora_A.weight"].shape[0]
+        scaled[key] = value * (rank / alpha) if ".lora_B." in key else value  # undone by the scale alpha / rank
+        scaled[f"{module}.alpha"] = torch.tensor(alpha)
+    save_file(scaled, str(tmp_path / "alpha.safetensors"))
+    outputs = []
+    for name in ("plain", "alpha"):
+        args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--init_lora",
+                             str(tmp_path / f"{name}.safetensors"), "--text_encoder_out_layers", "1", "2"])
+        T.resolve_model_flags(args, T.Hooks(args))
+        model = T.prepare_transformer(args, Accelerator(cpu=True), T.load_transformer(args, torch.float32)).eval()
+        outputs.append(_forward(model))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+
+
+def _forward(model):
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        return model(hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(
+            1, 8, 32, generator=g), timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+            img_ids=torch.zeros(16, 4), txt_ids=torch.zeros(8, 4), return_dict=False)[0]
+
+
+@pytest.mark.parametrize("adapter", ["lokr", "loha"])
+def test_lokr_and_loha_train_at_the_scale_of_lora_alpha(adapter, tiny_model):
+    """--lora_alpha reaches the adapter: its layers scale their update by alpha / rank (PEFT), which is what the
+    files and every reload read back, so a check that reads alpha from the adapter's own config cannot see it."""
+    from accelerate import Accelerator
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--adapter", adapter, "--rank", "4",
+                         "--lora_alpha", "2", "--text_encoder_out_layers", "1", "2"])
+    model = T.prepare_transformer(args, Accelerator(cpu=True), T.load_transformer(args, torch.float32))
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers and all(m.scaling["default"] == 2 / 4 for m in layers)
+
+
+def test_a_validation_strength_multiplies_the_trained_scale(tiny_model):
+    """At strength 1 the model is the trained one and at 0.5 its update is half, with alpha != rank (a strength
+    that set the scale instead of multiplying it would give alpha / rank = 2 at 1)."""
+    from accelerate import Accelerator
+
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--rank", "2", "--lora_alpha", "4",
+                         "--validation_lora_scales", "0.5,1", "--text_encoder_out_layers", "1", "2"])
+    model = T.prepare_transformer(args, Accelerator(cpu=True), T.load_transformer(args, torch.float32)).eval()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data = 0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name)))
+    option = T.ValidationExtras(args)
+    trained = _forward(model)
+    with option.lora_strength(model, 1.0):
+        torch.testing.assert_close(_forward(model), trained)  # strength 1: the trained model
+    layer = model.transformer_blocks[0].attn.to_q  # a LoRA layer: its update scales with the strength
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        update = layer(x) - layer.base_layer(x)
+        with option.lora_strength(model, 0.5):
+            half = layer(x) - layer.base_layer(x)
+    assert update.abs().max() > 1e-3
+    torch.testing.assert_close(half, 0.5 * update, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(_forward(model), trained)  # restored
+
+
+def test_each_process_resumes_its_own_random_state(tiny_model, tmp_path):
+    """Two processes whose global generators part (buckets of different sizes: LoRA dropout draws as many numbers
+    as a batch has elements), stopped at checkpoint-2 and resumed on two processes: the same LoRA as straight. With
+    every process given the main process's state, process 1 would draw other dropout masks."""
+    from tests.tiny_flux2 import make_images
+
+    make_images(str(tmp_path / "images"))
+    common = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--lora_dropout", "0.3",
+              "--use_aspect_ratio_buckets", "--cache_latents", "--repeats", "2"]
+    straight = launch(base_args(tiny_model, tmp_path / "images", tmp_path / "straight", *common), num_processes=2)
+    rngs = [load_file(str(tmp_path / "straight" / "checkpoint-2" / f"rng-{r}.safetensors")) for r in (0, 1)]
+    assert not torch.equal(rngs[0]["t.torch"], rngs[1]["t.torch"])  # the processes' generators did part
+    shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = launch(base_args(tiny_model, tmp_path / "images", tmp_path / "resumed", *common,
+                               "--resume_from_checkpoint", "latest"), num_processes=2)
+    prints = [re.findall(r"LoRA fingerprint (\w+)", p.stderr) for p in (straight, resumed)]
+    assert prints[0] == prints[1] and len(prints[0]) == 2, prints
+    assert json.loads((tmp_path / "resumed" / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_an_init_lora_resumed_says_its_weights_give_way_to_the_checkpoints(tiny_model, caplog):
+    """Resuming the command that started from --init_lora (the same command plus --resume_from_checkpoint): the
+    file still shapes the adapter, its weights are replaced by the checkpoint's, and one warning says so."""
+    import logging
+
+    from accelerate import PartialState
+
+    PartialState()
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--init_lora", "me/a-lora"])
+    option = T.Adapters(args)
+    with caplog.at_level(logging.WARNING):
+        option.load_training_state({"lora": {}})
+    assert "--init_lora me/a-lora: its weights are replaced by the checkpoint's" in caplog.text
