@@ -199,6 +199,8 @@ def build_parser():
     g.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere and newer GPUs.")
     g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it runs.")
     g = p.add_argument_group("checkpointing and outputs")
+    g.add_argument("--config", type=readable_file, help="Flags from a YAML, TOML or JSON file; the command line wins.")
+    g.add_argument("--print_config", action="store_true", help="Print the resolved flags (a --config file) and stop.")
     g.add_argument("--output_dir", type=output_folder, default="flux2-dreambooth-lora",
                    help="Where the LoRA, checkpoints, validation images and logs go.")
     g.add_argument("--overwrite_output_dir", action="store_true", help="Allow a folder that holds a finished LoRA.")
@@ -232,7 +234,7 @@ def build_parser():
     return p
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(config_tokens(argv))  # a --config file's flags first: the command line wins
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
     args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
     args.resolution = max(args.resolutions)
@@ -520,9 +522,8 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     """Samples of a DreamBooth run, addressed by (epoch, index), the pairs the batch sampler yields (so DataLoader
     workers that live for the whole run draw each epoch's crops and flips unasked); items carry their "index".
     Sample i shows instance image i % I in its bucket of ladder (i // I) % R (`buckets`: a list, or one per
-    --resolution) and, with class images, class image i % C in the same bucket (their captions: the class prompt);
-    an edit target's condition images travel with it (condition_keys).
-    Slot i is sample i's instance part, slot N + i its class part: the order in which a batch is laid out."""
+    --resolution) and class image i % C in the same bucket (their captions: the class prompt); an edit target's
+    condition images travel with it. Slot i is sample i's instance part, N + i its class part: a batch's layout."""
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), seed=0, center_crop=False,
                  random_flip=False, with_pixels=True, fixed_crops=False, with_masks=False):
@@ -625,14 +626,11 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         return item
 
 class BucketBatchSampler(torch.utils.data.Sampler):
-    """Batches of (epoch, sample index) pairs from one bucket each, reshuffled every epoch.
-
-    The batches of epoch e are a pure function of (seed, e): shuffle within buckets, cut into batches (dropping a
-    bucket's remainder when drop_last), shuffle the batches. With several processes each takes every
-    num_replicas-th batch of that list, trimmed to a multiple of num_replicas so all ranks step together.
-    Iteration is one flat stream: epoch after epoch from the start set by set_epoch, until the loop stops, so a
-    DataLoader's workers (and their read-ahead) live across epoch boundaries. len() is the batches of one epoch.
-    """
+    """Batches of (epoch, sample index) pairs from one bucket each, reshuffled every epoch. The batches of epoch e are
+    a pure function of (seed, e): shuffle within buckets, cut into batches (dropping a bucket's remainder when
+    drop_last), shuffle the batches. With several processes each takes every num_replicas-th batch of that list,
+    trimmed to a multiple of num_replicas so all ranks step together. Iteration is one flat stream: epoch after
+    epoch from the start set by set_epoch, so a DataLoader's workers (and their read-ahead) live across epochs."""
 
     def __init__(self, sample_buckets, batch_size, seed, drop_last=True, num_replicas=1, rank=0):
         self.by_bucket = {}
@@ -806,11 +804,9 @@ def reference_tokens(conditions, dtype):
 
 def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None,
                        conditions=(), extra=None):
-    """One forward pass and its loss. latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's dtype;
-    mask: [B, 1, h, w] or None; conditions (edit training): R clean condition latents [B, C, h', w'], whose tokens
-    follow the noisy target's in the sequence as in Flux2Pipeline (the loss covers the target's); extra (an option's
-    rows in the same forward, output preservation): inputs -> (inputs with P more rows, their pred [P, T, C] -> a
-    loss term). Returns a scalar."""
+    """One forward pass and its loss (a scalar). latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's
+    dtype; mask: [B, 1, h, w] or None; conditions (edit): R clean latents [B, C, h', w'], their tokens after the noisy
+    target's as in Flux2Pipeline; extra (output preservation): inputs -> (P more rows, their pred -> a loss term)."""
     from diffusers import Flux2Pipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
     bsz = latents.shape[0]
@@ -1009,8 +1005,10 @@ def prepare_data(args, accelerator, cache, hooks=None):
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
     # the batch size, before class images are generated: more class images than asked for only add samples
-    check_batches_early(args, instances, seed, accelerator.num_processes, hooks.first("class_count") or 0)
+    batches = check_batches_early(args, instances, seed, accelerator.num_processes, hooks.first("class_count") or 0)
     family = resolve_model_flags(args, hooks)
+    if args.print_config:  # the resolved flags, before class images are generated and any model loads
+        print_config(args, seed, batches, accelerator)
     check_resume_flags(args, checkpoint)  # the adapter a checkpoint was trained with
     classes = hooks.first("class_images", accelerator, seed, family, cache) or []
     instances = hooks.chain("images", instances)
@@ -1306,6 +1304,7 @@ def save_checkpoint(args, accelerator, run, global_step):
             for extra in run.hooks.each("training_state"):
                 training.update(extra)
             write_state(partial, "training", training, run_id)
+            write_config(args, run.data, partial, accelerator)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             state = {"global_step": global_step, "seed": run.data.seed, "run": run_id or None,
@@ -1425,10 +1424,9 @@ def each_tensor(inputs, fn):
     return dataclasses.replace(inputs, **{n: fn(getattr(inputs, n)) for n in names if getattr(inputs, n) is not None})
 
 class Prefetcher:
-    """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a
-    side stream while the current step computes. The loop calls prefetch() once the current step's GPU work is
-    queued and before anything that waits for the GPU (the loss check), so host work hides behind GPU work.
-    Yields (micro-step, batch, StepInputs on the device)."""
+    """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a side
+    stream while this step computes; the loop calls prefetch() once the step's GPU work is queued and before anything
+    waits for the GPU, so host work hides behind it. Yields (micro-step, batch, StepInputs on the device)."""
 
     def __init__(self, loader, first_micro, prepare, device):
         self.batches = enumerate(loader, start=first_micro)
@@ -1785,6 +1783,7 @@ def main(argv=None):
         data = prepare_data(args, accelerator, cache, hooks)  # resolves the flags, then freezes them
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         lock = hold_output_dir(args, accelerator)  # noqa: F841 - held while it is open: one run per output folder
+        write_config(args, data, args.output_dir, accelerator)  # the resolved flags: --config repeats the run
         caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, cache)
         run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
         global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
@@ -1927,6 +1926,89 @@ class _Parser(argparse.ArgumentParser):
                 shown = text if text.isprintable() else repr(text)  # one line, whatever the value holds
                 raise UsageError(f"{action.option_strings[0]} {shown}: expected {rule.what}")
         return value
+
+CONFIG_KEYS = ("version", "run")  # what a resolved config holds besides flags
+VERSION = "2026.11.26"  # written into every resolved config
+
+def config_tokens(argv):
+    """--config FILE (YAML, TOML or JSON: flag names, with or without --, - or _, and their values as on the command
+    line; lists for flags of several values, true for switches) -> the file's flags as tokens ahead of argv, so the
+    command line wins and every value meets the parser's own checks. A problem names the file; an unknown key, the
+    nearest flag too."""
+    import difflib
+    argv = list(sys.argv[1:] if argv is None else argv)
+    found = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not found or (argv[found[-1]] == "--config" and found[-1] + 1 == len(argv)):
+        return argv  # none, or no value: argparse says so
+    i = found[-1]
+    path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = (json.loads(text) if path.endswith(".json") else __import__("tomllib").loads(text)
+                if path.endswith(".toml") else __import__("yaml").safe_load(text))
+    except Exception as e:  # noqa: BLE001 - unreadable or not the format its name says
+        raise UsageError(f"--config {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a mapping of flag names to values")
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    tokens = []
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name in CONFIG_KEYS or value is None:
+            continue
+        if name not in actions:
+            near = difflib.get_close_matches(name, list(actions), 1)
+            hint = f" (did you mean --{near[0]}?)" if near else ""
+            raise UsageError(f"--config {path}: {key!r} is not a flag{hint}")
+        action, flag_name = actions[name], actions[name].option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise UsageError(f"--config {path}: {flag_name} {value!r}: expected true or false")
+            tokens += [flag_name] if value else []
+        elif action.nargs in ("+", "*"):
+            tokens += [flag_name, *map(str, value if isinstance(value, list) else [value])]
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(
+                value, bool) else str(value)
+            tokens.append(f"{flag_name}={text}")  # with =: a negative number is a value, not a flag
+    for action in parser._actions:  # the file alone, checked as the command line is (its required flags may follow)
+        action.required = False
+    try:
+        parser.parse_args(tokens)
+    except UsageError as e:
+        raise UsageError(f"--config {path}: {e}") from None
+    return tokens + argv
+
+def resolved_config(args, seed, max_train_steps=None, run_id=None):
+    """Every flag's final value (what the family, the options and the manifest resolved included, never the Hub
+    token), the seed used and the script's version: a --config file that repeats the run."""
+    config = {}
+    for action in build_parser()._actions:
+        name = action.dest
+        if not action.option_strings or name in ("help", "config", "print_config", "hub_token"):
+            continue
+        value = vars(args).get(name)
+        value = list(value) if isinstance(value, tuple) else value
+        config[name] = ",".join(map(str, args.resolutions)) if name == "resolution" else value
+    config.update(seed=seed, max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
+    return {**config, "run": run_id} if run_id else config
+
+def write_config(args, data, folder, accelerator):
+    """<folder>/config.yaml: the resolved config (a checkpoint's carries its run's identity)."""
+    import yaml
+    if accelerator.is_main_process:
+        config = resolved_config(args, data.seed, run_id=data.run_id if Path(folder).name.startswith("checkpoint-")
+                                 else None)
+        Path(folder, "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+
+def print_config(args, seed, batches, accelerator):
+    """--print_config: the resolved config (the step count as the images found give it), then exit 0."""
+    import yaml
+    steps = args.max_train_steps or args.num_train_epochs * math.ceil(batches / args.gradient_accumulation_steps)
+    if accelerator.is_main_process:
+        print(yaml.safe_dump(resolved_config(args, seed, steps), sort_keys=False, allow_unicode=True), end="")
+    raise SystemExit(0)
 
 def parse_buckets(text):
     """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
@@ -2079,6 +2161,9 @@ def checkpoint_problem(folder):
             name = path.name
             if safetensors_header(path).get("__metadata__", {}).get("run") != run:
                 return f"{name} was written by another run than {TRAINER_STATE_NAME} (files of two runs)"
+        name = "config.yaml"
+        if run is not None and (folder / name).is_file() and f"run: {run}" not in (folder / name).read_text():
+            return f"{name} was written by another run than {TRAINER_STATE_NAME} (files of two runs)"
     except FileNotFoundError:
         return f"{name} is missing"
     except OSError as e:
@@ -2193,6 +2278,7 @@ def check_batches_early(args, instances, seed, processes, classes_wanted):
     sampler = BucketBatchSampler(sample_groups(instances, buckets, count), args.train_batch_size, seed,
                                  num_replicas=processes)
     check_batches(args.train_batch_size, sampler, ladder_buckets(buckets)[1])
+    return len(sampler)
 
 def check_batches(batch_size, sampler, buckets):
     """Refuse a batch size that leaves a process no full batch in an epoch (each batch holds one bucket)."""
@@ -2219,22 +2305,36 @@ def adapter_settings(accelerator, transformer):
     return accelerator.unwrap_model(transformer).peft_config["default"]
 
 def portable_lora(state, config):
-    """Fold each module's LoRA scale (alpha / its rank; rank_pattern: --init_lora's ranks) into its lora_B, so the
-    file means the same to every loader: diffusers reads alpha from the file's metadata (written as alpha = rank,
-    scale 1), while ComfyUI, the main consumer of FLUX.2 LoRAs, reads alpha only from `.alpha` tensors."""
+    """Fold each module's scale (alpha / its rank; rank_pattern: --init_lora's ranks) into one factor of its update (a
+    LoRA's lora_B; a LoKr's w1, or w1_a when decomposed; a LoHa's w1_a), so the file means the same to every loader:
+    diffusers and PEFT read alpha from the file's metadata (written as alpha = rank: scale 1), while ComfyUI, the
+    main consumer of FLUX.2 LoRAs, reads it only from `.alpha` tensors, else applies scale 1."""
     ranks = {m.strip("^$"): r for m, r in config["rank_pattern"].items()}
-    return {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"]))
-            if ".lora_B." in k else v for k, v in state.items()}
+    if config["peft_type"] == "LORA":
+        return {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"]))
+                if ".lora_B." in k else v for k, v in state.items()}
+    out = dict(state)  # LoKr, LoHa
+    for key, value in state.items():
+        module, part = key.rsplit(".", 1)
+        if config["peft_type"] == "LOHA":
+            first = "hada_w1_a"
+        else:
+            first = "lokr_w1" if f"{module}.lokr_w1" in state else "lokr_w1_a"
+        if part == first:
+            scale = config["alpha_pattern"].get(module, config["alpha"]) / ranks.get(module, config["r"])
+            out[key] = value.float() * scale
+    return out
 
 def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME, run_id=None):
     """The adapter as diffusers' FLUX.2 LoRA file (what Flux2Pipeline.save_lora_weights writes: transformer.<name>
     tensors, the PEFT config as lora_adapter_metadata), a LoRA's scale folded in (portable_lora), in `dtype`
-    (default: its own); in a checkpoint, with the run's identity. LoKr and LoHa keep their alpha in the metadata."""
+    (default: its own); in a checkpoint, with the run's identity."""
     from safetensors.torch import save_file
     config = adapter_settings(accelerator, transformer).to_dict()
-    if config["peft_type"] == "LORA":
+    if config["peft_type"] in ("LORA", "LOKR", "LOHA"):
         state = portable_lora(state, config)
-        config.update(lora_alpha=config["r"], alpha_pattern=dict(config["rank_pattern"]))  # every scale 1
+        alpha = "lora_alpha" if config["peft_type"] == "LORA" else "alpha"
+        config.update({alpha: config["r"], "alpha_pattern": dict(config["rank_pattern"])})  # every scale 1
     config.update(target_modules=sorted(config["target_modules"]))
     config = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(config, indent=2, sort_keys=True)}

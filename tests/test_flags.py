@@ -46,6 +46,7 @@ REFUSED = {
     "latent_sampling": ["median"],
     "caption_dropout": ["-0.1", "1.5", "nan"],
     "ema_decay": ["1", "-0.1", "1.5"],
+    "config": ["MISSING", "FOLDER"],
     "trigger_word": ["", "   ", " sks"],
     "ema_device": ["gpu", "cuda:99"],
     "rank": ["0", "-4"],

@@ -25,10 +25,11 @@ from tests.conftest import ROOT, SCRIPT, base_args
 
 SOURCE = SCRIPT.read_text(encoding="utf-8")
 # Part 1 holds the budget the restructure asked for (1,800 lines). Parts 2 and 3 were asked 1,300 each and the whole
-# file 4,400: with every feature kept (and issue 34's run lock, run identities and checks) they are about 1,730, 1,560
-# and 5,080 (docs/design.md, "Budgets"); these guards keep them from growing while lines are looked for.
-BUDGETS = {"Part 1": 1800, "Part 2": 1750, "Part 3": 1600}
-WHOLE_BUDGET = 5150
+# file 4,400 before the features filed beside it: with every feature kept they are about 1,730, 1,560 and 5,080
+# (issue 34's run lock, run identities and checks included; docs/design.md, "Budgets"), and issue 39's config file,
+# resolved config and LoKr/LoHa scale add about 100 to Part 2. These guards keep them from growing unnoticed.
+BUDGETS = {"Part 1": 1800, "Part 2": 1850, "Part 3": 1600}
+WHOLE_BUDGET = 5250
 BANNER = "# " + "-" * 112
 PART_BANNER = "# " + "=" * 112
 # the README's first command, at the tiny model's size: cached latents, checkpoints, step and epoch validations

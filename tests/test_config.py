@@ -1,0 +1,185 @@
+"""Runs you can share and repeat (issue 39): a run given as a --config file (YAML, TOML, JSON) whose values meet the
+same checks as the command line, the resolved config every run writes beside its LoRA and into each checkpoint (it
+repeats the run bit for bit), --print_config, and LoKr and LoHa files that carry their trained strength in the
+diffusers layout too (ComfyUI reads no alpha from its metadata)."""
+
+import json
+import re
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import base_args, launch
+
+LORA = T.LORA_WEIGHTS_NAME
+
+
+def _write(path, data):
+    if path.suffix == ".json":
+        path.write_text(json.dumps(data))
+    elif path.suffix == ".toml":
+        lines = [f"{k} = {json.dumps(v)}" for k, v in data.items()]  # the JSON of these values is TOML too
+        path.write_text("\n".join(lines) + "\n")
+    else:
+        path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".toml", ".json"])
+def test_a_config_file_gives_flags_and_the_command_line_wins(suffix, tmp_path):
+    config = _write(tmp_path / f"run{suffix}", {
+        "pretrained_model_name_or_path": "some/model", "--instance_prompt": "a photo of sks dog", "rank": 8,
+        "learning-rate": 2e-4, "gradient_checkpointing": True, "random_flip": False, "text_encoder_out_layers": [1, 2],
+        "resolution": "512,768", "validation_lora_scales": [0.5, 1], "timestep_shift": "auto", "logit_mean": -0.5})
+    args = T.parse_args(["--config", str(config), "--rank", "16"])
+    assert (args.pretrained_model_name_or_path, args.instance_prompt, args.rank) == ("some/model", "a photo of sks dog", 16)
+    assert args.learning_rate == 2e-4 and args.gradient_checkpointing and not args.random_flip
+    assert args.text_encoder_out_layers == [1, 2] and args.resolutions == (512, 768)
+    assert args.validation_lora_scales == [0.5, 1.0] and args.timestep_shift == "auto" and args.logit_mean == -0.5
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"learning_rat": 1e-4}, r"'learning_rat' is not a flag \(did you mean --learning_rate\?\)"),
+    ({"rank": 0}, r"--rank 0: expected an integer >= 1"),
+    ({"lr_scheduler": "cosin"}, r"argument --lr_scheduler: invalid choice: 'cosin'"),
+    ({"gradient_checkpointing": "yes"}, r"--gradient_checkpointing 'yes': expected true or false"),
+    ({"config": "other.yaml"}, r"'config' is not a flag"),
+])
+def test_a_bad_key_or_value_in_a_config_file_is_refused_naming_the_file(data, message, tmp_path):
+    config = _write(tmp_path / "run.yaml", {"pretrained_model_name_or_path": "m", **data})
+    with pytest.raises(T.UsageError, match=rf"^--config {re.escape(str(config))}: {message}"):
+        T.parse_args(["--config", str(config)])
+
+
+def test_a_config_file_that_is_not_one_is_refused(tmp_path):
+    (tmp_path / "list.yaml").write_text("- rank\n- 4\n")
+    (tmp_path / "broken.json").write_text("{rank: 4")
+    for name, message in (("list.yaml", "expected a mapping of flag names to values"), ("broken.json", "JSONDecodeError")):
+        with pytest.raises(T.UsageError, match=f"--config .*{name}: {message}"):
+            T.parse_args(["--config", str(tmp_path / name), "--pretrained_model_name_or_path", "m"])
+
+
+@pytest.fixture(scope="module")
+def configured(tiny_model, tmp_path_factory):
+    """A run given as a config file, without --seed (drawn), then repeated from the config it wrote."""
+    from tests.tiny_flux2 import make_images
+
+    root = tmp_path_factory.mktemp("configured")
+    make_images(str(root / "images"))
+    flags = base_args(tiny_model, root / "images", root / "first", "--max_train_steps", "4", "--checkpointing_steps", "2",
+                      "--use_aspect_ratio_buckets", "--random_flip", "--lora_dropout", "0.1")
+    at = flags.index("--seed")
+    flags = flags[:at] + flags[at + 2:]
+    data, i = {}, 0
+    while i < len(flags):  # the command line as a config file
+        values = []
+        while i + 1 + len(values) < len(flags) and not flags[i + 1 + len(values)].startswith("--"):
+            values.append(flags[i + 1 + len(values)])
+        data[flags[i][2:]] = True if not values else values if len(values) > 1 else values[0]
+        i += 1 + len(values)
+    config = _write(root / "run.yaml", data)
+    first = launch(["--config", str(config)])
+    second = launch(["--config", str(root / "first" / "config.yaml"), "--output_dir", str(root / "second")])
+    printed = launch(["--config", str(config), "--output_dir", str(root / "printed"), "--print_config"])
+    return SimpleNamespace(root=root, first=first, second=second, printed=printed)
+
+
+def test_the_resolved_config_repeats_the_run_bit_for_bit(configured):
+    prints = [re.findall(r"LoRA fingerprint (\w+)", p.stderr) for p in (configured.first, configured.second)]
+    assert prints[0] == prints[1] != []
+    a, b = (load_file(str(configured.root / out / LORA)) for out in ("first", "second"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resolved = yaml.safe_load((configured.root / "first" / "config.yaml").read_text())
+    assert re.search(rf"no --seed given; drew seed {resolved['seed']} ", configured.first.stderr)  # the seed used
+    assert resolved["validation_guidance_scale"] == 4.0  # not a flag given: the [dev] pipeline's, as resolved
+    assert resolved["max_train_steps"] == 4 and resolved["version"] == T.VERSION and "hub_token" not in resolved
+    checkpoint = yaml.safe_load((configured.root / "first" / "checkpoint-2" / "config.yaml").read_text())
+    state = json.loads((configured.root / "first" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert checkpoint["run"] == state["run"] and {**checkpoint, "run": None} == {**resolved, "run": None}
+
+
+def test_print_config_prints_the_resolved_flags_before_any_model_loads(configured):
+    printed = yaml.safe_load(configured.printed.stdout)
+    assert printed["text_encoder_out_layers"] == [1, 2] and printed["max_train_steps"] == 4
+    assert isinstance(printed["seed"], int) and printed["output_dir"].endswith("printed")
+    assert "loading the" not in configured.printed.stderr and not (configured.root / "printed" / LORA).exists()
+
+
+def test_a_checkpoint_whose_config_another_run_wrote_is_refused(configured, tmp_path):
+    mixed = tmp_path / "checkpoint-2"
+    shutil.copytree(configured.root / "first" / "checkpoint-2", mixed)
+    shutil.copy(configured.root / "second" / "checkpoint-2" / "config.yaml", mixed / "config.yaml")
+    assert T.checkpoint_problem(mixed) == "config.yaml was written by another run than trainer_state.json (files of two runs)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoKr and LoHa files carry their strength in both layouts
+
+
+def _comfyui_delta(parts):
+    """A module's update as ComfyUI computes it (comfy/weight_adapter/lokr.py, loha.py): LoHa scaled by alpha / rank
+    and LoKr by alpha / dim (a factor decomposed) when an `.alpha` tensor is there, else by 1."""
+    alpha = parts.get("alpha")
+    if "hada_w1_a" in parts:
+        delta = (parts["hada_w1_a"] @ parts["hada_w1_b"]) * (parts["hada_w2_a"] @ parts["hada_w2_b"])
+        return delta * (alpha / parts["hada_w1_b"].shape[0] if alpha is not None else 1.0)
+    w1 = parts["lokr_w1"] if "lokr_w1" in parts else parts["lokr_w1_a"] @ parts["lokr_w1_b"]
+    w2 = parts["lokr_w2"] if "lokr_w2" in parts else parts["lokr_w2_a"] @ parts["lokr_w2_b"]
+    dim = parts["lokr_w2_b"].shape[0] if "lokr_w2_b" in parts else parts["lokr_w1_b"].shape[0] if "lokr_w1_b" in parts \
+        else None
+    return torch.kron(w1, w2) * (alpha / dim if dim is not None and alpha is not None else 1.0)
+
+
+@pytest.mark.parametrize("adapter, extra", [("lokr", ()), ("lokr", ("--lokr_decompose_both",)), ("loha", ())])
+def test_a_lokr_or_loha_diffusers_file_loads_at_its_trained_strength(adapter, extra, tiny_model, tmp_path):
+    """--lora_alpha 6 at rank 2 (scale 3): the diffusers-layout file, read by PEFT with the config in its metadata,
+    by diffusers' load_lora_weights (LoKr) and by ComfyUI's formulas (which read no metadata), gives each layer the
+    update it trained."""
+    from accelerate import Accelerator
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoHaConfig, LoKrConfig, set_peft_model_state_dict
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--adapter", adapter, "--rank", "2",
+                         "--lora_alpha", "6", "--lora_layers", "attention", "--text_encoder_out_layers", "1", "2", *extra])
+    model = T.prepare_transformer(args, Accelerator(cpu=True), T.load_transformer(args, torch.float32)).eval()
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            param.data = 0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name)))
+    plain = SimpleNamespace(unwrap_model=lambda m: m, distributed_type=None)
+    hooks = T.Hooks(args)
+    T.write_lora_files(plain, model, T.lora_state_dict(plain, model, hooks), tmp_path, torch.float32, hooks)
+    with safe_open(str(tmp_path / LORA), "pt") as f:
+        written, meta = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["lora_adapter_metadata"])
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+    assert layers and not any(k.endswith(".alpha") for k in written)
+    for name, layer in layers.items():  # ComfyUI: the file's factors, no alpha
+        parts = {k.rsplit(".", 1)[1]: v for k, v in written.items() if k.rsplit(".", 1)[0] == f"transformer.{name}"}
+        torch.testing.assert_close(_comfyui_delta(parts), layer.get_delta_weight("default"), rtol=1e-5, atol=1e-7)
+    config = {k.removeprefix("transformer."): v for k, v in meta.items()}  # PEFT: the config the metadata holds
+    fresh = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer").eval()
+    fields = {"r", "alpha", "target_modules", "rank_pattern", "alpha_pattern"} | (
+        {"decompose_both", "decompose_factor"} if adapter == "lokr" else set())
+    fresh.add_adapter((LoKrConfig if adapter == "lokr" else LoHaConfig)(**{k: config[k] for k in fields}))
+    result = set_peft_model_state_dict(fresh, {k.removeprefix("transformer."): v for k, v in written.items()},
+                                       adapter_name="default")
+    assert not result.unexpected_keys
+    inputs = dict(hidden_states=torch.randn(1, 16, 4, generator=torch.Generator().manual_seed(5)),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(6)),
+                  timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 4),
+                  txt_ids=torch.zeros(8, 4), return_dict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(**inputs)[0], model(**inputs)[0], rtol=1e-5, atol=1e-6)
+    if adapter == "lokr":  # diffusers' load_lora_weights reads a LoKr file too (README: outputs)
+        from diffusers import Flux2Pipeline
+
+        pipe = Flux2Pipeline.from_pretrained(tiny_model, tokenizer=None)
+        pipe.load_lora_weights(str(tmp_path))
+        with torch.no_grad():
+            torch.testing.assert_close(pipe.transformer.eval()(**inputs)[0], model(**inputs)[0], rtol=1e-5, atol=1e-6)
