@@ -267,7 +267,7 @@ def test_hub_token_never_reaches_logs_trackers_or_outputs(tiny_model, images, tm
     assert any("events.out.tfevents" in p.name for p in files)  # the tracker config was written...
     assert not [p for p in files if token.encode() in p.read_bytes()]  # ...without the token
     checkpoint_files = {p.suffix for p in out.glob("checkpoint-*/*")}
-    assert checkpoint_files == {".safetensors", ".json"}  # nothing to unpickle
+    assert checkpoint_files == {".safetensors", ".json", ".yaml"}  # nothing to unpickle (.yaml: the resolved flags)
     json.loads((out / "checkpoint-2" / T.TRAINER_STATE_NAME).read_text())
 
 

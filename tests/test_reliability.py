@@ -102,7 +102,7 @@ def test_a_checkpoint_write_that_finds_another_runs_file_stops_before_renaming(c
     accelerator, run = checkpoint_run
     run = T.Run(**{**vars(run), "data": T.Data(None, None, 0, None, None, None, hooks=run.hooks, run_id="aaaa")})
     args = SimpleNamespace(output_dir=str(tmp_path), checkpoints_total_limit=None, rank=4, lora_alpha=4,
-                           lora_layers="default")
+                           lora_layers="default", resolutions=(512,))
     real = T.write_state
     monkeypatch.setattr(T, "write_state", lambda folder, name, state, run_id=None: real(
         folder, name, state, "bbbb" if name == "training" else run_id))
