@@ -116,12 +116,24 @@ def build_parser():
     p = _Parser(description="DreamBooth LoRA training for FLUX.2 [dev] and [klein] (README.md: commands per GPU size).",
                 usage="accelerate launch %(prog)s --pretrained_model_name_or_path MODEL --instance_data_dir DIR "
                       "--instance_prompt TEXT [flags]", formatter_class=_HelpFormatter)
+    for add_flags in (model_flags, data_flags, caching_flags, quality_flags,
+                      lora_flags, optimisation_flags, output_flags, validation_flags):
+        add_flags(p)
+    for option in OPTIONS:  # each option's flags, under its name
+        g = p.add_argument_group(f"option: {option.name}")
+        for names, settings in option.flags:
+            g.add_argument(*names, **settings)
+    return p
+
+def model_flags(p):
     g = p.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", required=True, type=model_source,
                    help="The FLUX.2 [dev] or [klein] checkpoint; the family is read from its model_index.json.")
     g.add_argument("--revision", help="Hub revision (branch, tag or commit); default: main.")
     g.add_argument("--variant", help="Weights variant, e.g. fp16; default: the plain weights.")
     g.add_argument("--cache_dir", type=folder_to_write, help="Downloaded models and datasets; default: the HF cache.")
+
+def data_flags(p):
     g = p.add_argument_group("data")
     g.add_argument("--instance_data_dir", type=existing_folder,
                    help="The subject's images; x.txt is x's caption (UTF-8), x_mask.png its loss mask.")
@@ -145,6 +157,8 @@ def build_parser():
                    help="Text-encoder layers stacked into an embedding; default: the family's.")
     g.add_argument("--dataloader_num_workers", type=non_negative_int,
                    help="Processes decoding images; default: none with --cache_latents, else a share of the cores.")
+
+def caching_flags(p):
     g = p.add_argument_group("caching")
     g.add_argument("--cache_latents", action="store_true", help="Encode every (image, crop) once before training.")
     g.add_argument("--precompute_cache_dir", type=cache_folder,
@@ -153,11 +167,15 @@ def build_parser():
                    help="Bound of the disk cache: least-recently-used entries are deleted.")
     g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode",
                    help="Train on the VAE posterior's mean, or a draw from it at every use.")
+
+def quality_flags(p):
     g = p.add_argument_group("training quality")
     g.add_argument("--caption_dropout", type=probability, default=0.0,
                    help="Probability of training an instance sample on the empty prompt.")
     g.add_argument("--masked_loss", action="store_true",
                    help="Weight the loss by x_mask.png beside an image, else its alpha channel.")
+
+def lora_flags(p):
     g = p.add_argument_group("LoRA")
     g.add_argument("--rank", type=positive_int, default=4, help="LoRA rank.")
     g.add_argument("--lora_alpha", type=positive_int, default=4,
@@ -165,6 +183,8 @@ def build_parser():
     g.add_argument("--lora_dropout", type=below_one, default=0.0, help="Dropout on the LoRA path.")
     g.add_argument("--lora_layers", type=layer_list, default="default",
                    help="attention, default (and the single-stream blocks), all-linear, or module names.")
+
+def optimisation_flags(p):
     g = p.add_argument_group("optimisation")
     g.add_argument("--learning_rate", type=positive, default=1e-4, help="Peak learning rate.")
     g.add_argument("--scale_lr", action="store_true", help="Multiply it by batch x accumulation x processes.")
@@ -198,6 +218,8 @@ def build_parser():
                    help="dtype of the frozen weights; default: the accelerate config's.")
     g.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere and newer GPUs.")
     g.add_argument("--offload", action="store_true", help="Keep the VAE on the CPU except while it runs.")
+
+def output_flags(p):
     g = p.add_argument_group("checkpointing and outputs")
     g.add_argument("--config", type=readable_file, help="Flags from a YAML, TOML or JSON file; the command line wins.")
     g.add_argument("--print_config", action="store_true", help="Print the resolved flags (a --config file) and stop.")
@@ -216,6 +238,8 @@ def build_parser():
     g.add_argument("--push_to_hub", action="store_true", help="Upload the LoRA; the only flag using the network.")
     g.add_argument("--hub_model_id", help="Hub repository; default: the name of --output_dir.")
     g.add_argument("--hub_token", help="Hub token (never logged or saved); prefer `hf auth login`.")
+
+def validation_flags(p):
     g = p.add_argument_group("validation")
     g.add_argument("--validation_prompt", help="Prompt of the images made during and after training.")
     g.add_argument("--validation_epochs", type=positive_int, default=50, help="Validate every N epochs.")
@@ -227,11 +251,6 @@ def build_parser():
                    help="[klein]'s CFG; default: the pipeline's ([dev] uses --guidance_scale).")
     g.add_argument("--final_validation_prompt", help="Prompt of the final images without --validation_prompt.")
     g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
-    for option in OPTIONS:  # each option's flags, under its name
-        g = p.add_argument_group(f"option: {option.name}")
-        for names, settings in option.flags:
-            g.add_argument(*names, **settings)
-    return p
 
 def parse_args(argv=None):
     args = build_parser().parse_args(config_tokens(argv))  # a --config file's flags first: the command line wins
@@ -1057,10 +1076,9 @@ def needed_prompts(args, data):
     return list(dict.fromkeys(keys + ([""] if args.caption_dropout > 0 or cfg else [])))
 
 def encode_missing(accelerator, cache, todo, batches, encode, progress, unit, lockstep=False):
-    """Encode `todo` (agreed by every process before anyone writes) into `cache`, each process its share
-    todo[rank::world] in batches(share), then share what was written. Every process runs as many rounds as the
-    longest share: the stop check is a collective (with `lockstep` so is `encode`: an idle process encodes a
-    stand-in)."""
+    """Encode `todo` (agreed by every process) into `cache`, each process todo[rank::world] in batches(share), then
+    share what was written. Every process runs the longest share's rounds: the stop check is a collective (with
+    `lockstep` so is `encode`: an idle process encodes a stand-in)."""
     world = accelerator.num_processes
     shares = [batches(todo[r::world]) for r in range(world)]
     mine = shares[accelerator.process_index]
@@ -1156,22 +1174,6 @@ def prepare_latents(args, accelerator, data, weight_dtype, cache, progress):
                               encode, progress, "image")
         logger.info(f"encoded {done} of {len(todo)} missing images", main_process_only=False)
     return (vae if validates or not args.cache_latents else None), (mean, std)
-
-class Progress:
-    """How far precompute got: entries needed, cached when it started, written since by this process."""
-
-    def __init__(self, needed, cached, persistent, stop):
-        self.needed, self.cached, self.written, self.persistent, self.stop = needed, cached, 0, persistent, stop
-
-    def check(self, accelerator):
-        """Before each batch, on every process (a collective): when any process was signalled, all stop."""
-        signum, written = self.stop.agreed(accelerator, self.written)
-        if signum:
-            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
-                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
-                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
-            logger.warning(message, main_process_only=False)
-            raise TrainingStopped(message, 128 + signum)
 
 def precompute(args, accelerator, data, weight_dtype, cache):
     """Prompt embeddings (always) and latents (--cache_latents) into the run's cache -> (Caches, the VAE if still
@@ -1304,7 +1306,7 @@ def save_checkpoint(args, accelerator, run, global_step):
             for extra in run.hooks.each("training_state"):
                 training.update(extra)
             write_state(partial, "training", training, run_id)
-            write_config(args, run.data, partial, accelerator)
+            write_config(args, run.data, partial, accelerator, run_id)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             state = {"global_step": global_step, "seed": run.data.seed, "run": run_id or None,
@@ -1994,12 +1996,11 @@ def resolved_config(args, seed, max_train_steps=None, run_id=None):
     config.update(seed=seed, max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
     return {**config, "run": run_id} if run_id else config
 
-def write_config(args, data, folder, accelerator):
+def write_config(args, data, folder, accelerator, run_id=None):
     """<folder>/config.yaml: the resolved config (a checkpoint's carries its run's identity)."""
     import yaml
     if accelerator.is_main_process:
-        config = resolved_config(args, data.seed, run_id=data.run_id if Path(folder).name.startswith("checkpoint-")
-                                 else None)
+        config = resolved_config(args, data.seed, run_id=run_id)
         Path(folder, "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
 def print_config(args, seed, batches, accelerator):
@@ -3371,7 +3372,7 @@ OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpoin
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Several processes: the distributed mode, agreeing on what to encode, sharing it, the same images everywhere
+# Several processes: the mode, agreeing on what to encode and when to stop, sharing it, the same images everywhere
 
 def is_fsdp(accelerator):
     from accelerate.utils import DistributedType
@@ -3422,6 +3423,22 @@ def check_same_images(accelerator, instances, classes):
                          "the same path. Share --instance_data_dir and --class_data_dir between machines or copy them; "
                          "class images are generated by every process into its --class_data_dir, each its share, so "
                          "with a folder per machine copy each machine's new class images into the others' folders")
+
+class Progress:
+    """How far precompute got: entries needed, cached when it started, written since by this process."""
+
+    def __init__(self, needed, cached, persistent, stop):
+        self.needed, self.cached, self.written, self.persistent, self.stop = needed, cached, 0, persistent, stop
+
+    def check(self, accelerator):
+        """Before each batch, on every process (a collective): when any process was signalled, all stop."""
+        signum, written = self.stop.agreed(accelerator, self.written)
+        if signum:
+            message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
+                       if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
+                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
+            logger.warning(message, main_process_only=False)
+            raise TrainingStopped(message, 128 + signum)
 
 SHARE_PER_ROUND = 16  # entries a process sends per collective: no process pickles the whole cache into one buffer
 
