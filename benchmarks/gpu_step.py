@@ -43,6 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_dreambooth_lora_flux2 as T  # noqa: E402
@@ -192,8 +193,63 @@ def estimate(row, config, rank, text_tokens, lora_layers="default"):
         activations = outside + sum(inputs) + 2 * max(saved)
     else:
         activations = outside + sum(saved) + max(saved)
+    sampling, decode, vae = validation_bytes(transformer, row, config, text_tokens)
+    validation = weights + lora + vae + max(sampling, decode)
     return dict(host_gib=host / GIB, weights_gib=weights / GIB, lora_gib=lora / GIB, activations_gib=activations / GIB,
-                estimate_gib=(weights + lora + activations) / GIB)
+                estimate_gib=(weights + lora + activations) / GIB, validation_gib=validation / GIB,
+                run_gib=max(weights + lora + activations, validation) / GIB)
+
+
+def validation_bytes(transformer, row, config, text_tokens):
+    """The whole run's other peak, its validation: the trained transformer stays where it is while the pipeline
+    samples (a forward without gradients, one image at a time) and then the VAE decodes each image at the row's
+    size -> (sampling bytes, decode bytes, VAE weight bytes), the live tensors at their peak on the meta device.
+    The decode is counted in float32: under autocast the VAE's group norms run in float32 and hand float32 to what
+    follows (a bf16 count misses half: 1.5 GiB at 1024 px where an H200 measured the run's peak 3.4 GiB above its
+    weights; float32: 3.0)."""
+    from diffusers import AutoencoderKLFlux2
+
+    b, image_tokens = 1, (row["resolution"] // PATCH) ** 2 * (1 + row.get("references", 0))
+    fused = lambda query, key, value, **_: FusedAttention.apply(query, key, value)  # noqa: E731
+    with torch.device("meta"), torch.no_grad(), unittest.mock.patch(
+            "torch.nn.functional.scaled_dot_product_attention", fused):
+        with LiveBytes() as sampling:
+            transformer(hidden_states=torch.empty(b, image_tokens, config["in_channels"], dtype=torch.bfloat16),
+                        encoder_hidden_states=torch.empty(b, text_tokens, config["joint_attention_dim"],
+                                                          dtype=torch.bfloat16),
+                        timestep=torch.empty(b), img_ids=torch.empty(b, image_tokens, 4, dtype=torch.long),
+                        txt_ids=torch.empty(b, text_tokens, 4, dtype=torch.long),
+                        guidance=torch.empty(b) if config["guidance_embeds"] else None, return_dict=False)
+        vae = AutoencoderKLFlux2() if config["in_channels"] == 128 else None  # the real VAE; tiny rows: none
+        if vae is None:
+            return sampling.peak, 0, 0
+        side = row["resolution"] // (PATCH // 2)  # latents before the 2 x 2 patchify
+        with LiveBytes() as decode:
+            vae.decode(torch.empty(1, vae.config.latent_channels, side, side))
+    return sampling.peak, decode.peak, sum(p.numel() for p in vae.parameters()) * 2
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of tensors made inside the block alive at once (views count with their base, once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t._base is None:
+                size = t.numel() * t.element_size()
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self.free, size)
+        return out
+
+    def free(self, size):
+        self.live -= size
 
 
 def meta_model(row, config, rank, lora_layers):
@@ -551,8 +607,8 @@ def memory_table(results, device_name):
     """The memory grid: measured peak (where a GPU ran the row) next to the estimate, and the cards the row fits,
     from the measured peak where there is one (marked m), else from the estimate (marked e)."""
     head = ("| model | precision | grad ckpt | swap | s/it | peak GiB | estimate GiB (weights + LoRA + activations) "
-            "| pinned host GiB | fits |")
-    lines = [f"{device_name}, {time.strftime('%Y-%m-%d')}, 1024 px unless noted", head, "|" + "---|" * 9]
+            "| validation GiB | pinned host GiB | fits |")
+    lines = [f"{device_name}, {time.strftime('%Y-%m-%d')}, 1024 px unless noted", head, "|" + "---|" * 10]
     for r in results:
         measured = r.get("peak_gib") if "error" not in r else None
         speed = r["error"] if "error" in r else f"{r['s_per_step']:.3f}" if "s_per_step" in r else "-"
@@ -561,13 +617,15 @@ def memory_table(results, device_name):
         if r.get("error") == "OOM":
             cards = "none (OOM)" if torch.cuda.is_available() else "-"
         else:
-            cards = ", ".join(f"{gb} GB" for gb in fits(measured if measured is not None else r["estimate_gib"]))
+            # the step measured, the run's validation estimated (the whole script's peak: gpu_check.sh)
+            peak = max(measured, r["validation_gib"]) if measured is not None else r["run_gib"]
+            cards = ", ".join(f"{gb} GB" for gb in fits(peak))
             cards = f"{cards or 'none'} ({'m' if measured is not None else 'e'})"
         swap = r["swap"] if r["swap"] == "0" else f"{r['swap']} ({swap_count(r['swap'], MODELS[r['model']])})"
         model = r["model"] + ("" if r["resolution"] == 1024 else f" {r['resolution']} px")
         model += f" edit ({r['references']} ref)" if r.get("references") else ""
         cells = [model, r["precision"], r["gc"], swap, speed, f"{measured:.1f}" if measured is not None else "-",
-                 estimated, f"{r['host_gib']:.1f}", cards]
+                 estimated, f"{r['validation_gib']:.1f}", f"{r['host_gib']:.1f}", cards]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 

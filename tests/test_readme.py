@@ -95,7 +95,7 @@ def test_every_command_the_readme_places_on_a_24_gb_card_fits_one_by_the_memory_
         (flags,) = commands(sections(README)[anchor])
         args, row = _row(flags)
         peak = gpu_step.estimate(row, gpu_step.MODELS[row["model"]], args.rank, args.max_sequence_length,
-                                 args.lora_layers)["estimate_gib"]
+                                 args.lora_layers)["run_gib"]
         assert 24 in gpu_step.fits(peak), (anchor, peak)
         if not args.remote_text_encoder:  # precompute holds the text encoder first: it must fit as well
             encoder = gpu_step.text_encoder_gib(row["model"], args.text_encoder_quantization)
@@ -143,6 +143,6 @@ def test_the_commands_the_readme_describes_as_changes_parse_and_fit_their_card(u
     for flags in (klein48, dev48):
         args, row = _row(flags)
         peak = gpu_step.estimate(row, gpu_step.MODELS[row["model"]], args.rank, args.max_sequence_length,
-                                 args.lora_layers)["estimate_gib"]
+                                 args.lora_layers)["run_gib"]
         encoder = gpu_step.text_encoder_gib(row["model"], args.text_encoder_quantization)
         assert 48 in gpu_step.fits(peak) and 48 in gpu_step.fits(encoder), (flags, peak, encoder)

@@ -1,0 +1,200 @@
+"""Random-weight FLUX.2 checkpoints of the real architectures, written as the Hub's folders, so the whole script runs
+on real shapes where no model can be downloaded (CPU proofs, offline GPU machines).
+
+    python benchmarks/real_shapes.py klein4b OUT     # FLUX.2 [klein] base 4B: 3.9 B transformer + Qwen3 4B, 16 GB
+    python benchmarks/real_shapes.py klein9b OUT     # [klein] 9B: 9 B + Qwen3 8B, 35 GB
+    python benchmarks/real_shapes.py dev OUT         # [dev]: 32 B + Mistral Small 3.1 24B, 112 GB
+    python benchmarks/real_shapes.py --tiny klein4b OUT   # the tests' tiny model of that family, through this code
+
+OUT gets transformer/, text_encoder/, vae/ (AutoencoderKLFlux2's defaults are the real VAE), scheduler/, tokenizer/
+and model_index.json, each written with save_pretrained in shards of --shard_size, so the script loads the folder
+exactly as it loads black-forest-labs/FLUX.2-klein-base-4B or FLUX.2-dev. The transformer's shapes are those of
+gpu_step.py (../shared/GPU.md); the text encoders carry the real models' configs (layer counts, widths, vocabulary);
+the tokenizer is the tests' offline BPE with the real chat template's structure (its ids fit any vocabulary).
+Weights are made directly on --device in --dtype (no float32 copy) one model at a time, each freed before the next,
+so the peak is the largest model: 8 GB for klein4b, which a 24 GiB CPU machine holds.
+"""
+
+import argparse
+import gc
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+import tiny_flux2 as tiny  # noqa: E402 - the offline tokenizers, the model index and the tests' tiny configs
+from gpu_step import MODELS, build_transformer  # noqa: E402 - one owner of the transformers' shapes
+
+
+def qwen3(hidden, intermediate, tied, layers=36):
+    """Qwen3 4B / 8B (the [klein] text encoders): 36 layers, 32 query and 8 key-value heads of 128, 151,936 tokens."""
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, tie_word_embeddings=tied,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                       bos_token_id=tiny.KLEIN_PAD_ID, eos_token_id=tiny.KLEIN_IM_END_ID)
+
+
+def mistral_small():
+    """Mistral Small 3.1 24B (the [dev] text encoder): 40 layers of 5,120, 131,072 tokens, Pixtral vision tower."""
+    from transformers import Mistral3Config
+    return Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
+                         num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e9, sliding_window=None,
+                         tie_word_embeddings=False, bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID, pad_token_id=tiny.PAD_ID),
+        vision_config=dict(model_type="pixtral", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                           intermediate_size=4096, image_size=1540, patch_size=14, num_channels=3, head_dim=64,
+                           rope_theta=10000.0),
+        image_token_index=tiny.IMG_ID, spatial_merge_size=2, multimodal_projector_bias=False,
+        projector_hidden_act="gelu", vision_feature_layer=-1, tie_word_embeddings=False,
+        bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID, pad_token_id=tiny.PAD_ID)
+
+
+def tiny_qwen3():
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=tiny.VOCAB_SIZE, hidden_size=tiny.KLEIN_TEXT_HIDDEN_SIZE, intermediate_size=37,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                       max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                       bos_token_id=tiny.KLEIN_PAD_ID, eos_token_id=tiny.KLEIN_IM_END_ID)
+
+
+def tiny_mistral():
+    from transformers import Mistral3Config
+    return Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=tiny.VOCAB_SIZE, hidden_size=tiny.TEXT_HIDDEN_SIZE,
+                         intermediate_size=37, max_position_embeddings=512, num_attention_heads=4,
+                         num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=1e9,
+                         sliding_window=None, bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID,
+                         pad_token_id=tiny.PAD_ID),
+        vision_config=dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=37, image_size=30, patch_size=6, num_channels=3),
+        image_token_index=tiny.IMG_ID, vision_feature_layer=-1,
+        bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID, pad_token_id=tiny.PAD_ID)
+
+
+TINY_TRANSFORMER = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                        num_attention_heads=2, timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4))
+TINY_VAE = dict(sample_size=32, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                block_out_channels=(4, 8), layers_per_block=1, latent_channels=1, norm_num_groups=1,
+                use_quant_conv=False, use_post_quant_conv=False)
+
+
+@dataclass
+class Spec:
+    pipeline: str            # model_index.json's _class_name
+    transformer: dict        # Flux2Transformer2DModel's config
+    text_encoder: str        # the transformers class
+    text_config: object      # () -> its config
+    vae: dict                # AutoencoderKLFlux2's config ({}: the real one)
+    out_layers: tuple        # the script's --text_encoder_out_layers for this checkpoint (the family's default)
+
+
+SPECS = {
+    "klein4b": Spec("Flux2KleinPipeline", MODELS["klein4b"], "Qwen3ForCausalLM", lambda: qwen3(2560, 9728, True), {},
+                    (9, 18, 27)),
+    "klein9b": Spec("Flux2KleinPipeline", MODELS["klein9b"], "Qwen3ForCausalLM", lambda: qwen3(4096, 12288, False), {},
+                    (9, 18, 27)),
+    "dev": Spec("Flux2Pipeline", MODELS["dev"], "Mistral3ForConditionalGeneration", mistral_small, {}, (10, 20, 30)),
+}
+TINY = {  # the tests' tiny_flux2.py models, same configs
+    "klein4b": Spec("Flux2KleinPipeline", dict(TINY_TRANSFORMER, joint_attention_dim=tiny.KLEIN_JOINT_ATTENTION_DIM,
+                                              guidance_embeds=False), "Qwen3ForCausalLM", tiny_qwen3, TINY_VAE,
+                    tiny.KLEIN_TEXT_ENCODER_OUT_LAYERS),
+    "dev": Spec("Flux2Pipeline", dict(TINY_TRANSFORMER, joint_attention_dim=tiny.JOINT_ATTENTION_DIM,
+                                      guidance_embeds=True), "Mistral3ForConditionalGeneration", tiny_mistral, TINY_VAE,
+                tiny.TEXT_ENCODER_OUT_LAYERS),
+}
+TINY["klein9b"] = TINY["klein4b"]
+
+
+def made_on(device, dtype, build):
+    """build() with its tensors created on `device` in `dtype`: no float32 copy, no host round trip."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return build()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def save(model, folder, shard_size):
+    """save_pretrained in shards, then free the model (the next one is made in its place)."""
+    model.save_pretrained(folder, max_shard_size=shard_size)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def write(spec, out, device, dtype=torch.bfloat16, shard_size="5GB", say=print):
+    """The checkpoint folder of `spec` at `out` -> out."""
+    import transformers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    parts = (("transformer", lambda: build_transformer(spec.transformer, device, dtype, nf4=False)),
+             ("text_encoder", lambda: made_on(device, dtype, lambda: getattr(transformers, spec.text_encoder)(
+                 spec.text_config()))),
+             ("vae", lambda: made_on(device, dtype, lambda: vae_with_statistics(AutoencoderKLFlux2(**spec.vae)))))
+    for name, build in parts:
+        start = time.perf_counter()
+        model = build()
+        count = sum(p.numel() for p in model.parameters())
+        save(model, out / name, shard_size)
+        say(f"{name}: {count / 1e9:.2f} B parameters, {folder_bytes(out / name) / 1e9:.2f} GB, "
+            f"{time.perf_counter() - start:.0f} s")
+    # The FLUX.2 scheduler: flow matching, shift 3, the pipelines pass the resolution's mu
+    FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(out / "scheduler")
+    if spec.pipeline == "Flux2KleinPipeline":
+        tiny.build_klein_tokenizer().save_pretrained(out / "tokenizer")
+        tiny._write_model_index(str(out), spec.pipeline, text_encoder=spec.text_encoder,
+                                tokenizer="Qwen2TokenizerFast", is_distilled=False)
+    else:
+        tiny._save_tokenizer(tiny.build_tokenizer(), str(out / "tokenizer"))
+        tiny._write_model_index(str(out), spec.pipeline, text_encoder=spec.text_encoder, tokenizer="PixtralProcessor")
+    return out
+
+
+def vae_with_statistics(vae):
+    """Latent statistics away from mean 0 / variance 1, as a trained VAE's are, so a trainer that skips the latent
+    normalisation computes something else."""
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) * 2.0 + 0.5)
+    return vae
+
+
+def folder_bytes(folder):
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", choices=sorted(SPECS))
+    p.add_argument("out", help="the checkpoint folder to write (pass it as --pretrained_model_name_or_path)")
+    p.add_argument("--tiny", action="store_true", help="the tests' tiny model of that family (CI, seconds)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the weights are made (default: cuda when there is one)")
+    p.add_argument("--shard_size", default="5GB", help="the largest weight file (save_pretrained's max_shard_size)")
+    args = p.parse_args(argv)
+    spec = (TINY if args.tiny else SPECS)[args.model]
+    start = time.perf_counter()
+    write(spec, args.out, args.device, shard_size=args.shard_size)
+    print(f"{args.out}: {folder_bytes(args.out) / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s; train with "
+          f"--text_encoder_out_layers {' '.join(map(str, spec.out_layers))}")
+
+
+if __name__ == "__main__":
+    main()

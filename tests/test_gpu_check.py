@@ -1,0 +1,153 @@
+"""The GPU check's pieces on the CPU: real_shapes.py writes checkpoints of the real architectures (their sizes checked
+on the meta device, the tiny one written and loaded), and gpu_check.sh runs its whole plan on the tiny model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.conftest import ROOT
+from tests.tiny_flux2 import build_tiny_flux2_klein
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+import real_shapes  # noqa: E402
+
+
+@pytest.mark.parametrize("model, transformer_b, text_encoder_b", [
+    ("klein4b", 3.88, 4.02),   # FLUX.2 [klein] 4B; Qwen3-4B's model card: 4.0 B
+    ("klein9b", 9.08, 8.19),   # [klein] 9B; Qwen3-8B: 8.2 B
+    ("dev", 32.22, 24.01),     # [dev]: 32 B; Mistral-Small-3.1-24B: 24 B (untied output layer, vision tower)
+])
+def test_real_shapes_have_the_real_models_sizes(model, transformer_b, text_encoder_b):
+    """Each spec on the meta device (nothing allocated): parameter counts of the published models, and the text
+    encoder has the layers the family's default --text_encoder_out_layers read."""
+    import transformers
+
+    spec = real_shapes.SPECS[model]
+    with torch.device("meta"):
+        text_encoder = getattr(transformers, spec.text_encoder)(spec.text_config())
+        transformer = real_shapes.build_transformer(spec.transformer, "meta", torch.bfloat16, nf4=False)
+    count = lambda m: sum(p.numel() for p in m.parameters()) / 1e9  # noqa: E731
+    assert count(transformer) == pytest.approx(transformer_b, abs=0.01)
+    assert count(text_encoder) == pytest.approx(text_encoder_b, abs=0.01)
+    layers = text_encoder.config.get_text_config().num_hidden_layers
+    assert max(spec.out_layers) < layers
+    assert spec.transformer["joint_attention_dim"] == text_encoder.config.get_text_config().hidden_size * 3
+
+
+def test_real_shapes_tiny_writes_the_tests_model_in_bf16_shards(tmp_path):
+    """--tiny: the tests' tiny [klein] (same configs as tiny_flux2.py's), made in bf16, written in shards of
+    --shard_size, loadable by diffusers as the Hub folder is."""
+    out = tmp_path / "tiny"
+    tiny_klein = Path(build_tiny_flux2_klein(str(tmp_path / "tests-tiny")))
+    proc = subprocess.run([sys.executable, "benchmarks/real_shapes.py", "--tiny", "klein4b", str(out), "--shard_size",
+                           "20KB"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--text_encoder_out_layers 1 2 3" in proc.stdout
+    for part in ("transformer", "text_encoder", "vae"):
+        ours, theirs = (json.loads((folder / part / "config.json").read_text()) for folder in (out, tiny_klein))
+        ignore = {"_diffusers_version", "transformers_version", "dtype", "torch_dtype", "_name_or_path"}
+        assert {k: v for k, v in ours.items() if k not in ignore} == {k: v for k, v in theirs.items()
+                                                                    if k not in ignore}, part
+    shards = sorted((out / "transformer").glob("*.safetensors"))
+    assert len(shards) > 1 and (out / "transformer" / "diffusion_pytorch_model.safetensors.index.json").exists()
+    with safe_open(str(shards[0]), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((out / "model_index.json").read_text())["is_distilled"] is False
+    from diffusers import Flux2KleinPipeline
+    pipe = Flux2KleinPipeline.from_pretrained(str(out), torch_dtype=torch.bfloat16)
+    assert pipe.transformer.config.num_layers == 1 and pipe.tokenizer.chat_template
+
+
+def test_set_flags_replaces_adds_and_removes_values():
+    flags = ["--a", "1", "--layers", "9", "18", "27", "--switch", "--b", "x y"]
+    assert gpu_check.set_flags(flags, layers=["1", "2"], switch=False, c=True, a="2") == [
+        "--b", "x y", "--layers", "1", "2", "--c", "--a", "2"]
+
+
+def test_figures_read_the_median_after_warm_up_precompute_and_peaks(tmp_path):
+    """s/step: the median of the step lines after the first three (compilation stays out); precompute: from loading
+    the text encoder to the last image encoded; the peaks from --measure's exit line."""
+    (tmp_path / "validation").mkdir()
+    (tmp_path / "validation" / "final-0.png").write_bytes(b"png")
+    (tmp_path / "pytorch_lora_weights.safetensors").write_bytes(b"x" * 2_000_000)
+    log = "\n".join([
+        "2026-11-26 05:59:48,100 INFO __main__: [RANK 0] loading the text encoder",
+        "2026-11-26 05:59:51,548 INFO __main__: [RANK 0] loading the VAE",
+        "2026-11-26 05:59:52,600 INFO __main__: [RANK 0] encoded 5 of 5 missing images",
+        *(f"2026-11-26 06:00:0{i},000 INFO __main__: [RANK 0] step {i}/6 loss 2.1 lr 1.00e-04 {s} s/step peak 9.3 GiB"
+          for i, s in enumerate((30.0, 3.0, 2.0, 1.0, 1.2, 1.1), 1)),
+        gpu_check.PEAK + '{"peak_allocated_gib": 10.91, "peak_reserved_gib": 13.17}'])
+    result = gpu_check.figures(log, tmp_path)
+    assert result == dict(steps=6, s_per_step=1.1, precompute_s=4.5, peak_allocated_gib=10.91,
+                          peak_reserved_gib=13.17, lora_mb=2.0, validation_pngs=1)
+    assert gpu_check.tqdm_seconds("Steps: 100%|#| 30/30 [00:26<00:00,  1.11it/s, loss=1.1]") == pytest.approx(0.9, 0.01)
+
+
+@pytest.fixture(scope="module")
+def tiny_check(tmp_path_factory):
+    """benchmarks/gpu_check.sh --tiny, once: every run of the plan but the two compiled ones (test_speed.py compiles)."""
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    env = dict(os.environ, OUT=str(tmp / "out"), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--tiny", "--work", str(tmp / "work"), "--skip",
+                           "compile,step_compile"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    return proc, tmp
+
+
+def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
+    """The README's first command, as written, on the checkpoint real_shapes.py wrote: it trains its steps, saves the
+    LoRA, validates, and each figure reaches the JSON lines and the table printed last."""
+    proc, tmp = tiny_check
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {r["name"]: r for r in map(json.loads, (tmp / "out" / "gpu_check.jsonl").read_text().splitlines())}
+    assert list(results) == ["build", "readme", "step", "no_gc", "dev"]
+    readme = results["readme"]
+    assert readme["rc"] == 0 and readme["steps"] == 3 and readme["s_per_step"] > 0 and readme["precompute_s"] >= 0
+    assert readme["lora_mb"] > 0 and readme["validation_pngs"] >= 1
+    assert "--gradient_checkpointing" in readme["command"] and "--gradient_checkpointing" not in \
+        results["no_gc"]["command"]
+    assert (tmp / "work" / "readme" / "pytorch_lora_weights.safetensors").exists()
+    steps = [json.loads(x) for x in (tmp / "out" / "gpu_step.jsonl").read_text().splitlines()]
+    assert [(r["gc"], r["precision"]) for r in steps] == [("on", "bf16"), ("off", "bf16"), ("on", "bf16")]
+    assert all(r["s_per_step"] > 0 for r in steps)
+    log = (tmp / "out" / "gpu_check.log").read_text()
+    assert log.splitlines()[-1].startswith("| tiny eager gc on bf16 64px")  # the table is last
+    assert "| readme | 0 |" in log and "| no_gc | 0 |" in log
+
+
+def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("# ")]
+    assert names[:6] == ["build", "readme", "step", "no_gc", "compile", "dev"] and names[-1] == "step_compile"
+    readme = proc.stdout.split("# readme")[1].splitlines()[1]
+    for flag in ("--resolution 1024", "--max_train_steps 30", "--validation_inference_steps 8",
+                 "--gradient_checkpointing", "--train_batch_size 1", "--cache_latents"):
+        assert flag in readme
+    assert not (tmp_path / "work").exists()
+
+
+def test_the_whole_run_estimate_is_within_10_percent_of_the_h200_gpu_check():
+    """benchmarks/gpu_check.sh on an H200 (2026-11-26), the README's first command on real [klein] 4B shapes (rank 4,
+    the default targets): the training step peaked at 9.3 GiB with checkpointing and 22.7 without (its step lines),
+    the whole process at 10.91 and 22.71 (validation's decode is the first run's peak). The estimate of each, made
+    without a GPU, is within 10%."""
+    import gpu_step
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    for gc, step, whole in (("on", 9.3, 10.91), ("off", 22.7, 22.71)):
+        row = dict(model="klein4b", mode="eager", attention="native", gc=gc, resolution=1024, batch=1,
+                   precision="bf16", swap="0", references=0, baseline=False)
+        estimate = gpu_step.estimate(row, gpu_step.MODELS["klein4b"], 4, 512)
+        assert estimate["estimate_gib"] == pytest.approx(step, rel=0.1)
+        assert estimate["run_gib"] == pytest.approx(whole, rel=0.1)
+    assert estimate["validation_gib"] < estimate["run_gib"]  # without checkpointing, training is the peak
