@@ -13,6 +13,8 @@ In order, each started only while its usual time fits what is left of the budget
   no_gc     the README command without --gradient_checkpointing
   compile   the README command with --compile
   dev       gpu_step.py: [dev] at 1024 px, bf16, checkpointing (with --blocks_to_swap half under 100 GiB)
+  dev_nf4   gpu_step.py: [dev] NF4 with half the blocks swapped (the 24 GB command's kind; its estimate's NF4
+            allowance was measured on [klein] 4B only)
   upstream  the diffusers example (benchmarks/upstream/train_dreambooth_lora_flux2_klein.py, fetched, kept out of git)
             on the same folder and flags, when present
   step_compile  gpu_step.py: [klein] 4B compiled, checkpointing, bf16
@@ -110,6 +112,8 @@ def plan(args, work, out, cuda_gib):
         ("compile", script("compile", compile=True), 170),
         ("dev", step + ["--models", "tiny" if args.tiny else "dev", "--modes", "eager", "--gc", "on", "--precision",
                         "bf16"] + (["--swap", "half"] if 0 < cuda_gib < 100 else []), 80),
+        ("dev_nf4", step + ["--models", "tiny" if args.tiny else "dev", "--modes", "eager", "--gc", "on", "--precision",
+                            "bf16" if args.tiny else "nf4", "--swap", "half"], 80),
     ]
     if UPSTREAM.exists() and importlib.util.find_spec("torchvision"):  # the example needs torchvision
         runs.append(("upstream", [*launch, str(UPSTREAM), *upstream_flags(flags, work)], 150))

@@ -24,7 +24,9 @@ follow the target's (the script's own dataset, caches and step), so the sequence
 
 The memory table puts each row's measured peak next to an estimate made without a GPU (`estimate`: exact weight and
 LoRA bytes of the model the script prepares, activations from one forward pass on the meta device) and says which
-of 24, 48 and 80 GB cards the row fits, from the measurement where there is one. Without a GPU (and without --tiny)
+of 24, 48 and 80 GB cards the row fits, from the measurement where there is one. Its validation column is the whole
+run's other peak (the trained transformer resident while the pipeline samples and the VAE decodes, estimated the same
+way); the fit takes the larger (benchmarks/gpu_check.sh measures whole runs). Without a GPU (and without --tiny)
 it says so and exits 0; with --memory it then prints the estimated table. Rows that run out of memory are reported as OOM; rows are
 skipped once --budget_s is spent. Results also go to --out (JSON lines) as they come.
 """
@@ -152,6 +154,11 @@ def script_args(row, config, rank, lora_layers="default"):
 GIB = 2**30
 CARDS = (24, 48, 80)  # GB of the cards the README plans for
 NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes NF4: 4 bits a weight + one float32 absmax per block of 64
+# NF4 rows peaked 1.2 GiB above this estimate on an H200 (2026-11-26, [klein] 4B, checkpointing, with and without
+# swapping: 5.7 and 5.2 GiB measured), the same 1.2 GiB whatever the resident weights, so it grows with the step's
+# work rather than the weights: 60% of that row's estimated activations, assumed for every NF4 row until a GPU
+# explains it (the 4-bit layers' dequantised weights and copies, not counted on the meta device, are suspects)
+NF4_ACTIVATIONS = 1.6
 
 
 # The text encoders (held only while precompute encodes prompts, freed before training): parameters, and those no
@@ -193,6 +200,8 @@ def estimate(row, config, rank, text_tokens, lora_layers="default"):
         activations = outside + sum(inputs) + 2 * max(saved)
     else:
         activations = outside + sum(saved) + max(saved)
+    if row["precision"] == "nf4":
+        activations *= NF4_ACTIVATIONS
     sampling, decode, vae = validation_bytes(transformer, row, config, text_tokens)
     validation = weights + lora + vae + max(sampling, decode)
     return dict(host_gib=host / GIB, weights_gib=weights / GIB, lora_gib=lora / GIB, activations_gib=activations / GIB,
