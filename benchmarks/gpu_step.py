@@ -154,11 +154,13 @@ def script_args(row, config, rank, lora_layers="default"):
 GIB = 2**30
 CARDS = (24, 48, 80)  # GB of the cards the README plans for
 NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes NF4: 4 bits a weight + one float32 absmax per block of 64
-# NF4 rows peaked 1.2 GiB above this estimate on an H200 (2026-11-26, [klein] 4B, checkpointing, with and without
-# swapping: 5.7 and 5.2 GiB measured), the same 1.2 GiB whatever the resident weights, so it grows with the step's
-# work rather than the weights: 60% of that row's estimated activations, assumed for every NF4 row until a GPU
-# explains it (the 4-bit layers' dequantised weights and copies, not counted on the meta device, are suspects)
-NF4_ACTIVATIONS = 1.6
+# NF4 rows peaked 1.2 GiB above the first estimate on an H200 (2026-11-26, [klein] 4B, checkpointing, with and
+# without swapping: 5.7 and 5.2 GiB measured). 0.36 GiB of it is PEFT's k-bit preparation turning the frozen weights
+# that are not 4-bit to float32 (weight_bytes counts it); the other 0.8 GiB, the same whatever the resident weights,
+# grows with the step's work, not the weights: 40% of that row's estimated activations, assumed for every NF4 row
+# until a GPU explains it (bitsandbytes does not quantise on a CPU; its 4-bit layers' dequantised weights and PEFT's
+# copy of their output are suspects)
+NF4_ACTIVATIONS = 1.4
 
 
 # The text encoders (held only while precompute encodes prompts, freed before training): parameters, and those no
@@ -282,8 +284,8 @@ def weight_bytes(transformer, row, config):
     state, not parameters) stay on the GPU when a block is swapped."""
     nf4 = row["precision"] == "nf4"
 
-    def frozen(module, nf4=False):
-        return sum(p.numel() * (NF4_BYTES if nf4 and p.dim() == 2 else p.element_size())
+    def frozen(module, nf4=False):  # NF4: PEFT's k-bit preparation turns the other frozen bf16 weights float32
+        return sum(p.numel() * (NF4_BYTES if nf4 and p.dim() == 2 else 4 if nf4 else p.element_size())
                    for p in module.parameters() if not p.requires_grad)
 
     def scales(module):  # NF4: one float32 absmax per 64 weights
@@ -292,7 +294,7 @@ def weight_bytes(transformer, row, config):
     blocks = T.transformer_blocks(transformer)
     kept = len(blocks) - swap_count(row["swap"], config)
     swapped = [frozen(b, nf4) - scales(b) for b in blocks[kept:]]
-    rest = frozen(transformer) - sum(map(frozen, blocks))  # embedders, modulation, output layers
+    rest = (frozen(transformer) - sum(map(frozen, blocks))) * (2 if nf4 else 1)  # embedders, modulation, output
     weights = rest + sum(frozen(b, nf4) for b in blocks[:kept]) + sum(map(scales, blocks[kept:]))
     weights += sum(sorted(swapped)[-2:])
     lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
