@@ -10,6 +10,8 @@ In order, each started only while its usual time fits what is left of the budget
   readme    the README's first command, as written, on that folder: 30 steps at 1024 px, batch 1, one final
             validation of 8 inference steps (whole-process seconds, precompute seconds, s/step, peak GPU memory)
   step      gpu_step.py rows for [klein] 4B at the default LoRA targets: checkpointing on/off x bf16/fp8, eager
+  readme_24gb  the README command on this GPU made a 24 GB card (torch.cuda.set_per_process_memory_fraction): the
+            README says it fits one
   no_gc     the README command without --gradient_checkpointing
   compile   the README command with --compile
   dev       gpu_step.py: [dev] at 1024 px, bf16, checkpointing (with --blocks_to_swap half under 100 GiB)
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_dreambooth_lora_flux2.py"
 UPSTREAM = ROOT / "benchmarks" / "upstream" / "train_dreambooth_lora_flux2_klein.py"
 PEAK = "gpu_check peak"  # the line --measure prints at exit
+CARD = "GPU_CHECK_CARD_GB"  # --measure makes the GPU a card of this many GB
 
 
 def readme_command():
@@ -85,7 +88,7 @@ def make_images(folder, size, count=5):
 
 
 def plan(args, work, out, cuda_gib):
-    """-> [(name, argv, usual seconds on an H100/H200)] in priority order."""
+    """-> [(name, argv, usual seconds on an H100/H200[, extra environment])] in priority order."""
     py = sys.executable
     model, images = work / ("tiny-klein" if args.tiny else "klein4b"), work / "images"
     build = [py, str(ROOT / "benchmarks/real_shapes.py"), "klein4b", str(model)] + ["--tiny"] * args.tiny
@@ -108,6 +111,7 @@ def plan(args, work, out, cuda_gib):
         ("build", build, 90),
         ("readme", script("readme"), 110),
         ("step", step + ["--models", klein, "--modes", "eager", "--gc", "on,off", "--precision", "bf16,fp8"], 90),
+        ("readme_24gb", script("readme_24gb"), 100, {CARD: "24"}),
         ("no_gc", script("no_gc", gradient_checkpointing=False), 90),
         ("compile", script("compile", compile=True), 170),
         ("dev", step + ["--models", "tiny" if args.tiny else "dev", "--modes", "eager", "--gc", "on", "--precision",
@@ -173,13 +177,16 @@ def measure(argv):
                   file=sys.stderr, flush=True)
 
     atexit.register(peak)
+    if os.environ.get(CARD) and torch.cuda.is_available():  # an "N GB" card holds about N GiB; 1 for the CUDA context
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction((float(os.environ[CARD]) - 1) * 2**30 / total)
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 
 
 def table(results, steps):
-    lines = ["| run | exit | whole s | precompute s | s/step | peak allocated GiB | peak reserved GiB | LoRA MB | PNGs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | exit | whole s | precompute s | s/step | peak allocated GiB | peak reserved GiB | LoRA MB "
+             "| PNGs |", "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     for r in results:
         lines.append("| " + " | ".join(fmt(r.get(k)) for k in ("name", "rc", "wall_s", "precompute_s", "s_per_step",
@@ -213,8 +220,8 @@ def main(argv=None):
     cuda_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 0
     runs = [run for run in plan(args, work, out, cuda_gib) if run[0] not in args.skip.split(",")]
     if args.dry_run:
-        for name, command, usual in runs:
-            print(f"# {name} (about {usual} s)\n{shlex.join(command)}")
+        for name, command, usual, *env in runs:
+            print(f"# {name} (about {usual} s{', ' + str(env[0]) if env else ''})\n{shlex.join(command)}")
         return 0
     if not cuda and not args.tiny:
         print("no CUDA GPU here: run with --tiny for the CPU check, or --dry-run")
@@ -223,7 +230,7 @@ def main(argv=None):
     make_images(work / "images", 64 if args.tiny else 1024)
     start, results = time.perf_counter(), []
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    for name, command, usual in runs:
+    for name, command, usual, *extra in runs:
         left = args.budget_s - (time.perf_counter() - start)
         if usual > left and not args.tiny:
             print(f"skipped {name}: about {usual} s, {left:.0f} s left", flush=True)
@@ -233,8 +240,8 @@ def main(argv=None):
         tic = time.perf_counter()
         with open(out / f"{name}.log", "w") as log:
             try:
-                rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                    timeout=None if args.tiny else max(left, 30)).returncode
+                rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=dict(env, **dict(*extra)),
+                                    cwd=work, timeout=None if args.tiny else max(left, 30)).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         result = dict(name=name, rc=rc, wall_s=round(time.perf_counter() - tic, 1), device=device,

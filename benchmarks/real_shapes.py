@@ -18,7 +18,6 @@ from), 32 s on an H200.
 
 import argparse
 import gc
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -50,7 +49,8 @@ def mistral_small():
         text_config=dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
                          num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e9, sliding_window=None,
-                         tie_word_embeddings=False, bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID, pad_token_id=tiny.PAD_ID),
+                         tie_word_embeddings=False, bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID,
+                         pad_token_id=tiny.PAD_ID),
         vision_config=dict(model_type="pixtral", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                            intermediate_size=4096, image_size=1540, patch_size=14, num_channels=3, head_dim=64,
                            rope_theta=10000.0),

@@ -92,7 +92,7 @@ def test_figures_read_the_median_after_warm_up_precompute_and_peaks(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_check(tmp_path_factory):
-    """benchmarks/gpu_check.sh --tiny, once: every run of the plan but the two compiled ones (test_speed.py compiles)."""
+    """benchmarks/gpu_check.sh --tiny, once: every run of the plan but the compiled ones (test_speed.py compiles)."""
     tmp = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ, OUT=str(tmp / "out"), PYTHON=sys.executable)
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--tiny", "--work", str(tmp / "work"), "--skip",
@@ -106,7 +106,7 @@ def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
     proc, tmp = tiny_check
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["name"]: r for r in map(json.loads, (tmp / "out" / "gpu_check.jsonl").read_text().splitlines())}
-    assert list(results) == ["build", "readme", "step", "no_gc", "dev", "dev_nf4"]
+    assert list(results) == ["build", "readme", "step", "readme_24gb", "no_gc", "dev", "dev_nf4"]
     readme = results["readme"]
     assert readme["rc"] == 0 and readme["steps"] == 3 and readme["s_per_step"] > 0 and readme["precompute_s"] >= 0
     assert readme["lora_mb"] > 0 and readme["validation_pngs"] >= 1
@@ -114,11 +114,11 @@ def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
         results["no_gc"]["command"]
     assert (tmp / "work" / "readme" / "pytorch_lora_weights.safetensors").exists()
     steps = [json.loads(x) for x in (tmp / "out" / "gpu_step.jsonl").read_text().splitlines()]
-    assert [(r["gc"], r["precision"]) for r in steps] == [("on", "bf16"), ("off", "bf16"), ("on", "bf16"), ("on", "bf16")]
+    assert [(r["gc"], r["swap"]) for r in steps] == [("on", "0"), ("off", "0"), ("on", "0"), ("on", "half")]
     assert all(r["s_per_step"] > 0 for r in steps)
     log = (tmp / "out" / "gpu_check.log").read_text()
     assert log.splitlines()[-1].startswith("| tiny eager gc on bf16 64px swap half")  # the table is last
-    assert "| readme | 0 |" in log and "| no_gc | 0 |" in log
+    assert "| readme | 0 |" in log and "| no_gc | 0 |" in log and "| readme_24gb | 0 |" in log
 
 
 def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
@@ -127,8 +127,8 @@ def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("# ")]
-    assert names[:7] == ["build", "readme", "step", "no_gc", "compile", "dev", "dev_nf4"]
-    assert names[-1] == "step_compile"
+    assert names[:8] == ["build", "readme", "step", "readme_24gb", "no_gc", "compile", "dev", "dev_nf4"]
+    assert names[-1] == "step_compile" and "{'GPU_CHECK_CARD_GB': '24'}" in proc.stdout.split("# readme_24gb")[1]
     readme = proc.stdout.split("# readme")[1].splitlines()[1]
     for flag in ("--resolution 1024", "--max_train_steps 30", "--validation_inference_steps 8",
                  "--gradient_checkpointing", "--train_batch_size 1", "--cache_latents"):
