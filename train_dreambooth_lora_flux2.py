@@ -5071,8 +5071,8 @@ class SpeedAndMemory(Option):
                 raise UsageError("--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
 
     def notes(self):  # measured: docs/speed.md
-        return ["--do_fp8_training without --compile: at [klein] 4B, batch 1, it made a step 2.1 times slower than "
-                "bf16 on an H200; time a few steps of both before a long run"] if (
+        return ["--do_fp8_training without --compile: at [klein] 4B, batch 1, it made a step 2.1 to 2.3 times slower "
+                "than bf16 on an H200; time a few steps of both before a long run"] if (
             self.args.do_fp8_training and not self.args.compile) else []
 
     def quantization_config(self, weight_dtype):

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -145,12 +146,18 @@ def tqdm_seconds(log):
 
 def figures(log, out_dir):
     """A whole-script run's figures from its log and output folder."""
-    stamp = lambda line: datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # noqa: E731
+    def stamp(line):  # None for a line without the logger's timestamp (another process's output ran into it)
+        try:
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            return None
+
     lines = log.splitlines()
     steps = [float(m.group(1)) for m in re.finditer(r" step \d+/\d+ loss \S+ lr \S+ ([\d.]+) s/step", log)]
     result = dict(steps=len(steps), s_per_step=statistics.median(steps[3:] or steps) if steps else tqdm_seconds(log))
-    start = [stamp(x) for x in lines if "loading the text encoder" in x]
-    done = [stamp(x) for x in lines if re.search(r"encoded \d+ of \d+ missing images|all latents cached", x)]
+    start = [t for t in (stamp(x) for x in lines if "loading the text encoder" in x) if t]
+    done = [t for t in (stamp(x) for x in lines if re.search(r"encoded \d+ of \d+ missing images|all latents cached",
+                                                             x)) if t]
     if start and done:
         result["precompute_s"] = round(done[-1] - start[0], 1)
     for line in lines:
@@ -177,10 +184,11 @@ def measure(argv):
                   file=sys.stderr, flush=True)
 
     atexit.register(peak)
-    if os.environ.get(CARD) and torch.cuda.is_available():  # an "N GB" card holds about N GiB; 1 for the CUDA context
+    if os.environ.get(CARD) and torch.cuda.is_available():  # a 24 GB RTX 4090 holds 24,564 MiB (an A10 or L4 about
+        # 22.5 GiB: "N GB" here means the larger kind); 1 GiB of it for the CUDA context
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction((float(os.environ[CARD]) - 1) * 2**30 / total)
-    sys.argv = argv
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (float(os.environ[CARD]) - 1) * 2**30 / total))
+    sys.argv, sys.path[0] = argv, str(Path(argv[0]).resolve().parent)  # as `python SCRIPT` would run it
     runpy.run_path(argv[0], run_name="__main__")
 
 
@@ -227,6 +235,8 @@ def main(argv=None):
         print("no CUDA GPU here: run with --tiny for the CPU check, or --dry-run")
         return 1
     out.mkdir(parents=True, exist_ok=True)
+    for stale in ("gpu_check.jsonl", "gpu_step.jsonl"):  # this run's rows only
+        (out / stale).unlink(missing_ok=True)
     make_images(work / "images", 64 if args.tiny else 1024)
     start, results = time.perf_counter(), []
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -238,11 +248,14 @@ def main(argv=None):
             continue
         print(f"== {name}: {shlex.join(command)}", flush=True)
         tic = time.perf_counter()
-        with open(out / f"{name}.log", "w") as log:
+        with open(out / f"{name}.log", "w") as log:  # its own process group: a timeout stops launcher and trainer
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(env, **dict(*extra)),
+                                    cwd=work, start_new_session=True)
             try:
-                rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=dict(env, **dict(*extra)),
-                                    cwd=work, timeout=None if args.tiny else max(left, 30)).returncode
+                rc = proc.wait(timeout=None if args.tiny else max(left, 30))
             except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 rc = "timeout"
         result = dict(name=name, rc=rc, wall_s=round(time.perf_counter() - tic, 1), device=device,
                       date=time.strftime("%Y-%m-%d"), command=shlex.join(command))

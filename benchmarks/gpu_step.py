@@ -154,12 +154,11 @@ def script_args(row, config, rank, lora_layers="default"):
 GIB = 2**30
 CARDS = (24, 48, 80)  # GB of the cards the README plans for
 NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes NF4: 4 bits a weight + one float32 absmax per block of 64
-# NF4 rows peaked 1.2 GiB above the first estimate on an H200 (2026-11-26, [klein] 4B, checkpointing, with and
-# without swapping: 5.7 and 5.2 GiB measured). 0.36 GiB of it is PEFT's k-bit preparation turning the frozen weights
-# that are not 4-bit to float32 (weight_bytes counts it); the other 0.8 GiB, the same whatever the resident weights,
-# grows with the step's work, not the weights: 40% of that row's estimated activations, assumed for every NF4 row
-# until a GPU explains it (bitsandbytes does not quantise on a CPU; its 4-bit layers' dequantised weights and PEFT's
-# copy of their output are suspects)
+# NF4 rows measured 0.8 GiB above what the weights, LoRA and activations explain (H200, 2026-11-26, [klein] 4B,
+# checkpointing, with and without swapping: 5.7 and 5.2 GiB; that run quantised the blocks only and PEFT's k-bit
+# preparation made the other weights float32, which the comparison counts). Until a GPU explains it (bitsandbytes
+# does not quantise on a CPU), an NF4 row's activations count 1.4 times: that row's excess as a share of its
+# activations, assumed to scale with them (one measurement; the 4-bit layers' dequantised weights are a suspect)
 NF4_ACTIVATIONS = 1.4
 
 
@@ -215,9 +214,8 @@ def validation_bytes(transformer, row, config, text_tokens):
     """The whole run's other peak, its validation: the trained transformer stays where it is while the pipeline
     samples (a forward without gradients, one image at a time) and then the VAE decodes each image at the row's
     size -> (sampling bytes, decode bytes, VAE weight bytes), the live tensors at their peak on the meta device.
-    The decode is counted in float32: under autocast the VAE's group norms run in float32 and hand float32 to what
-    follows (a bf16 count misses half: 1.5 GiB at 1024 px where an H200 measured the run's peak 3.4 GiB above its
-    weights; float32: 3.0)."""
+    The decode is counted in float32, which matched the one measurement (1024 px, H200: the run's peak 3.4 GiB above
+    its weights; a bf16 count gives 1.5, float32 3.0); presumably autocast's float32 group norms hand float32 on."""
     from diffusers import AutoencoderKLFlux2
 
     b, image_tokens = 1, (row["resolution"] // PATCH) ** 2 * (1 + row.get("references", 0))
@@ -241,7 +239,7 @@ def validation_bytes(transformer, row, config, text_tokens):
 
 
 class LiveBytes(TorchDispatchMode):
-    """The most bytes of tensors made inside the block alive at once (views count with their base, once)."""
+    """The most bytes of tensors made inside the block alive at once (views and in-place results add nothing)."""
 
     def __init__(self):
         super().__init__()
@@ -251,8 +249,10 @@ class LiveBytes(TorchDispatchMode):
         import weakref
 
         out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):  # a view or an in-place result: no new memory
+            return out
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t._base is None:
+            if isinstance(t, torch.Tensor):
                 size = t.numel() * t.element_size()
                 self.live += size
                 self.peak = max(self.peak, self.live)
@@ -280,12 +280,13 @@ def meta_model(row, config, rank, lora_layers):
 
 def weight_bytes(transformer, row, config):
     """-> (frozen weights on the GPU, pinned host bytes, LoRA bytes). Swapped blocks: on the host, at most two on the
-    GPU (SwapSchedule); NF4: the blocks' linear weights (the 2-D ones) at NF4_BYTES, whose scales (quantisation
-    state, not parameters) stay on the GPU when a block is swapped."""
+    GPU (SwapSchedule); NF4: every linear weight (the 2-D ones: diffusers' BitsAndBytesConfig converts each
+    nn.Linear) at NF4_BYTES, whose scales (quantisation state, not parameters) stay on the GPU when a block is
+    swapped, and the rest (norm weights) float32, as PEFT's k-bit preparation leaves them."""
     nf4 = row["precision"] == "nf4"
 
-    def frozen(module, nf4=False):  # NF4: PEFT's k-bit preparation turns the other frozen bf16 weights float32
-        return sum(p.numel() * (NF4_BYTES if nf4 and p.dim() == 2 else 4 if nf4 else p.element_size())
+    def frozen(module, nf4=False):
+        return sum(p.numel() * ((NF4_BYTES if p.dim() == 2 else 4) if nf4 else p.element_size())
                    for p in module.parameters() if not p.requires_grad)
 
     def scales(module):  # NF4: one float32 absmax per 64 weights
@@ -294,7 +295,7 @@ def weight_bytes(transformer, row, config):
     blocks = T.transformer_blocks(transformer)
     kept = len(blocks) - swap_count(row["swap"], config)
     swapped = [frozen(b, nf4) - scales(b) for b in blocks[kept:]]
-    rest = (frozen(transformer) - sum(map(frozen, blocks))) * (2 if nf4 else 1)  # embedders, modulation, output
+    rest = frozen(transformer, nf4) - sum(frozen(b, nf4) for b in blocks)  # embedders, modulation, output layers
     weights = rest + sum(frozen(b, nf4) for b in blocks[:kept]) + sum(map(scales, blocks[kept:]))
     weights += sum(sorted(swapped)[-2:])
     lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
@@ -382,23 +383,21 @@ def build_transformer(config, device, dtype, nf4):
 
 
 def quantize_nf4(transformer, compute_dtype):
-    """The blocks' linear layers -> bitsandbytes NF4 (what --bnb_quantization_config_path with load_in_4bit makes
-    when loading), one layer at a time so the bf16 copy never exists twice."""
+    """Every linear layer -> bitsandbytes NF4, as diffusers' BitsAndBytesConfig (load_in_4bit, no skipped modules)
+    converts them when the script loads with --bnb_quantization_config_path; one layer at a time so the bf16 copy
+    never exists twice. (Before 2026-11-26 the blocks' layers only: the H200 NF4 rows of that day.)"""
     import bitsandbytes as bnb
 
-    for block in (*transformer.transformer_blocks, *transformer.single_transformer_blocks):
-        for name, module in list(block.named_modules()):
-            if not isinstance(module, torch.nn.Linear):
-                continue
-            quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                                          compute_dtype=compute_dtype, quant_type="nf4", device="meta")
-            quantized.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4").to(
-                module.weight.device)
-            if module.bias is not None:
-                quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
-            parent, _, child = name.rpartition(".")
-            setattr(block.get_submodule(parent) if parent else block, child, quantized)
-            del module
+    for name, module in [(n, m) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]:
+        quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                      compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+        quantized.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4").to(
+            module.weight.device)
+        if module.bias is not None:
+            quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(transformer.get_submodule(parent) if parent else transformer, child, quantized)
+        del module
 
 
 def image_tokens_of(row):

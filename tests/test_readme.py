@@ -136,7 +136,7 @@ def test_the_commands_the_readme_describes_as_changes_parse_and_fit_their_card(u
     (first,) = commands(sections(README)["train-your-first-lora"])
     (dev24,) = commands(sections(README)["dev-on-a-24-gb-card"])
     assert "without `--gradient_checkpointing`" in sections(README)["klein-4b-on-a-48-or-80-gb-card"]
-    assert "without `--blocks_to_swap 40`, and with `--text_encoder_quantization int8`" in " ".join(
+    assert "without `--blocks_to_swap 28`, and with `--text_encoder_quantization int8`" in " ".join(
         sections(README)["dev-on-a-48-gb-card"].split())
     klein48 = _without(first, "--gradient_checkpointing")
     dev48 = ["int8" if w == "nf4" else w for w in _without(dev24, "--blocks_to_swap")]

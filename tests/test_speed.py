@@ -237,7 +237,7 @@ def test_gpu_benchmark_memory_mode_tiny_runs_swapping_rows_and_estimates(tmp_pat
 
 def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     """The estimate on real [klein] 4B shapes (meta device, nothing allocated): swapping N blocks removes N - 2 of
-    them from the GPU and puts N in pinned host memory; NF4 weights are about a third of bf16; checkpointing keeps
+    them from the GPU and puts N in pinned host memory; NF4 weights are about a quarter of bf16; checkpointing keeps
     a fraction of the activations. Against the two rows measured on an H100 (README; the script then adapted
     to_k, to_q, to_v, to_out.0): 8.9 GiB with checkpointing, 19.7 without; the estimate may err high, by < 8%."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -256,8 +256,7 @@ def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     assert G.swap_count("half", config) == 12  # the last 12 of 25 blocks: single-stream blocks, all the same size
     block = half["host_gib"] / 12
     assert plain["host_gib"] == 0 and abs((plain["weights_gib"] - half["weights_gib"]) - 10 * block) < 1e-9
-    # NF4: the blocks' linear weights at about a quarter, the other weights float32 (PEFT's k-bit preparation)
-    assert 0.3 < estimate(precision="nf4")["weights_gib"] / plain["weights_gib"] < 0.4
+    assert 0.25 < estimate(precision="nf4")["weights_gib"] / plain["weights_gib"] < 0.35
     assert estimate(gc="off")["activations_gib"] > 4 * plain["activations_gib"]
     old_default = "to_k,to_q,to_v,to_out.0"
     for gc, measured in (("on", 8.9), ("off", 19.7)):
