@@ -138,6 +138,23 @@ def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
     assert "| readme | 0 |" in log and "| no_gc | 0 |" in log and "| readme_24gb | 0 |" in log
 
 
+def test_lora_check_applies_the_runs_lora_to_its_checkpoint(tiny_check, tmp_path):
+    """benchmarks/lora_check.py (the CPU proof's check): the README run's LoRA lands whole on the checkpoint it was
+    trained on; a file missing one tensor is caught."""
+    from safetensors.torch import load_file, save_file
+
+    import lora_check
+
+    _, tmp = tiny_check
+    model, lora = tmp / "work" / "tiny-klein", tmp / "work" / "readme" / "pytorch_lora_weights.safetensors"
+    tensors, modules, problems = lora_check.check(str(model), str(lora))
+    assert problems == [] and tensors == 2 * modules > 0
+    state = load_file(str(lora))
+    state.pop(next(k for k in state if k.endswith("lora_B.weight")))
+    save_file(state, str(tmp_path / "broken.safetensors"))
+    assert lora_check.check(str(model), str(tmp_path / "broken.safetensors"))[2]
+
+
 def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--work", str(tmp_path / "work")],
