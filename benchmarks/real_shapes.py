@@ -59,36 +59,6 @@ def mistral_small():
         bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID, pad_token_id=tiny.PAD_ID)
 
 
-def tiny_qwen3():
-    from transformers import Qwen3Config
-    return Qwen3Config(vocab_size=tiny.VOCAB_SIZE, hidden_size=tiny.KLEIN_TEXT_HIDDEN_SIZE, intermediate_size=37,
-                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                       max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                       bos_token_id=tiny.KLEIN_PAD_ID, eos_token_id=tiny.KLEIN_IM_END_ID)
-
-
-def tiny_mistral():
-    from transformers import Mistral3Config
-    return Mistral3Config(
-        text_config=dict(model_type="mistral", vocab_size=tiny.VOCAB_SIZE, hidden_size=tiny.TEXT_HIDDEN_SIZE,
-                         intermediate_size=37, max_position_embeddings=512, num_attention_heads=4,
-                         num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=1e9,
-                         sliding_window=None, bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID,
-                         pad_token_id=tiny.PAD_ID),
-        vision_config=dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
-                           intermediate_size=37, image_size=30, patch_size=6, num_channels=3),
-        image_token_index=tiny.IMG_ID, vision_feature_layer=-1,
-        bos_token_id=tiny.BOS_ID, eos_token_id=tiny.EOS_ID, pad_token_id=tiny.PAD_ID)
-
-
-TINY_TRANSFORMER = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                        num_attention_heads=2, timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4))
-TINY_VAE = dict(sample_size=32, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                block_out_channels=(4, 8), layers_per_block=1, latent_channels=1, norm_num_groups=1,
-                use_quant_conv=False, use_post_quant_conv=False)
-
-
 @dataclass
 class Spec:
     pipeline: str            # model_index.json's _class_name
@@ -107,12 +77,12 @@ SPECS = {
     "dev": Spec("Flux2Pipeline", MODELS["dev"], "Mistral3ForConditionalGeneration", mistral_small, {}, (10, 20, 30)),
 }
 TINY = {  # the tests' tiny_flux2.py models, same configs
-    "klein4b": Spec("Flux2KleinPipeline", dict(TINY_TRANSFORMER, joint_attention_dim=tiny.KLEIN_JOINT_ATTENTION_DIM,
-                                              guidance_embeds=False), "Qwen3ForCausalLM", tiny_qwen3, TINY_VAE,
-                    tiny.KLEIN_TEXT_ENCODER_OUT_LAYERS),
-    "dev": Spec("Flux2Pipeline", dict(TINY_TRANSFORMER, joint_attention_dim=tiny.JOINT_ATTENTION_DIM,
-                                      guidance_embeds=True), "Mistral3ForConditionalGeneration", tiny_mistral, TINY_VAE,
-                tiny.TEXT_ENCODER_OUT_LAYERS),
+    "klein4b": Spec("Flux2KleinPipeline", dict(tiny.TRANSFORMER, joint_attention_dim=tiny.KLEIN_JOINT_ATTENTION_DIM,
+                                              guidance_embeds=False),
+                    "Qwen3ForCausalLM", tiny.klein_text_config, tiny.VAE, tiny.KLEIN_TEXT_ENCODER_OUT_LAYERS),
+    "dev": Spec("Flux2Pipeline", dict(tiny.TRANSFORMER, joint_attention_dim=tiny.JOINT_ATTENTION_DIM,
+                                      guidance_embeds=True),
+                "Mistral3ForConditionalGeneration", tiny.dev_text_config, tiny.VAE, tiny.TEXT_ENCODER_OUT_LAYERS),
 }
 TINY["klein9b"] = TINY["klein4b"]
 

@@ -224,7 +224,7 @@ def build_tiny_flux2(path, hub_processor=True):
     from components. `hub_processor=False` names the fast tokenizer class instead, so passing
     `tokenizer=tok` (or nothing) works.
     """
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
 
     os.makedirs(path, exist_ok=True)
     transformer = _build_transformer(JOINT_ATTENTION_DIM, guidance_embeds=True)  # [dev] is guidance-distilled
@@ -232,23 +232,8 @@ def build_tiny_flux2(path, hub_processor=True):
 
     tok = build_tokenizer()
     assert len(tok) <= VOCAB_SIZE
-    config = Mistral3Config(
-        text_config={
-            "model_type": "mistral", "vocab_size": VOCAB_SIZE, "hidden_size": TEXT_HIDDEN_SIZE,
-            "intermediate_size": 37, "max_position_embeddings": 512, "num_attention_heads": 4,
-            "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-            "rope_theta": 1e9, "sliding_window": None,
-            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
-        },
-        vision_config={
-            "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
-            "intermediate_size": 37, "image_size": 30, "patch_size": 6, "num_channels": 3,
-        },
-        image_token_index=IMG_ID, vision_feature_layer=-1,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-    )
     torch.manual_seed(0)
-    text_encoder = Mistral3ForConditionalGeneration(config)
+    text_encoder = Mistral3ForConditionalGeneration(dev_text_config())
 
     _save_models(path, transformer, vae, text_encoder)
     _save_tokenizer(tok, os.path.join(path, "tokenizer"))
@@ -268,7 +253,7 @@ def build_tiny_flux2_klein(path, distilled=False):
     guidance_scale > 1); `distilled=True` a step-distilled one (the pipeline ignores guidance_scale).
     Encode prompts with `text_encoder_out_layers=KLEIN_TEXT_ENCODER_OUT_LAYERS`.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     os.makedirs(path, exist_ok=True)
     transformer = _build_transformer(KLEIN_JOINT_ATTENTION_DIM, guidance_embeds=False)
@@ -276,15 +261,8 @@ def build_tiny_flux2_klein(path, distilled=False):
 
     tok = build_klein_tokenizer()
     assert len(tok) <= VOCAB_SIZE
-    config = Qwen3Config(  # Qwen3-4B settings (tied embeddings, rope theta 1e6), shrunk
-        vocab_size=VOCAB_SIZE, hidden_size=KLEIN_TEXT_HIDDEN_SIZE, intermediate_size=37,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        bos_token_id=KLEIN_PAD_ID, eos_token_id=KLEIN_IM_END_ID,
-    )
     torch.manual_seed(0)
-    text_encoder = Qwen3ForCausalLM(config)
+    text_encoder = Qwen3ForCausalLM(klein_text_config())
 
     _save_models(path, transformer, vae, text_encoder)
     tok.save_pretrained(os.path.join(path, "tokenizer"))  # tokenizer.json, tokenizer_config.json, chat_template.jinja
@@ -293,28 +271,61 @@ def build_tiny_flux2_klein(path, distilled=False):
     return path
 
 
+# The tiny models' configs (benchmarks/real_shapes.py --tiny writes them too)
+TRANSFORMER = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                   num_attention_heads=2, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4])
+VAE = dict(sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+           up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(4, 8), layers_per_block=1,
+           latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
+
+
+def dev_text_config():
+    """Mistral-Small-3.1 (text + Pixtral vision tower), shrunk."""
+    from transformers import Mistral3Config
+
+    return Mistral3Config(
+        text_config={
+            "model_type": "mistral", "vocab_size": VOCAB_SIZE, "hidden_size": TEXT_HIDDEN_SIZE,
+            "intermediate_size": 37, "max_position_embeddings": 512, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+            "rope_theta": 1e9, "sliding_window": None,
+            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+        },
+        vision_config={
+            "model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 37, "image_size": 30, "patch_size": 6, "num_channels": 3,
+        },
+        image_token_index=IMG_ID, vision_feature_layer=-1,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+
+
+def klein_text_config():
+    """Qwen3-4B settings (tied embeddings, rope theta 1e6), shrunk."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=KLEIN_TEXT_HIDDEN_SIZE, intermediate_size=37,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=KLEIN_PAD_ID, eos_token_id=KLEIN_IM_END_ID,
+    )
+
+
 def _build_transformer(joint_attention_dim, guidance_embeds):
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(0)
-    return Flux2Transformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=joint_attention_dim, timestep_guidance_channels=256,
-        axes_dims_rope=[4, 4, 4, 4], guidance_embeds=guidance_embeds,
-    )
+    return Flux2Transformer2DModel(**TRANSFORMER, joint_attention_dim=joint_attention_dim,
+                                   guidance_embeds=guidance_embeds)
 
 
 def _build_vae():
     from diffusers import AutoencoderKLFlux2
 
     torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(
-        sample_size=32, in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(4, 8), layers_per_block=1, latent_channels=1, norm_num_groups=1,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )
+    vae = AutoencoderKLFlux2(**VAE)
     # Fresh BatchNorm stats are mean 0 / var 1, which would hide a trainer that forgets the
     # latent normalisation; make them clearly non-trivial.
     with torch.no_grad():
