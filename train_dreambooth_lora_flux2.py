@@ -3,16 +3,17 @@
 """DreamBooth LoRA training for FLUX.2 [dev] and FLUX.2 [klein]: text-to-image, and edit (image-to-image).
 
 Trains PEFT LoRA adapters on the Flux2Transformer2DModel of a FLUX.2 checkpoint from a folder of images (a same-stem
-.txt file is an image's caption). FLUX.2 [klein] base 4B on a 24 GB GPU (README.md: commands for 24, 48, 80 GB):
+.txt file is an image's caption). FLUX.2 [klein] base 4B, fitted to the GPU by --memory_plan auto (README.md: what it
+chooses for cards of 16 to 141 GB):
 
     accelerate launch train_dreambooth_lora_flux2.py \
       --pretrained_model_name_or_path black-forest-labs/FLUX.2-klein-base-4B \
       --instance_data_dir dog --instance_prompt "a photo of sks dog" --output_dir flux2-klein-dog-lora \
-      --mixed_precision bf16 --gradient_checkpointing --cache_latents --resolution 1024 --train_batch_size 1 \
+      --mixed_precision bf16 --memory_plan auto --cache_latents --resolution 1024 --train_batch_size 1 \
       --gradient_accumulation_steps 4 --max_train_steps 500 --checkpointing_steps 100 \
       --validation_prompt "a photo of sks dog in a bucket" --validation_epochs 25
 
-FLUX.2 [dev] on an 80 GB GPU: the same flags with --pretrained_model_name_or_path black-forest-labs/FLUX.2-dev and
+FLUX.2 [dev]: the same flags with --pretrained_model_name_or_path black-forest-labs/FLUX.2-dev and
 --output_dir flux2-dog-lora (the family is read from model_index.json; its text-encoder layers and validation
 defaults from its diffusers pipeline). Edit LoRAs add --cond_data_dir (same-stem condition images).
 
@@ -38,7 +39,7 @@ Reading map: three parts, drawn by what runs.
   Part 3, the options (delete what you do not use): one '# Option: NAME' section each, with its own flags, called
     only through the seam while it is on: the manifest, class images, edit training, EMA, adapters and the ComfyUI
     file, trigger words and output preservation, text encoders, Prodigy, FSDP, block swapping, attention backends,
-    compile, fp8 and 8-bit, validation extras.
+    compile, fp8 and 8-bit, validation extras, the memory plan.
 """
 
 # ================================================================================================================
@@ -320,12 +321,11 @@ OPTIONS = []  # the option classes in Part 3's order (chained seams run in it); 
 SEAMS = {  # what an option may define, by how the recipe combines the answers (Hooks: each, first, chain, ...)
     "check", "notes", "resolve", "check_model", "load_images", "class_images", "class_count", "images", "condition",
     "describe", "adapter_name", "validation_specs", "prompt", "extra_prompts", "prompt_encoder", "text_encoder",
-    "prompt_batch_size",
-    "cache_identity", "cache_held", "load_transformer", "quantization_config", "before_lora", "adapter_config",
-    "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra", "after_optimizer_step",
-    "training_state", "load_training_state", "training_state_problem", "lora_state", "optimizer_state",
-    "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights", "save_final",
-    "write_lora"}
+    "prompt_batch_size", "cache_identity", "cache_held", "load_transformer", "quantization_config", "before_lora",
+    "adapter_config", "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra",
+    "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
+    "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
+    "save_final", "write_lora", "plan_memory"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -387,10 +387,10 @@ class Hooks:
         texts = [v for v in vars(args).values() if isinstance(v, str)]  # a [trigger] in a flag turns its option on
         self.options = [cls(args) for cls in OPTIONS if cls.wanted(args, texts)]
 
-    def wake(self, args, texts):
-        """Also turn on the options whose placeholder is in `texts` (the captions, read after the flags)."""
+    def wake(self, args, texts=()):
+        """Also turn on the options now wanted: a placeholder in `texts` (captions), or flags the memory plan set."""
         off = [cls for cls in OPTIONS if cls not in {type(o) for o in self.options}]
-        self.options += [cls(args) for cls in off if cls.placeholder and cls.wanted(args, texts)]
+        self.options += [cls(args) for cls in off if cls.wanted(args, texts)]
         self.options.sort(key=lambda o: OPTIONS.index(type(o)))
 
     def _calls(self, seam, *args):
@@ -979,12 +979,14 @@ def setup_accelerator(args):
     return accelerator
 
 def resolve_model_flags(args, hooks):
-    """The flags that depend on the checkpoint: the family's defaults, then the options' (--init_lora's rank, the
-    trigger word filled in); then what must fit the model is checked (its config files only) -> the family."""
+    """The flags that depend on the checkpoint: the family's defaults, the options' (--init_lora's rank, the trigger
+    word), what must fit the model (its config files only), then the memory plan's choices -> the family."""
     family = detect_family(args)
     resolve_family_defaults(args, family)
     hooks.each("resolve", family)
     check_model_fit(args, hooks)
+    if any(hooks.each("plan_memory", family)):  # --memory_plan auto set flags: their options turn on
+        hooks.wake(args)
     return family
 
 def build_data(args, instances, classes, seed, accelerator):
@@ -1480,8 +1482,7 @@ def model_inputs(inputs, run, generator, offload, latent_sampling):
 
 def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sampling):
     """Forward and backward of one micro-batch (queued, not waited for) -> (detached loss, latent size). Noise,
-    timesteps and posterior draws come from a generator seeded by (seed, micro-step, process): a resumed run
-    draws the same."""
+    timesteps and posterior draws come from a generator seeded by (seed, micro-step, process): resumes draw alike."""
     generator = torch.Generator(accelerator.device).manual_seed(
         seed_for("step", run.data.seed, micro, accelerator.process_index))
     latents, embeds, mask, references = model_inputs(inputs, run, generator, offload, latent_sampling)
@@ -1627,8 +1628,7 @@ def after_optimizer_step(args, accelerator, run, global_step, signum):
                               "with the same command plus --resume_from_checkpoint latest", 128 + signum)
 
 def after_epoch(args, accelerator, run, global_step, epoch):
-    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless --validation_steps just validated
-    the same weights."""
+    """Validate after epochs N, 2N, ... of --validation_epochs (1-based), unless --validation_steps just did."""
     just_validated = args.validation_steps and global_step % args.validation_steps == 0
     if ((epoch + 1) % args.validation_epochs == 0 and not just_validated
             and validates_in_training(args, accelerator, run, global_step)):
@@ -3839,6 +3839,8 @@ def generate_class_images(args, accelerator, seed, existing, family):
     sizes = {name: sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers()))
              for name, c in pipeline.components.items() if isinstance(c, torch.nn.Module)}
     free = free_gpu_bytes(accelerator.device)
+    if free is not None and vars(args).get("gpu_memory"):  # --memory_plan auto planned for a card of this size
+        free = min(free, args.gpu_memory)
     placement = pipeline_placement(list(sizes.values()), free, args.offload)
     if placement == "device":
         pipeline.to(accelerator.device)
@@ -5032,6 +5034,8 @@ class AttentionBackends(Option):
 # Option: compile, fp8 and 8-bit (--compile, --do_fp8_training, --bnb_quantization_config_path, --use_8bit_adam)
 
 def read_bnb_config(path):
+    if path == "nf4":  # what --memory_plan auto chooses: 4-bit NormalFloat, as QLoRA
+        return {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -5051,8 +5055,9 @@ class SpeedAndMemory(Option):
     flags = [
         flag("--compile", action="store_true", help="torch.compile the blocks: a one-off compile, then faster steps."),
         flag("--do_fp8_training", action="store_true", help="torchao float8 matmuls (CUDA, compute capability 8.9+)."),
-        flag("--bnb_quantization_config_path", type=readable_file, help="JSON of a bitsandbytes config, e.g. "
-             "{\"load_in_4bit\": true, \"bnb_4bit_quant_type\": \"nf4\"}: a quantised frozen transformer (CUDA)."),
+        flag("--bnb_quantization_config_path", type=Accepts("nf4 or a readable JSON file", lambda v: v == "nf4" or (
+            Path(v).is_file() and os.access(v, os.R_OK))), help="A quantised frozen transformer (CUDA): "
+             "nf4 (4-bit NormalFloat), or a bitsandbytes config's JSON, e.g. {\"load_in_8bit\": true}."),
         flag("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")]
 
     def __init__(self, args):
@@ -5195,6 +5200,418 @@ class ValidationExtras(Option):
         finally:
             for layer, scaling in zip(layers, saved):
                 layer.scaling.update(scaling)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: memory plan (--memory_plan auto: the fastest settings that fit this GPU; --plan_only, --gpu_memory)
+
+from accelerate import PartialState
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GIB = 2**30
+PLAN_MARGIN = (1.1, 1.5 * GIB)  # a peak fits a card when peak x 1.1 + 1.5 GiB (fragmentation, CUDA context) fits
+QUANT_BYTES = {"nf4": 0.5 + 4 / 64, "int8": 1.0 + 2 / 1024}  # a weight: 4 bits + a float32 scale per 64; a byte
+# NF4 [klein] 4B peaked 0.8 GiB above what its weights, LoRA and activations explain (H200, 2026-11-26, with and
+# without swapping); until a GPU explains it (bitsandbytes does not quantise on a CPU), NF4 activations count 1.4x
+NF4_ACTIVATIONS = 1.4
+# Step time against bf16 with checkpointing ([klein] 4B, 1024 px, batch 1, H200, docs/speed.md): no checkpointing
+# 0.243 / 0.342 s; 24 of 25 blocks swapped 0.368 (the cost grows with the share swapped); NF4 0.422
+STEP_COST = {"no_checkpointing": 0.71, "all_swapped": 0.08, "nf4": 1.23}
+CARD_SIZES = (16, 24, 32, 48, 80, 96, 141, 192)  # GB: the cards a refusal may name
+TEXT_ACTIVATIONS = GIB  # while prompts are encoded: every layer's hidden states ([dev]: 41 x 512 x 5,120, 0.2 GB each)
+
+def memory_size(text):
+    """'24GB', '24GiB' or '24' -> bytes: a card sold as N GB holds about N GiB (24,564 MiB on an RTX 4090)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?) ?(GB|GiB|G)?", text.strip(), re.IGNORECASE)
+    if m is None:
+        raise ValueError(text)
+    return int(float(m.group(1)) * GIB)
+
+def fits_card(peak, card):
+    return peak * PLAN_MARGIN[0] + PLAN_MARGIN[1] <= card
+
+def gib(n):
+    return f"{n / GIB:.1f}"
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of tensors made inside the block alive at once (views and in-place results add nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):  # a view or an in-place result
+            return out
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                size = t.numel() * t.element_size()
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self.free, size)
+        return out
+
+    def free(self, size):
+        self.live -= size
+
+class FusedAttention(torch.autograd.Function):
+    """Shapes only: what a fused attention kernel (flash, memory-efficient, cuDNN) saves for its backward pass: q, k,
+    v, the output and a float32 log-sum-exp per query. On the meta device PyTorch would take the math path, which
+    saves the [B, heads, N, N] attention matrix (4 GB a block at 1024 px) that no GPU kernel keeps."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("shapes only")
+
+@contextlib.contextmanager
+def shapes_only():
+    """Tensors on the meta device, attention as a fused kernel."""
+    import unittest.mock
+    fused = lambda query, key, value, **_: FusedAttention.apply(query, key, value)  # noqa: E731
+    with torch.device("meta"), unittest.mock.patch("torch.nn.functional.scaled_dot_product_attention", fused):
+        yield
+
+def forward_inputs(transformer, batch, image_tokens, text_tokens):
+    """Empty transformer inputs of these shapes, in its frozen weights' dtype (on the meta device: shapes_only)."""
+    config, dtype = transformer.config, next(p.dtype for p in transformer.parameters() if not p.requires_grad)
+    return dict(hidden_states=torch.empty(batch, image_tokens, config["in_channels"], dtype=dtype),
+                encoder_hidden_states=torch.empty(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
+                timestep=torch.empty(batch), img_ids=torch.empty(batch, image_tokens, 4, dtype=torch.long),
+                txt_ids=torch.empty(batch, text_tokens, 4, dtype=torch.long),
+                guidance=torch.empty(batch) if config["guidance_embeds"] else None, return_dict=False)
+
+def saved_bytes(transformer, batch, image_tokens, text_tokens):
+    """One training forward on the meta device, recording what autograd saves -> (bytes saved outside the blocks,
+    each block's input bytes, each block's saved bytes). A view counts once, with its base; parameters not at all."""
+    blocks, dtype = transformer_blocks(transformer), forward_inputs(transformer, 1, 1, 1)["hidden_states"].dtype
+    for p in transformer.parameters():  # the base dtype, as autocast runs the float32 LoRA layers (it skips meta)
+        p.data = p.data.to(dtype) if p.requires_grad else p.data
+    saved, inputs, outside, current, seen = [0] * len(blocks), [0] * len(blocks), [0], [None], set()
+
+    def pack(t):
+        base = t if t._base is None else t._base
+        if not isinstance(base, torch.nn.Parameter) and id(base) not in seen:
+            seen.add(id(base))
+            if current[0] is None:
+                outside[0] += base.numel() * base.element_size()
+            else:
+                saved[current[0]] += base.numel() * base.element_size()
+        return t
+
+    def enter(i, args, kwargs):  # the hidden states; rotary tables and temb are shared, counted outside
+        current[0] = i
+        inputs[i] = sum(t.numel() * t.element_size() for t in (*args, *kwargs.values())
+                        if isinstance(t, torch.Tensor) and t.dim() == 3)
+
+    hooks = [h for i, block in enumerate(blocks) for h in (
+        block.register_forward_pre_hook(lambda module, a, k, i=i: enter(i, a, k), with_kwargs=True),
+        block.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
+    with shapes_only(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        transformer(**forward_inputs(transformer, batch, image_tokens, text_tokens))
+    for h in hooks:
+        h.remove()
+    return outside[0], inputs, saved
+
+def weight_bytes(transformer, swap=0, quant=None):
+    """-> (frozen weights on the GPU, pinned host bytes, LoRA bytes: weight, gradient, two AdamW moments in
+    float32). Quantised: every linear weight (the 2-D ones: diffusers' BitsAndBytesConfig converts each
+    nn.Linear), whose NF4 scales stay on the GPU when a block swaps; the rest float32 (PEFT's k-bit preparation).
+    At the peak, the start of the backward pass, the last two swapped blocks are resident (H200: within 4% with
+    12 and 24 of [klein] 4B's 25 swapped)."""
+    def frozen(module):
+        return sum(p.numel() * ((QUANT_BYTES[quant] if p.dim() == 2 else 4) if quant else p.element_size())
+                   for p in module.parameters() if not p.requires_grad)
+
+    def scales(module):
+        return sum(p.numel() * 4 / 64 for p in module.parameters() if not p.requires_grad and p.dim() == 2) * (
+            quant == "nf4")
+
+    blocks = transformer_blocks(transformer)
+    kept = len(blocks) - swap
+    swapped = [frozen(b) - scales(b) for b in blocks[kept:]]
+    rest = frozen(transformer) - sum(frozen(b) for b in blocks)  # embedders, modulation, output
+    on_gpu = rest + sum(frozen(b) for b in blocks[:kept]) + sum(map(scales, blocks[kept:]))
+    lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+    return on_gpu + sum(swapped[-2:]), sum(swapped), lora
+
+class MemoryEstimate:
+    """A run's peak GPU memory at any setting the plan chooses, from shapes alone: the weight and LoRA bytes of the
+    prepared model on the meta device (swapped blocks and quantised weights counted exactly), activations from one
+    forward there, and validation's peak (the trained transformer resident while the pipeline samples one image and
+    the VAE decodes it, the decode in float32 as measured). Checked against H100 and H200 runs: docs/memory.md."""
+
+    def __init__(self, transformer, vae, batch, image_tokens, text_tokens, side, validates=True, cached=True):
+        self.transformer, self.blocks = transformer, transformer_blocks(transformer)
+        self.outside, self.inputs, self.saved = saved_bytes(transformer, batch, image_tokens, text_tokens)
+        self.vae = 0 if vae is None else sum(p.numel() for p in vae.parameters()) * 2
+        self.sampling = self.decode = self.encode = 0
+        with shapes_only(), torch.no_grad():
+            if validates:
+                with LiveBytes() as sampling:
+                    transformer(**forward_inputs(transformer, 1, image_tokens, text_tokens))
+                self.sampling = sampling.peak
+            if vae is not None and validates:
+                with LiveBytes() as decode:
+                    vae.decode(torch.empty(1, vae.config.latent_channels, side, side))
+                self.decode = decode.peak
+            if vae is not None and not cached:  # latents encoded at every step: the VAE stays on the GPU
+                with LiveBytes() as encode:
+                    vae.encode(torch.empty(batch, 3, side * 8, side * 8))
+                self.encode = encode.peak
+        self.validates, self.cached = validates, cached
+
+    def peak(self, checkpointing, swap=0, quant=None):
+        """-> {weights, host, load, lora, activations, training, validation, peak} in bytes (host: pinned; load:
+        the host memory of loading, unquantised weights are read whole into it). With checkpointing the
+        activations are what is saved outside the blocks, each block's input and twice the largest block's saved
+        tensors (one recomputed, its gradients); without, everything saved and one block's worth in flight."""
+        weights, host, lora = weight_bytes(self.transformer, swap, quant)
+        if checkpointing:
+            activations = self.outside + sum(self.inputs) + 2 * max(self.saved)
+        else:
+            activations = self.outside + sum(self.saved) + max(self.saved)
+        activations *= NF4_ACTIVATIONS if quant == "nf4" else 1
+        vae = 0 if self.cached else self.vae
+        training = weights + lora + vae + max(activations, self.encode)
+        validation = weights + lora + self.vae + max(self.sampling, self.decode) if self.validates else 0
+        load = 0 if quant else sum(p.numel() * p.element_size() for p in self.transformer.parameters())
+        return dict(weights=weights, host=host, load=load, lora=lora, activations=activations, training=training,
+                    validation=validation, peak=max(training, validation))
+
+def text_encoder_peak(params, kept, quant, element_size=2):
+    """-> (GPU peak while prompts are encoded: the weights, whose embeddings and output layer stay unquantised as
+    bitsandbytes keeps them, and a batch's hidden states; host memory: bf16 and int8 load whole on the CPU first)."""
+    gpu = kept * element_size + (params - kept) * (QUANT_BYTES[quant] if quant else element_size) + TEXT_ACTIVATIONS
+    return gpu, 0 if quant == "nf4" else params * element_size
+
+def step_cost(checkpointing, swap, blocks, quant):
+    """A step's time relative to bf16 with checkpointing (STEP_COST)."""
+    return ((1.0 if checkpointing else STEP_COST["no_checkpointing"]) * (1 + STEP_COST["all_swapped"] * swap / blocks)
+            * (STEP_COST["nf4"] if quant else 1.0))
+
+@dataclass(frozen=True)
+class PlanRow:
+    """A candidate: the settings, the smallest --blocks_to_swap that fits (None: none does), its GPU peak, the host
+    memory it needs (pinned blocks, or the unquantised weights while they load) and its step cost."""
+    quant: str | None
+    checkpointing: bool
+    swap: int | None
+    peak: int
+    host: int
+    cost: float
+
+def plan_rows(estimate, card, host_free, checkpointing=(False, True), swap=True, quants=(None,)):
+    """Each (weights, checkpointing) the plan may take, with the fewest swapped blocks that fit the card and
+    host_free (bytes) -> [PlanRow]; swapping needs checkpointing (autograd keeps weights)."""
+    rows, blocks = [], len(estimate.blocks)
+    for quant, gc in [(q, gc) for q in quants for gc in checkpointing]:
+        counts = range(blocks + 1) if swap is True and gc else [swap if gc and swap is not True else 0]
+        found = None
+        for n in counts:
+            found = estimate.peak(gc, n, quant)
+            host = max(found["host"], found["load"])
+            if fits_card(found["peak"], card) and host <= host_free:
+                rows.append(PlanRow(quant, gc, n, found["peak"], host, step_cost(gc, n, blocks, quant)))
+                break
+        else:
+            rows.append(PlanRow(quant, gc, None, found["peak"], host, math.inf))
+    return rows
+
+def best_row(rows):
+    """Full-precision weights before quantised ones (quantising changes results), then the fastest."""
+    fitting = [r for r in rows if r.swap is not None]
+    return min(fitting, key=lambda r: (r.quant is not None, r.cost)) if fitting else None
+
+@option
+class MemoryPlan(Option):
+    """--memory_plan auto: before any weights load, the run's peak GPU memory is estimated (MemoryEstimate: one
+    forward on the meta device from the checkpoint's configs) for each setting the user left at its default:
+    gradient checkpointing, --blocks_to_swap, NF4 weights, the text encoder's precision; the fastest that fits the
+    card (free memory, the least over the processes; --gpu_memory) and host RAM is taken. Cost: a few seconds at
+    start-up, none per step; --plan_only shows every candidate and stops."""
+
+    name = "memory plan"
+    switches = ("memory_plan",)
+    flags = [
+        flag("--memory_plan", choices=["off", "auto"], default="off", help="auto: checkpointing, block swapping, NF4 "
+             "weights and the text encoder's precision chosen to fit this GPU, fastest first; your flags stay."),
+        flag("--gpu_memory", type=Accepts("a size such as 24GB", lambda v: v > 0, memory_size),
+             help="Plan for a card of this size instead of this machine's free GPU memory."),
+        flag("--host_memory", type=Accepts("a size such as 64GB", lambda v: v > 0, memory_size),
+             help="Plan for this much free host RAM (swapped blocks' pinned memory); default: what is free here."),
+        flag("--plan_only", action="store_true", help="Print the plan (every candidate, its estimated peak) and stop.")]
+
+    def check(self):
+        if fsdp_requested():
+            raise UsageError("--memory_plan auto plans one GPU's memory; under FSDP each process holds a shard: set "
+                             "the memory flags yourself")
+        if self.args.plan_only and self.args.gpu_memory is None and not torch.cuda.is_available():
+            raise UsageError("--plan_only: no GPU here; give --gpu_memory, the size of the card to plan for")
+
+    def plan_memory(self, family):
+        args, can = self.args, vars(self.args)  # can: the flags of the options still in the script
+        card = args.gpu_memory or (agreed_minimum(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None)
+        if card is None:
+            logger.info("--memory_plan auto: no GPU here and no --gpu_memory: the flags stay as given")
+            return None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"), torch.float32)
+        text_size = text_encoder_size(args, family) if text_encoder_choices(args) else (0, 0)
+        report, chosen, text_choice = make_plan(args, family.name, card, args.host_memory or available_host_memory(),
+                                                run_estimate(args, dtype), text_size, dtype.itemsize)
+        if chosen is None:
+            raise UsageError(f"--memory_plan auto: {report[-1]}")
+        if args.plan_only:  # what the plan is, for a card of --gpu_memory, and nothing else
+            if PartialState().is_main_process:
+                print("\n".join(report))
+            raise SystemExit(0)
+        logger.info("\n".join([report[0], *report[-2:]]))
+        settings = dict(gradient_checkpointing=chosen.checkpointing, blocks_to_swap=chosen.swap,
+                        text_encoder_quantization=text_choice or "none")
+        if chosen.quant and not can.get("bnb_quantization_config_path"):
+            settings["bnb_quantization_config_path"] = "nf4"
+        for name, value in settings.items():
+            if name in can:
+                setattr(args, name, value)
+        return True
+
+def make_plan(args, model, card, host, estimate, text_size, element_size):
+    """The plan for `card` bytes of GPU memory and `host` bytes of free host RAM, from the run's MemoryEstimate and
+    its text encoder's (parameters, unquantised parameters) -> (report lines, the chosen PlanRow, the text encoder's
+    precision); nothing fits: (lines ending in the refusal, None, None). README.md's table is made by it."""
+    choices, text = plan_choices(args), text_encoder_choices(args)
+    # swapped blocks pin host memory in every process of this machine; the rest of the process needs some too
+    host_free = 0.8 * host / local_processes(PartialState())
+    rows = plan_rows(estimate, card, host_free, **choices)
+    text_rows = [(q, *text_encoder_peak(*text_size, q, element_size)) for q in text]
+    chosen, text_choice = best_row(rows), text_fit(text_rows, card, host_free)
+    report = plan_report(args, model, card, host, rows, chosen, text_rows, text_choice)
+    if chosen is None or text_choice is False:  # the card that would fit, on a machine with CUDA
+        choices, text = plan_choices(args, cuda=True), text_encoder_choices(args, cuda=True)
+        text_rows = [(q, *text_encoder_peak(*text_size, q, element_size)) for q in text]
+        return report + [smallest_card(estimate, host_free, choices, text_rows, card)], None, None
+    return report, chosen, text_choice
+
+def text_fit(text_rows, card, host_free):
+    """The first text-encoder precision that fits (None: no text encoder here; False: none fits)."""
+    return next((q for q, peak, host in text_rows if fits_card(peak, card) and host <= host_free),
+                False) if text_rows else None
+
+def plan_choices(args, cuda=None):
+    """What the plan may choose: the settings left at their defaults, of the options still in the script; swapping
+    and NF4 need CUDA (default: here, or --plan_only: another machine) and a plain LoRA (DoRA, LoKr: unverified)."""
+    can = vars(args)
+    cuda = torch.cuda.is_available() or args.plan_only if cuda is None else cuda
+    plain = can.get("adapter", "lora") == "lora" and not can.get("use_dora")
+    bnb = can.get("bnb_quantization_config_path")
+    free_quant = "bnb_quantization_config_path" in can and not (bnb or can.get("do_fp8_training")) and cuda and plain
+    return dict(checkpointing=(True,) if args.gradient_checkpointing else (False, True),
+                swap=True if can.get("blocks_to_swap") == 0 and cuda and plain else can.get("blocks_to_swap", 0),
+                quants=(None, "nf4") if free_quant else (None if not bnb else "nf4" if bnb == "nf4" or json.loads(
+                    Path(bnb).read_text()).get("load_in_4bit") else "int8",))  # 4-bit FP4 is NF4's size
+
+def text_encoder_choices(args, cuda=None):
+    """The text encoder's precisions the plan may choose, in order; none without a local text encoder."""
+    can, cuda = vars(args), torch.cuda.is_available() or args.plan_only if cuda is None else cuda
+    if any(can.get(n) for n in ("remote_text_encoder", "fsdp_text_encoder", "from_manifest")):
+        return []
+    given = can.get("text_encoder_quantization", "none")
+    if given != "none" or "text_encoder_quantization" not in can:
+        return [None if given == "none" else given]
+    return [None, "int8"] + ["nf4"] * cuda
+
+def plan_flags(row, text_choice):
+    return " ".join(["--gradient_checkpointing"] * row.checkpointing + [f"--blocks_to_swap {row.swap}"] * bool(
+        row.swap) + ["--bnb_quantization_config_path nf4"] * (row.quant == "nf4") + [
+        f"--text_encoder_quantization {text_choice}"] * bool(text_choice))
+
+def plan_report(args, model, card, host, rows, chosen, text_rows, text_choice):
+    """The plan's lines: each candidate, the choice and its flags; when nothing fits, the last line says which card
+    would, and with what."""
+    lines = [f"memory plan: {model}, {args.resolution} px, batch {args.train_batch_size}, rank {args.rank}, on "
+             f"{gib(card)} GiB of GPU memory and {gib(host)} GiB of host RAM (a peak fits when peak x "
+             f"{PLAN_MARGIN[0]} + {gib(PLAN_MARGIN[1])} GiB does)",
+             "  weights  checkpointing  swapped blocks  peak GiB  host RAM GiB  step time"]
+    for r in rows:
+        lines.append(f"  {r.quant or 'bf16':7}  {'on' if r.checkpointing else 'off':13}  "
+                     f"{'none fits' if r.swap is None else r.swap:>14}  {gib(r.peak):>8}  {gib(r.host):>12}  "
+                     + ("-" if r.swap is None else f"{r.cost:.2f}x") + ("  <- chosen" if r == chosen else ""))
+    lines += [f"  text encoder ({q or 'bf16'}): {gib(peak)} GiB while prompts are encoded, {gib(host)} GiB of host "
+              "RAM" + ("  <- chosen" if q == text_choice else "") for q, peak, host in text_rows]
+    if chosen is None or text_choice is False:
+        return lines
+    note = " (quantised weights change results a little: docs/memory.md)" if chosen.quant or text_choice else ""
+    return lines + [f"chosen: estimated peak {gib(chosen.peak)} GiB, step time {chosen.cost:.2f}x of bf16 with "
+                    f"checkpointing{note}", f"flags: {plan_flags(chosen, text_choice) or '(none added)'}"]
+
+def smallest_card(estimate, host_free, choices, text_rows, card):
+    """Nothing fits `card` -> the refusal: the smallest card of CARD_SIZES a plan fits, and its flags."""
+    text_need = min((peak for _, peak, _ in text_rows), default=0)
+    for size in CARD_SIZES:
+        row = best_row(plan_rows(estimate, size * GIB, host_free, **choices))
+        text = text_fit(text_rows, size * GIB, host_free)
+        if row is not None and text is not False:
+            return (f"nothing fits {gib(card)} GiB of GPU memory (the most frugal plan peaks at "
+                    f"{gib(max(min(r.peak for r in plan_rows(estimate, card, host_free, **choices)), text_need))} "
+                    f"GiB); the smallest card that fits is {size} GB, with {plan_flags(row, text) or 'these flags'}")
+    return f"nothing fits {gib(card)} GiB of GPU memory, nor any card up to {CARD_SIZES[-1]} GB"
+
+def run_estimate(args, dtype):
+    """MemoryEstimate of this run: the transformer as setup_training prepares it (LoRA on --lora_layers, an
+    option's adapter) at --resolution's tokens (twice with a condition image), its rows (class images and output
+    preservation each double them) and --max_sequence_length, from the checkpoint's config files alone."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from diffusers import AutoencoderKLFlux2
+    can = vars(args)
+    plain = argparse.Namespace(**{**can, "gradient_checkpointing": False, "blocks_to_swap": 0, "compile": False,
+                                  "bnb_quantization_config_path": None, "do_fp8_training": False,
+                                  "memory_plan": "off"})
+    meta = SimpleNamespace(device=torch.device("meta"), distributed_type=DistributedType.NO, is_main_process=True,
+                           state=SimpleNamespace(fsdp_plugin=None))
+    with torch.device("meta"):
+        transformer = prepare_transformer(plain, meta, empty_transformer(args).to(dtype), Hooks(plain))
+        vae = AutoencoderKLFlux2.from_config(read_model_json(args, "vae/config.json", "vae config"))
+    side = args.resolution // 8
+    tokens = (args.resolution // 16) ** 2 * (2 if can.get("cond_data_dir") or can.get("cond_image_column") else 1)
+    rows = args.train_batch_size * (2 if can.get("with_prior_preservation") else 1) * (
+        2 if can.get("output_preservation") else 1)
+    validates = any(can.get(n) for n in ("validation_prompt", "final_validation_prompt", "validation_prompts_file"))
+    return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, side, validates,
+                          args.cache_latents)
+
+def text_encoder_size(args, family):
+    """-> (parameters, those quantisation leaves alone: the input embeddings and the output layer), from the
+    checkpoint's text-encoder config on the meta device."""
+    import transformers
+    cls = getattr(transformers, family.text_encoder)
+    config = cls.config_class.from_dict(read_model_json(args, "text_encoder/config.json", "text_encoder config"))
+    with torch.device("meta"):
+        model = cls(config)
+    kept = {id(p): p.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+            for p in m.parameters()}
+    return sum(p.numel() for p in model.parameters()), sum(kept.values())
+
+def agreed_minimum(value):
+    """The least `value` over the processes (each plans its own GPU; all must take the same plan)."""
+    from accelerate.utils import gather
+    state = PartialState()
+    return int(gather(torch.tensor([value], device=state.device)).min()) if state.num_processes > 1 else value
+
+def available_host_memory():
+    try:
+        return int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1)) * 1024
+    except (OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 if __name__ == "__main__":
     try:

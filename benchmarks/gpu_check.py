@@ -7,13 +7,15 @@ most --budget_s seconds that prints one table last. benchmarks/gpu_check.sh inst
 
 In order, each started only while its usual time fits what is left of the budget:
   build     real_shapes.py klein4b: a random-weight checkpoint folder of the real architecture, on this machine's disk
-  readme    the README's first command, as written, on that folder: 30 steps at 1024 px, batch 1, one final
-            validation of 8 inference steps (whole-process seconds, precompute seconds, s/step, peak GPU memory)
+  readme    the README's first command, as written (--memory_plan auto plans for this whole GPU), on that folder: 30
+            steps at 1024 px, batch 1, one final validation of 8 inference steps (whole-process seconds, precompute
+            seconds, s/step, peak GPU memory, the plan's estimated peak and flags)
   step      gpu_step.py rows for [klein] 4B at the default LoRA targets: checkpointing on/off x bf16/fp8, eager
-  readme_24gb  the README command on this GPU made a 24 GB card (torch.cuda.set_per_process_memory_fraction): the
-            README says it fits one
-  no_gc     the README command without --gradient_checkpointing
-  compile   the README command with --compile
+  readme_24gb  the README command on this GPU made a 24 GB card (torch.cuda.set_per_process_memory_fraction), with
+            --gpu_memory 24GB: the plan for that card must run there, its peak near the plan's estimate
+  readme_48gb  the same at 48 GB
+  no_gc     the README command without the plan, without --gradient_checkpointing
+  compile   the README command without the plan, with --gradient_checkpointing --compile
   dev       gpu_step.py: [dev] at 1024 px, bf16, checkpointing (with --blocks_to_swap half under 100 GiB)
   dev_nf4   gpu_step.py: [dev] NF4 with half the blocks swapped (the 24 GB command's kind; its estimate's NF4
             allowance was measured on [klein] 4B only)
@@ -112,9 +114,10 @@ def plan(args, work, out, cuda_gib):
         ("build", build, 90),
         ("readme", script("readme"), 110),
         ("step", step + ["--models", klein, "--modes", "eager", "--gc", "on,off", "--precision", "bf16,fp8"], 90),
-        ("readme_24gb", script("readme_24gb"), 100, {CARD: "24"}),
-        ("no_gc", script("no_gc", gradient_checkpointing=False), 90),
-        ("compile", script("compile", compile=True), 170),
+        ("readme_24gb", script("readme_24gb", gpu_memory="24GB"), 100, {CARD: "24"}),
+        ("readme_48gb", script("readme_48gb", gpu_memory="48GB"), 90, {CARD: "48"}),
+        ("no_gc", script("no_gc", memory_plan=False, gradient_checkpointing=False), 90),
+        ("compile", script("compile", memory_plan=False, gradient_checkpointing=True, compile=True), 170),
         ("dev", step + ["--models", "tiny" if args.tiny else "dev", "--modes", "eager", "--gc", "on", "--precision",
                         "bf16"] + (["--swap", "half"] if 0 < cuda_gib < 100 else []), 80),
         ("dev_nf4", step + ["--models", "tiny" if args.tiny else "dev", "--modes", "eager", "--gc", "on", "--precision",
@@ -160,6 +163,9 @@ def figures(log, out_dir):
                                                              x)) if t]
     if start and done:
         result["precompute_s"] = round(done[-1] - start[0], 1)
+    planned = re.findall(r"chosen: estimated peak ([\d.]+) GiB", log)
+    if planned:  # --memory_plan auto's estimate, and the flags it chose
+        result.update(plan_gib=float(planned[-1]), plan_flags=re.findall(r"^flags: (.*)$", log, flags=re.M)[-1])
     for line in lines:
         if line.startswith(PEAK):
             result.update(json.loads(line[len(PEAK):]))
@@ -193,12 +199,13 @@ def measure(argv):
 
 
 def table(results, steps):
-    lines = ["| run | exit | whole s | precompute s | s/step | peak allocated GiB | peak reserved GiB | LoRA MB "
-             "| PNGs |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | exit | whole s | precompute s | s/step | peak allocated GiB | peak reserved GiB | plan GiB "
+             "| LoRA MB | PNGs |", "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     for r in results:
         lines.append("| " + " | ".join(fmt(r.get(k)) for k in ("name", "rc", "wall_s", "precompute_s", "s_per_step",
-                                                                 "peak_allocated_gib", "peak_reserved_gib", "lora_mb",
+                                                                 "peak_allocated_gib", "peak_reserved_gib", "plan_gib",
+                                                                 "lora_mb",
                                                                  "validation_pngs")) + " |")
     if steps:
         lines += ["", "| gpu_step.py | s/step | peak GiB | MFU |", "|---|---|---|---|"]

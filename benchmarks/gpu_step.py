@@ -33,6 +33,7 @@ skipped once --budget_s is spent. Results also go to --out (JSON lines) as they 
 
 import argparse
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -45,9 +46,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_dreambooth_lora_flux2 as T  # noqa: E402
 
 COMMON = dict(patch_size=1, in_channels=128, attention_head_dim=128, mlp_ratio=3.0, timestep_guidance_channels=256,
@@ -151,31 +152,28 @@ def script_args(row, config, rank, lora_layers="default"):
     return args
 
 
-GIB = 2**30
+GIB = T.GIB
 CARDS = (24, 48, 80)  # GB of the cards the README plans for
-NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes NF4: 4 bits a weight + one float32 absmax per block of 64
-# NF4 rows measured 0.8 GiB above what the weights, LoRA and activations explain (H200, 2026-11-26, [klein] 4B,
-# checkpointing, with and without swapping: 5.7 and 5.2 GiB; that run quantised the blocks only and PEFT's k-bit
-# preparation made the other weights float32, which the comparison counts). Until a GPU explains it (bitsandbytes
-# does not quantise on a CPU), an NF4 row's activations count 1.4 times: that row's excess as a share of its
-# activations, assumed to scale with them (one measurement; the 4-bit layers' dequantised weights are a suspect)
-NF4_ACTIVATIONS = 1.4
-
-
-# The text encoders (held only while precompute encodes prompts, freed before training): parameters, and those no
-# quantisation touches here (the input embeddings; bitsandbytes also keeps the output layer), from their configs:
-# [dev] Mistral Small 3.1 24B (vocabulary 131,072 x 5,120, untied), [klein] 4B Qwen3 4B (151,936 x 2,560, tied),
-# [klein] 9B Qwen3 8B (151,936 x 4,096, untied)
-TEXT_ENCODERS = {"dev": (24.0e9, 2 * 131072 * 5120), "klein4b": (4.02e9, 151936 * 2560),
-                 "klein9b": (8.19e9, 2 * 151936 * 4096), "tiny": (1e6, 1e5)}
-TEXT_BYTES = {"none": 2.0, "int8": 1.0 + 2 / 1024, "nf4": NF4_BYTES}  # int8 weight-only: a bf16 scale a row of ~1k
+NF4_BYTES = T.QUANT_BYTES["nf4"]
 
 
 def text_encoder_gib(model, quantization, activations_gib=1.0):
-    """Peak GPU memory while prompts are encoded, GiB: the weights (--text_encoder_quantization) + about 1 GiB for
-    a batch's hidden states (every layer's is returned: 41 x 512 x 5,120 bf16 for [dev], 0.2 GB a prompt)."""
-    total, kept = TEXT_ENCODERS[model]
-    return (kept * 2 + (total - kept) * TEXT_BYTES[quantization]) / GIB + activations_gib
+    """Peak GPU memory while prompts are encoded, GiB, by the script's estimate (its memory plan's) from the real
+    text encoder's config (real_shapes.py) on the meta device."""
+    params, kept = text_encoder_size(model)
+    gpu, _ = T.text_encoder_peak(params, kept, None if quantization == "none" else quantization)
+    return (gpu - T.TEXT_ACTIVATIONS) / GIB + activations_gib
+
+
+@functools.cache
+def text_encoder_size(model):
+    """-> (parameters, those quantisation leaves alone) of a model's real text encoder (real_shapes.py)."""
+    import real_shapes
+    spec = real_shapes.TINY["dev"] if model == "tiny" else real_shapes.SPECS[model]
+    family = SimpleNamespace(text_encoder=spec.text_encoder)
+    args = SimpleNamespace(pretrained_model_name_or_path="real", revision=None, cache_dir=None)
+    with unittest.mock.patch.object(T, "read_model_json", lambda *_: spec.text_config().to_dict()):
+        return T.text_encoder_size(args, family)
 
 
 def text_encoder_table(models):
@@ -189,85 +187,25 @@ def text_encoder_table(models):
 
 
 def estimate(row, config, rank, text_tokens, lora_layers="default"):
-    """Peak GPU memory of a row, estimated without a GPU, GiB: weights + LoRA (weight, gradient, two AdamW moments,
-    float32) + activations, and the pinned host memory of the swapped blocks. With checkpointing the activations
-    are what is saved outside the blocks, each block's inputs (kept for recomputation) and twice the largest
-    block's saved tensors (one block recomputed, its gradients); without, everything saved plus one block's worth
-    of gradients in flight."""
-    transformer = meta_model(row, config, rank, lora_layers)
-    weights, host, lora = weight_bytes(transformer, row, config)
-    outside, inputs, saved = saved_bytes(transformer, row, config, text_tokens)
-    if row["gc"] == "on":
-        activations = outside + sum(inputs) + 2 * max(saved)
-    else:
-        activations = outside + sum(saved) + max(saved)
-    if row["precision"] == "nf4":
-        activations *= NF4_ACTIVATIONS
-    sampling, decode, vae = validation_bytes(transformer, row, config, text_tokens)
-    validation = weights + lora + vae + max(sampling, decode)
-    return dict(host_gib=host / GIB, weights_gib=weights / GIB, lora_gib=lora / GIB, activations_gib=activations / GIB,
-                estimate_gib=(weights + lora + activations) / GIB, validation_gib=validation / GIB,
-                run_gib=max(weights + lora + activations, validation) / GIB)
-
-
-def validation_bytes(transformer, row, config, text_tokens):
-    """The whole run's other peak, its validation: the trained transformer stays where it is while the pipeline
-    samples (a forward without gradients, one image at a time) and then the VAE decodes each image at the row's
-    size -> (sampling bytes, decode bytes, VAE weight bytes), the live tensors at their peak on the meta device.
-    The decode is counted in float32, which matched the one measurement (1024 px, H200: the run's peak 3.4 GiB above
-    its weights; a bf16 count gives 1.5, float32 3.0); presumably autocast's float32 group norms hand float32 on."""
+    """Peak GPU memory of a row, estimated without a GPU by the script's own estimate (T.MemoryEstimate, what
+    --memory_plan auto plans with), GiB: weights, LoRA, activations, the training peak (estimate_gib), validation's
+    and the whole run's (run_gib), and the pinned host memory of the swapped blocks."""
     from diffusers import AutoencoderKLFlux2
 
-    b, image_tokens = 1, (row["resolution"] // PATCH) ** 2 * (1 + row.get("references", 0))
-    fused = lambda query, key, value, **_: FusedAttention.apply(query, key, value)  # noqa: E731
-    with torch.device("meta"), torch.no_grad(), unittest.mock.patch(
-            "torch.nn.functional.scaled_dot_product_attention", fused):
-        with LiveBytes() as sampling:
-            transformer(hidden_states=torch.empty(b, image_tokens, config["in_channels"], dtype=torch.bfloat16),
-                        encoder_hidden_states=torch.empty(b, text_tokens, config["joint_attention_dim"],
-                                                          dtype=torch.bfloat16),
-                        timestep=torch.empty(b), img_ids=torch.empty(b, image_tokens, 4, dtype=torch.long),
-                        txt_ids=torch.empty(b, text_tokens, 4, dtype=torch.long),
-                        guidance=torch.empty(b) if config["guidance_embeds"] else None, return_dict=False)
+    transformer = meta_model(row, config, rank, lora_layers)
+    with torch.device("meta"):
         vae = AutoencoderKLFlux2() if config["in_channels"] == 128 else None  # the real VAE; tiny rows: none
-        if vae is None:
-            return sampling.peak, 0, 0
-        side = row["resolution"] // (PATCH // 2)  # latents before the 2 x 2 patchify
-        with LiveBytes() as decode:
-            vae.decode(torch.empty(1, vae.config.latent_channels, side, side))
-    return sampling.peak, decode.peak, sum(p.numel() for p in vae.parameters()) * 2
-
-
-class LiveBytes(TorchDispatchMode):
-    """The most bytes of tensors made inside the block alive at once (views and in-place results add nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
-        out = func(*args, **(kwargs or {}))
-        if any(r.alias_info is not None for r in func._schema.returns):  # a view or an in-place result: no new memory
-            return out
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                size = t.numel() * t.element_size()
-                self.live += size
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(t, self.free, size)
-        return out
-
-    def free(self, size):
-        self.live -= size
+    memory = T.MemoryEstimate(transformer, vae, row["batch"], image_tokens_of(row), text_tokens,
+                              row["resolution"] // (PATCH // 2))
+    peak = memory.peak(row["gc"] == "on", swap_count(row["swap"], config), "nf4" if row["precision"] == "nf4" else None)
+    return dict(host_gib=peak["host"] / GIB, weights_gib=peak["weights"] / GIB, lora_gib=peak["lora"] / GIB,
+                activations_gib=peak["activations"] / GIB, estimate_gib=peak["training"] / GIB,
+                validation_gib=peak["validation"] / GIB, run_gib=peak["peak"] / GIB)
 
 
 def meta_model(row, config, rank, lora_layers):
     """The row's transformer as the script prepares it (LoRA on --lora_layers), on the meta device: shapes only.
-    Neither quantised nor converted to fp8: weight_bytes counts NF4, and fp8 training keeps bf16 weights."""
-    from types import SimpleNamespace
-
+    Neither quantised nor converted to fp8: the estimate counts NF4, and fp8 training keeps bf16 weights."""
     from accelerate.utils import DistributedType
 
     args = script_args(dict(row, swap="0", mode="eager", gc="off"), config, rank, lora_layers)
@@ -278,95 +216,9 @@ def meta_model(row, config, rank, lora_layers):
         return T.prepare_transformer(args, meta, build_transformer(config, "meta", torch.bfloat16, nf4=False))
 
 
-def weight_bytes(transformer, row, config):
-    """-> (frozen weights on the GPU, pinned host bytes, LoRA bytes). Swapped blocks: on the host, at most two on the
-    GPU (SwapSchedule), at the peak the last two; NF4: every linear weight (the 2-D ones: diffusers' BitsAndBytesConfig converts each
-    nn.Linear) at NF4_BYTES, whose scales (quantisation state, not parameters) stay on the GPU when a block is
-    swapped, and the rest (norm weights) float32, as PEFT's k-bit preparation leaves them."""
-    nf4 = row["precision"] == "nf4"
-
-    def frozen(module, nf4=False):
-        return sum(p.numel() * ((NF4_BYTES if p.dim() == 2 else 4) if nf4 else p.element_size())
-                   for p in module.parameters() if not p.requires_grad)
-
-    def scales(module):  # NF4: one float32 absmax per 64 weights
-        return sum(p.numel() * 4 / 64 for p in module.parameters() if not p.requires_grad and p.dim() == 2) * nf4
-
-    blocks = T.transformer_blocks(transformer)
-    kept = len(blocks) - swap_count(row["swap"], config)
-    swapped = [frozen(b, nf4) - scales(b) for b in blocks[kept:]]
-    rest = frozen(transformer, nf4) - sum(frozen(b, nf4) for b in blocks)  # embedders, modulation, output layers
-    weights = rest + sum(frozen(b, nf4) for b in blocks[:kept]) + sum(map(scales, blocks[kept:]))
-    # the peak comes as the backward pass starts (every block's input still held): the last block is recomputed and
-    # the one before it is on its way, so the last two swapped blocks are resident (H200: within 4% with 12 and 24
-    # of [klein] 4B's 25 swapped; the two largest, as before, erred 19% high with 24)
-    weights += sum(swapped[-2:])
-    lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-    return weights, sum(swapped), lora
-
-
-def saved_bytes(transformer, row, config, text_tokens):
-    """One forward pass at the row's shapes on the meta device, recording what autograd saves for backward ->
-    (bytes saved outside the blocks, each block's input bytes, each block's saved bytes). A view counts once, with
-    its base; parameters (resident anyway) not at all; attention as a fused kernel saves it (FusedAttention)."""
-    blocks = T.transformer_blocks(transformer)
-    for p in transformer.parameters():  # bf16, as autocast runs the float32 LoRA layers (it skips meta tensors)
-        p.data = p.data.to(torch.bfloat16) if p.requires_grad else p.data
-    saved, inputs, outside, current, seen = [0] * len(blocks), [0] * len(blocks), [0], [None], set()
-
-    def pack(t):
-        base = t if t._base is None else t._base
-        if not isinstance(base, torch.nn.Parameter) and id(base) not in seen:
-            seen.add(id(base))
-            if current[0] is None:
-                outside[0] += base.numel() * base.element_size()
-            else:
-                saved[current[0]] += base.numel() * base.element_size()
-        return t
-
-    def enter(i, args, kwargs):  # the hidden states; rotary tables and temb are shared, counted outside
-        current[0] = i
-        inputs[i] = sum(t.numel() * t.element_size() for t in (*args, *kwargs.values())
-                        if isinstance(t, torch.Tensor) and t.dim() == 3)
-
-    hooks = [h for i, block in enumerate(blocks) for h in (
-        block.register_forward_pre_hook(lambda module, a, k, i=i: enter(i, a, k), with_kwargs=True),
-        block.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
-    b, image_tokens = row["batch"], image_tokens_of(row)
-    fused = lambda query, key, value, **_: FusedAttention.apply(query, key, value)  # noqa: E731
-    with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), unittest.mock.patch(
-            "torch.nn.functional.scaled_dot_product_attention", fused):
-        transformer(hidden_states=torch.empty(b, image_tokens, config["in_channels"], dtype=torch.bfloat16),
-                    encoder_hidden_states=torch.empty(b, text_tokens, config["joint_attention_dim"], dtype=torch.bfloat16),
-                    timestep=torch.empty(b), img_ids=torch.empty(b, image_tokens, 4, dtype=torch.long),
-                    txt_ids=torch.empty(b, text_tokens, 4, dtype=torch.long),
-                    guidance=torch.empty(b) if config["guidance_embeds"] else None, return_dict=False)
-    for h in hooks:
-        h.remove()
-    return outside[0], inputs, saved
-
-
-class FusedAttention(torch.autograd.Function):
-    """Shapes only: what a fused attention kernel (flash, memory-efficient, cuDNN) saves for its backward pass, q, k,
-    v, the output and a float32 log-sum-exp per query. On the meta device PyTorch would take the math path, which
-    saves the [B, heads, N, N] attention matrix (4 GB a block at 1024 px) that no GPU kernel keeps."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = torch.empty_like(q)
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("shapes only")
-
-
 def fits(peak_gib):
-    """The cards a peak fits: allocated memory + 10% fragmentation + 1.5 GiB for the CUDA context and workspaces.
-    An "N GB" card holds about N GiB (24,564 MiB on a 24 GB RTX 4090, 81,559 MiB on an 80 GB H100)."""
-    need = peak_gib * 1.1 + 1.5
-    return [gb for gb in CARDS if need <= gb]
+    """The cards a peak fits (T.fits_card: peak x 1.1 + 1.5 GiB within it; an "N GB" card holds about N GiB)."""
+    return [gb for gb in CARDS if T.fits_card(peak_gib * GIB, gb * GIB)]
 
 
 def build_transformer(config, device, dtype, nf4):

@@ -107,19 +107,25 @@ def save(model, folder, shard_size):
         torch.cuda.empty_cache()
 
 
-def write(spec, out, device, dtype=torch.bfloat16, shard_size="5GB", say=print):
-    """The checkpoint folder of `spec` at `out` -> out."""
+def write(spec, out, device, dtype=torch.bfloat16, shard_size="5GB", say=print, configs_only=False):
+    """The checkpoint folder of `spec` at `out` -> out. configs_only: every file but the weights (what
+    --memory_plan auto --plan_only reads), in a second."""
     import transformers
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
 
-    out = Path(out)
+    out, device = Path(out), "meta" if configs_only else device
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     parts = (("transformer", lambda: build_transformer(spec.transformer, device, dtype, nf4=False)),
              ("text_encoder", lambda: made_on(device, dtype, lambda: getattr(transformers, spec.text_encoder)(
                  spec.text_config()))),
              ("vae", lambda: made_on(device, dtype, lambda: vae_with_statistics(AutoencoderKLFlux2(**spec.vae)))))
-    for name, build in parts:
+    for name, build in parts if configs_only else ():
+        if name == "text_encoder":  # its config alone: a 24 B model takes seconds to make even on the meta device
+            spec.text_config().save_pretrained(out / name)
+        else:
+            build().save_config(out / name)
+    for name, build in () if configs_only else parts:
         start = time.perf_counter()
         model = build()
         count = sum(p.numel() for p in model.parameters())
@@ -158,11 +164,12 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="the tests' tiny model of that family (CI, seconds)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the weights are made (default: cuda when there is one)")
+    p.add_argument("--configs_only", action="store_true", help="no weights: enough for --plan_only")
     p.add_argument("--shard_size", default="5GB", help="the largest weight file (save_pretrained's max_shard_size)")
     args = p.parse_args(argv)
     spec = (TINY if args.tiny else SPECS)[args.model]
     start = time.perf_counter()
-    write(spec, args.out, args.device, shard_size=args.shard_size)
+    write(spec, args.out, args.device, shard_size=args.shard_size, configs_only=args.configs_only)
     print(f"{args.out}: {folder_bytes(args.out) / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s; train with "
           f"--text_encoder_out_layers {' '.join(map(str, spec.out_layers))}")
 

@@ -81,7 +81,10 @@ REFUSED = {
     "seed": ["-1", str(2**32), "1.5"],
     "mixed_precision": ["fp8"],
     "attention_backend": ["no_such_kernel", "sage"],
-    "bnb_quantization_config_path": ["MISSING", "FOLDER"],
+    "bnb_quantization_config_path": ["MISSING", "FOLDER", "nf8"],
+    "memory_plan": ["on", "AUTO"],
+    "gpu_memory": ["0", "-24GB", "24TB", "GB"],
+    "host_memory": ["0GB", "lots"],
     "remote_text_encoder_url": ["ftp://example.com/x", "not a url"],
     "output_dir": ["FILE", "UNDER_FILE"],
     "checkpointing_steps": ["0", "-500"],
@@ -112,11 +115,13 @@ ACCEPTED = {
     "precompute_cache_dir": ["none", "NEW", "FILE", "UNDER_FILE"], "output_dir": ["NEW"], "resume_from_checkpoint": ["latest"],
     "remote_text_encoder_url": ["http://127.0.0.1:8000/predict"], "ema_device": ["cpu"], "aspect_ratio_buckets": ["32,48;48,32"],
     "pretrained_model_name_or_path": ["black-forest-labs/FLUX.2-dev", "FOLDER"], "lora_layers": ["attention,proj_out"],
+    "gpu_memory": ["24GB", "24GiB", "24", "7.5 GB"], "host_memory": ["64gb"]
 }
 
 
 # a setting of an option needs the option on
-SWITCHES = {"ema_decay": ["--use_ema"], "ema_device": ["--use_ema"],
+SWITCHES = {"ema_decay": ["--use_ema"], "ema_device": ["--use_ema"], "gpu_memory": ["--memory_plan", "auto"],
+            "host_memory": ["--memory_plan", "auto"],
             "remote_text_encoder_url": ["--text_encoder_quantization", "int8"]}
 
 

@@ -109,11 +109,12 @@ def test_figures_read_the_median_after_warm_up_precompute_and_peaks(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_check(tmp_path_factory):
-    """benchmarks/gpu_check.sh --tiny, once: every run of the plan but the compiled ones (test_speed.py compiles)."""
+    """benchmarks/gpu_check.sh --tiny, once: every run of the plan but the compiled ones (test_speed.py compiles) and
+    the 48 GB one (the 24 GB one runs the same code)."""
     tmp = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ, OUT=str(tmp / "out"), PYTHON=sys.executable)
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--tiny", "--work", str(tmp / "work"), "--skip",
-                           "compile,step_compile"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+                           "compile,step_compile,readme_48gb"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     return proc, tmp
 
 
@@ -127,8 +128,11 @@ def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
     readme = results["readme"]
     assert readme["rc"] == 0 and readme["steps"] == 3 and readme["s_per_step"] > 0 and readme["precompute_s"] >= 0
     assert readme["lora_mb"] > 0 and readme["validation_pngs"] >= 1
-    assert "--gradient_checkpointing" in readme["command"] and "--gradient_checkpointing" not in \
-        results["no_gc"]["command"]
+    assert "--memory_plan auto" in readme["command"] and "--gradient_checkpointing" not in results["no_gc"]["command"]
+    assert "--memory_plan" not in results["no_gc"]["command"]
+    # the card the GPU pretends to be is the card planned for: the plan's estimate and flags are its figures
+    planned = results["readme_24gb"]
+    assert "--gpu_memory 24GB" in planned["command"] and planned["plan_gib"] >= 0 and planned["plan_flags"]
     assert (tmp / "work" / "readme" / "pytorch_lora_weights.safetensors").exists()
     steps = [json.loads(x) for x in (tmp / "out" / "gpu_step.jsonl").read_text().splitlines()]
     assert [(r["gc"], r["swap"]) for r in steps] == [("on", "0"), ("off", "0"), ("on", "0"), ("on", "half")]
@@ -161,11 +165,11 @@ def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("# ")]
-    assert names[:8] == ["build", "readme", "step", "readme_24gb", "no_gc", "compile", "dev", "dev_nf4"]
+    assert names[:9] == ["build", "readme", "step", "readme_24gb", "readme_48gb", "no_gc", "compile", "dev", "dev_nf4"]
     assert names[-1] == "step_compile" and "{'GPU_CHECK_CARD_GB': '24'}" in proc.stdout.split("# readme_24gb")[1]
     readme = proc.stdout.split("# readme")[1].splitlines()[1]
     for flag in ("--resolution 1024", "--max_train_steps 30", "--validation_inference_steps 8",
-                 "--gradient_checkpointing", "--train_batch_size 1", "--cache_latents"):
+                 "--memory_plan auto", "--train_batch_size 1", "--cache_latents"):
         assert flag in readme
     assert not (tmp_path / "work").exists()
 
@@ -221,5 +225,5 @@ def test_nf4_estimate_counts_the_linear_weights_diffusers_quantises():
     rest = sum(p.numel() for p in quantized.parameters()) - four_bit
     row = dict(model="klein4b", mode="eager", attention="native", gc="on", resolution=1024, batch=1, precision="nf4",
                swap="0", references=0, baseline=False)
-    weights, _, _ = gpu_step.weight_bytes(gpu_step.meta_model(row, config, 16, "default"), row, config)
+    weights, _, _ = gpu_step.T.weight_bytes(gpu_step.meta_model(row, config, 16, "default"), 0, "nf4")
     assert weights == pytest.approx(four_bit * gpu_step.NF4_BYTES + rest * 4, rel=1e-9)

@@ -1,0 +1,189 @@
+"""--memory_plan auto (issue 36): the plan for FLUX.2 [klein] 4B, [klein] 9B and [dev] on cards of 16 to 141 GB,
+made from config-only folders of the real architectures (benchmarks/real_shapes.py --configs_only: no weights, no
+GPU), is README.md's table; each plan fits its card, more memory never gives a slower plan, flags the user set are
+kept, a card nothing fits is refused with the smallest one that would; --plan_only prints it and stops; and on the
+tiny model a planned run trains the same LoRA, bit for bit, as the flags the plan printed."""
+
+import os
+import re
+import subprocess
+import sys
+import unittest.mock
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import ROOT, SCRIPT, base_args
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import plan_table  # noqa: E402
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+GIB = T.GIB
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """{(model, card GB): (report, chosen, text encoder)} for the README's first command; the config folders."""
+    from tests.tiny_flux2 import make_images
+
+    work = tmp_path_factory.mktemp("plans")
+    make_images(str(work / "images"))  # what --instance_data_dir must hold; the plan reads none of them
+    return plan_table.plans(work), work
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """main() in this process with --mixed_precision bf16: accelerate's state (a singleton) is reset before and after,
+    since another test of this worker may have made it with another precision."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _command(work, model, *extra):
+    """The README's first command on a config-only folder, with --memory_plan auto (as written) and `extra`."""
+    return plan_table.set_flags(plan_table.readme_command(), pretrained_model_name_or_path=str(work / model),
+                                instance_data_dir=str(work / "images"), output_dir=str(work / "out")) + list(extra)
+
+
+def test_the_readmes_table_is_what_the_plan_chooses(planned):
+    found, _ = planned
+    start, end = README.index(plan_table.START), README.index(plan_table.END) + len(plan_table.END)
+    assert README[start:end] == plan_table.table(found), "stale: run python benchmarks/plan_table.py --write"
+    assert "--memory_plan auto" in " ".join(plan_table.readme_command())
+
+
+def test_each_plan_fits_its_card_and_more_memory_never_gives_a_slower_plan(planned):
+    found, _ = planned
+    for model in plan_table.MODELS:
+        previous = None
+        for card in plan_table.CARDS:
+            report, chosen, text = found[model, card]
+            if chosen is None:  # only [dev] on 16 GB: its NF4 text encoder alone needs 18.4 GiB with the margin
+                assert (model, card) == ("dev", 16) and "the smallest card that fits is 24 GB" in report[-1]
+                continue
+            assert chosen.peak * 1.1 + 1.5 * GIB <= card * GIB and chosen.host <= 0.8 * plan_table.host_gb(card) * GIB
+            text_peak = float(re.search(rf"text encoder \({text or 'bf16'}\): ([\d.]+) GiB", "\n".join(report))[1])
+            assert text_peak * 1.1 + 1.5 <= card + 0.1  # (one decimal printed)
+            rank = (chosen.quant is not None, chosen.cost)  # full precision first, then the fastest
+            assert previous is None or rank <= previous, (model, card, rank, previous)
+            previous = rank
+    # what the margins make of the real models
+    assert found["klein4b", 24][1].checkpointing and not found["klein4b", 48][1].checkpointing
+    assert (found["dev", 24][1].quant, found["dev", 24][2]) == ("nf4", "nf4") and found["dev", 24][1].swap > 0
+    assert found["dev", 80][1].quant is None and found["dev", 80][1].swap == 0
+
+
+def test_plan_only_prints_every_candidate_and_the_flags_then_stops(planned, monkeypatch, capsys, fresh_accelerate):
+    found, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for model, card in (("dev", 24), ("klein4b", 80)):
+        with pytest.raises(SystemExit) as stop:
+            T.main(_command(work, model, "--gpu_memory", f"{card}GB", "--host_memory", f"{plan_table.host_gb(card)}GB",
+                            "--plan_only"))
+        assert stop.value.code == 0
+        printed = capsys.readouterr().out
+        report, chosen, text = found[model, card]
+        assert printed.strip().splitlines() == report
+        assert f"flags: {T.plan_flags(chosen, text) or '(none added)'}" in printed
+        assert len(re.findall(r"^  (bf16|nf4) ", printed, flags=re.M)) == 4  # bf16 and NF4, checkpointing off and on
+    assert not (work / "out").exists()  # nothing trained, no output folder
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU plans for its own")
+def test_plan_only_without_a_gpu_needs_the_card_to_plan_for(planned):
+    _, work = planned
+    with pytest.raises(T.UsageError, match="--plan_only: no GPU here; give --gpu_memory"):
+        T.validate_args(T.parse_args(_command(work, "dev", "--plan_only")))
+    assert T.read_bnb_config("nf4") == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}  # what the plan passes
+    assert T.parse_args(_command(work, "dev", "--bnb_quantization_config_path", "nf4")).bnb_quantization_config_path
+
+
+def _resolve(work, model, *extra):
+    """The flags of the README command on `model` after prepare_data's resolution (family defaults, the plan), on a
+    machine that says it has CUDA, and the options then on."""
+    from accelerate import PartialState
+
+    PartialState()
+    args = T.parse_args(_command(work, model, *extra))
+    hooks = T.Hooks(args)
+    with unittest.mock.patch("torch.cuda.is_available", lambda: True):
+        T.resolve_model_flags(args, hooks)
+    return args, {o.name for o in hooks.options}
+
+
+def test_the_plan_sets_the_flags_it_printed_and_their_options_turn_on(planned):
+    found, work = planned
+    args, on = _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB")
+    _, chosen, text = found["dev", 24]
+    assert T.plan_flags(chosen, text) == ("--gradient_checkpointing --blocks_to_swap 23 "
+                                          "--bnb_quantization_config_path nf4 --text_encoder_quantization nf4")
+    assert (args.gradient_checkpointing, args.blocks_to_swap, args.bnb_quantization_config_path,
+            args.text_encoder_quantization) == (True, 23, "nf4", "nf4")
+    assert {"block swapping", "compile, fp8 and 8-bit", "text encoders", "memory plan"} <= on
+
+
+def test_flags_the_user_set_are_kept(planned):
+    found, work = planned
+    # on 80 GB the plan drops checkpointing for speed; given, it stays
+    assert not found["klein4b", 80][1].checkpointing
+    args, _ = _resolve(work, "klein4b", "--gpu_memory", "80GB", "--host_memory", "160GB", "--gradient_checkpointing")
+    assert args.gradient_checkpointing and args.blocks_to_swap == 0
+    # a swap count given stays, and the plan fits around it ([dev] on 24 GB would take 23)
+    args, _ = _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB", "--gradient_checkpointing",
+                       "--blocks_to_swap", "40")
+    assert (args.blocks_to_swap, args.bnb_quantization_config_path) == (40, "nf4")
+    # a text encoder precision given stays: int8 cannot fit 24 GB, so the run is refused, naming the card that fits
+    with pytest.raises(T.UsageError, match=r"nothing fits 24\.0 GiB .* the smallest card that fits is 32 GB, with "
+                                           r"--gradient_checkpointing .*--text_encoder_quantization int8"):
+        _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB", "--text_encoder_quantization", "int8")
+
+
+def test_a_card_nothing_fits_is_refused_before_loading(planned, monkeypatch, fresh_accelerate):
+    """A real run (not --plan_only) on a card nothing fits: a UsageError (the script's exit 2, one line) naming the
+    smallest card that fits and its flags, as on a machine with CUDA; no output folder."""
+    _, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(T.UsageError) as refused:
+        T.main(_command(work, "dev", "--gpu_memory", "12GB", "--host_memory", "64GB"))
+    assert re.fullmatch(r"--memory_plan auto: nothing fits 12\.0 GiB .* the smallest card that fits is 24 GB, with "
+                        r"--gradient_checkpointing --blocks_to_swap \d+ --bnb_quantization_config_path nf4 "
+                        r"--text_encoder_quantization nf4", str(refused.value)), refused.value
+    assert not (work / "out").exists()
+
+
+def test_a_planned_tiny_run_trains_the_lora_of_the_flags_it_printed(tiny_model, images, tmp_path):
+    """On a CPU the plan may choose checkpointing and the text encoder's precision (swapping and NF4 need CUDA). A
+    card between what the tiny text encoder needs in int8 and in float32 makes it choose int8; that run and one with
+    --text_encoder_quantization int8 train the same LoRA, bit for bit (a plan that printed int8 but did not set it,
+    or set it without turning its option on, trains the float32 encoder's)."""
+    from accelerate import PartialState
+
+    PartialState()
+    flags = base_args(tiny_model, images, tmp_path / "x", "--max_train_steps", "2", "--cache_latents")
+    args = T.parse_args(flags)
+    params, kept = T.text_encoder_size(args, T.detect_family(args))
+    full, int8 = (T.text_encoder_peak(params, kept, q, 4)[0] for q in (None, "int8"))
+    assert int8 < full
+    card = (full + int8) / 2 * 1.1 + 1.5 * GIB
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+
+    def run(out, *extra):
+        proc = subprocess.run([sys.executable, str(SCRIPT), *base_args(
+            tiny_model, images, tmp_path / out, "--max_train_steps", "2", "--cache_latents", *extra)],
+            capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr, load_file(str(tmp_path / out / "pytorch_lora_weights.safetensors"))
+
+    log, planned = run("planned", "--memory_plan", "auto", "--gpu_memory", f"{card / GIB:.12f}GB", "--host_memory",
+                       "64GB")
+    assert "flags: --text_encoder_quantization int8" in log
+    _, given = run("given", "--text_encoder_quantization", "int8")
+    _, plain = run("plain")
+    assert planned.keys() == given.keys() and all(torch.equal(planned[k], given[k]) for k in given)
+    assert any(not torch.equal(plain[k], given[k]) for k in given)  # int8 embeddings: another LoRA
