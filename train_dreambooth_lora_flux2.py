@@ -1102,8 +1102,7 @@ def chunks(keys, size):
     return [keys[i:i + size] for i in range(0, len(keys), size)]
 
 def prompt_encoder(args, accelerator, family, weight_dtype, hooks):
-    """-> a function texts -> embeddings [B, L, D]: the text encoder loaded here on the device (or an option's:
-    remote, quantised, sharded); dropping the function frees it."""
+    """-> texts -> embeddings [B, L, D]: the text encoder on the device (or an option's); dropping it frees it."""
     import transformers
     remote = hooks.first("prompt_encoder")
     if remote is not None:
@@ -5055,9 +5054,10 @@ class SpeedAndMemory(Option):
     flags = [
         flag("--compile", action="store_true", help="torch.compile the blocks: a one-off compile, then faster steps."),
         flag("--do_fp8_training", action="store_true", help="torchao float8 matmuls (CUDA, compute capability 8.9+)."),
-        flag("--bnb_quantization_config_path", type=Accepts("nf4 or a readable JSON file", lambda v: v == "nf4" or (
-            Path(v).is_file() and os.access(v, os.R_OK))), help="A quantised frozen transformer (CUDA): "
-             "nf4 (4-bit NormalFloat), or a bitsandbytes config's JSON, e.g. {\"load_in_8bit\": true}."),
+        flag("--bnb_quantization_config_path", type=Accepts("nf4 or a readable JSON file", lambda v: v == "nf4"
+                                                             or readable_file.ok(v)), help="A quantised frozen "
+             "transformer (CUDA): nf4 (4-bit NormalFloat) or a bitsandbytes config's JSON, e.g. {\"load_in_8bit\": "
+             "true}."),
         flag("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")]
 
     def __init__(self, args):
@@ -5279,9 +5279,12 @@ def shapes_only():
     with torch.device("meta"), unittest.mock.patch("torch.nn.functional.scaled_dot_product_attention", fused):
         yield
 
+def frozen_dtype(transformer):
+    return next(p.dtype for p in transformer.parameters() if not p.requires_grad)
+
 def forward_inputs(transformer, batch, image_tokens, text_tokens):
     """Empty transformer inputs of these shapes, in its frozen weights' dtype (on the meta device: shapes_only)."""
-    config, dtype = transformer.config, next(p.dtype for p in transformer.parameters() if not p.requires_grad)
+    config, dtype = transformer.config, frozen_dtype(transformer)
     return dict(hidden_states=torch.empty(batch, image_tokens, config["in_channels"], dtype=dtype),
                 encoder_hidden_states=torch.empty(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
                 timestep=torch.empty(batch), img_ids=torch.empty(batch, image_tokens, 4, dtype=torch.long),
@@ -5291,7 +5294,7 @@ def forward_inputs(transformer, batch, image_tokens, text_tokens):
 def saved_bytes(transformer, batch, image_tokens, text_tokens):
     """One training forward on the meta device, recording what autograd saves -> (bytes saved outside the blocks,
     each block's input bytes, each block's saved bytes). A view counts once, with its base; parameters not at all."""
-    blocks, dtype = transformer_blocks(transformer), forward_inputs(transformer, 1, 1, 1)["hidden_states"].dtype
+    blocks, dtype = transformer_blocks(transformer), frozen_dtype(transformer)
     for p in transformer.parameters():  # the base dtype, as autocast runs the float32 LoRA layers (it skips meta)
         p.data = p.data.to(dtype) if p.requires_grad else p.data
     saved, inputs, outside, current, seen = [0] * len(blocks), [0] * len(blocks), [0], [None], set()
