@@ -2162,7 +2162,8 @@ def checkpoint_problem(folder):
             if safetensors_header(path).get("__metadata__", {}).get("run") != run:
                 return f"{name} was written by another run than {TRAINER_STATE_NAME} (files of two runs)"
         name = "config.yaml"
-        if run is not None and (folder / name).is_file() and f"run: {run}" not in (folder / name).read_text():
+        if run is not None and (folder / name).is_file() and not re.search(  # YAML quotes an all-digit identity
+                rf"^run: '?{run}'?$", (folder / name).read_text(), re.M):
             return f"{name} was written by another run than {TRAINER_STATE_NAME} (files of two runs)"
     except FileNotFoundError:
         return f"{name} is missing"

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import base_args, launch
@@ -116,6 +116,24 @@ def test_a_checkpoint_whose_config_another_run_wrote_is_refused(configured, tmp_
     shutil.copytree(configured.root / "first" / "checkpoint-2", mixed)
     shutil.copy(configured.root / "second" / "checkpoint-2" / "config.yaml", mixed / "config.yaml")
     assert T.checkpoint_problem(mixed) == "config.yaml was written by another run than trainer_state.json (files of two runs)"
+
+
+def test_a_checkpoint_whose_run_identity_is_all_digits_is_whole(configured, tmp_path):
+    """YAML writes an all-digit identity quoted (run: '8267997486895876'): one run in about 2,000 drew one, and its
+    own next checkpoint was refused as "files of two runs" (seen once in CI, on the FSDP resume)."""
+    digits, folder = "8267997486895876", tmp_path / "checkpoint-2"
+    shutil.copytree(configured.root / "first" / "checkpoint-2", folder)
+    for path in folder.glob("*.json"):
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "run": digits}))
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            metadata = {**f.metadata(), "run": digits}
+        save_file(load_file(str(path)), str(path), metadata=metadata)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    (folder / "config.yaml").write_text(yaml.safe_dump({**config, "run": digits}, sort_keys=False))
+    assert f"run: '{digits}'" in (folder / "config.yaml").read_text()  # quoted: the case
+    assert T.checkpoint_problem(folder) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
