@@ -68,6 +68,7 @@ import secrets
 import shutil
 import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -773,9 +774,8 @@ def shift_sigmas(sigmas, shift):
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 def timestep_shift_for(mode, image_tokens, num_steps):
-    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) latent tokens: None for none; for auto the
-    FLUX.2 pipelines' exp(compute_empirical_mu(image_tokens, num_steps)), what they sample that size with at
-    `num_steps` steps; else the number itself."""
+    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) latent tokens: None for none; auto: the FLUX.2
+    pipelines' exp(compute_empirical_mu(image_tokens, num_steps)), their shift at that size; else the number itself."""
     if mode == "none":
         return None
     if mode == "auto":
@@ -1204,8 +1204,7 @@ def precompute(args, accelerator, data, weight_dtype, cache):
 # Stage 3: model and optimizer (setup_training)
 
 def load_transformer(args, weight_dtype, hooks=None):
-    """The checkpoint's transformer in the training dtype, on the CPU (quantised ones on the GPU). hooks: the run's
-    options (default: those `args` turns on)."""
+    """The checkpoint's transformer in the training dtype, on the CPU (quantised: on the GPU). hooks: default args'."""
     from diffusers import Flux2Transformer2DModel
     hooks = hooks or Hooks(args)
     return Flux2Transformer2DModel.from_pretrained(
@@ -1526,8 +1525,9 @@ class StopRequest:
         self.after, self.signum, self.since = after, 0, 0.0  # after: what finishes first, for the message
         self.interrupt = interrupt  # nothing to finish (the final validation): stop at once, saying so
 
-    def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def __enter__(self):  # where signals arrive: the main thread (Ray Train runs main() in another, and stops it)
+        sigs = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
         return self
 
     def __exit__(self, *exc):
