@@ -39,7 +39,7 @@ Reading map: three parts, drawn by what runs.
   Part 3, the options (delete what you do not use): one '# Option: NAME' section each, with its own flags, called
     only through the seam while it is on: the manifest, class images, edit training, EMA, adapters and the ComfyUI
     file, trigger words and output preservation, text encoders, Prodigy, FSDP, block swapping, attention backends,
-    compile, fp8 and 8-bit, validation extras, the memory plan.
+    compile, fp8 and 8-bit, validation extras, the memory plan, validation metrics.
 """
 
 # ================================================================================================================
@@ -326,7 +326,7 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "adapter_config", "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra",
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
-    "save_final", "write_lora", "plan_memory"}
+    "save_final", "write_lora", "plan_memory", "validated", "card"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -1726,6 +1726,7 @@ def run_validation(args, accelerator, run, prompt, tag, step):
             for i, image in enumerate(batch):
                 image.save(folder / f"{name}-{i}.png")
     show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale)
+    run.hooks.each("validated", accelerator, folder, tag, step, specs, scales, images)  # scores (and keeps) them
     return [folder / f"{tag}-{i}.png" for i in range(len(images))]
 
 def write_lora_files(accelerator, transformer, state, folder, dtype, hooks):
@@ -3588,7 +3589,7 @@ def write_model_card(args, image_paths, prompt, run):
                     "![progress](validation/progress-0.png)")
     shown = prompt or args.instance_prompt or "..."
     kind = run.hooks.first("adapter_name", default=lambda: "LoRA")
-    notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset)])
+    notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
     use = f'image = pipe("{shown}").images[0]'
     if edit:
         use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
@@ -5616,6 +5617,284 @@ def available_host_memory():
         return int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1)) * 1024
     except (OSError, AttributeError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: validation metrics (--validation_metrics: subject, prompt and drift scores at each validation; --keep_best)
+
+METRICS = {"dino": "subject", "clip": "prompt", "drift": "drift"}  # a flag's word -> the score it adds
+
+def metric_names(text):
+    """--validation_metrics -> the scores' names (None for 'none'): 'all' or some of dino, clip, drift."""
+    words = list(METRICS) if text == "all" else [w.strip() for w in text.split(",")]
+    if text != "none" and any(w not in METRICS for w in words):
+        raise ValueError(text)
+    return tuple(name for word, name in METRICS.items() if word in words) if text != "none" else None
+
+def subject_score(generated, references):
+    """Subject fidelity (DreamBooth's DINO score): the mean cosine of every generated image's DINO CLS feature with
+    every reference photo's ([N, D] and [M, D])."""
+    unit = functools.partial(torch.nn.functional.normalize, dim=-1)
+    return (unit(generated.float()) @ unit(references.float()).T).mean().item()
+
+def paired_score(a, b):
+    """The mean cosine of row i of `a` with row i of `b`: an image with its prompt (CLIP-T), or the LoRA's image with
+    the base model's for the same prompt and noise (drift is 1 minus it, on DINO features)."""
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean().item()
+
+def best_entry(history, criterion, max_drift=None):
+    """The scored validation --keep_best keeps (None: none qualifies): the highest subject or prompt score, the
+    earliest of equals; balanced: the highest subject score among validations whose drift is at most `max_drift`
+    (default: the latest validation's, the final one's at the end). The base model's scores (step 0) take no part."""
+    history = [e for e in history if e["tag"] != "base"]
+    if criterion == "balanced":
+        limit = history[-1]["drift"] if max_drift is None else max_drift
+        history = [e for e in history if e["drift"] <= limit]
+    key = "subject" if criterion == "balanced" else criterion
+    return max(history, key=lambda e: e[key], default=None)
+
+def may_be_kept(history, criterion, max_drift=None):
+    """Steps of `history` that --keep_best may choose now or at a later validation: the best so far, or for balanced
+    without --max_drift (the final drift decides) every validation no earlier one matches in both scores."""
+    if criterion != "balanced" or max_drift is not None:
+        best = best_entry(history, criterion, max_drift)
+        return {best["step"]} if best else set()
+    history = [e for e in history if e["tag"] != "base"]
+    return {e["step"] for i, e in enumerate(history)
+            if not any(o["drift"] <= e["drift"] and o["subject"] >= e["subject"] for o in history[:i])
+            and not any(o["drift"] <= e["drift"] and o["subject"] > e["subject"] for o in history[i + 1:])}
+
+def metrics_plot(history, size=(480, 240)):
+    """The scores over the steps as a line chart (Pillow): one colour a score, a dot per validation."""
+    from PIL import ImageDraw, ImageFont
+    colours = {"subject": (31, 119, 180), "prompt": (44, 160, 44), "drift": (214, 39, 40)}
+    series = {name: [(e["step"], e[name]) for e in history if e.get(name) is not None] for name in colours}
+    series = {name: points for name, points in series.items() if points}
+    values = [v for points in series.values() for _, v in points] or [0.0]
+    pad = max(0.05 * (max(values) - min(values)), 0.01)  # the axis spans the values: small changes show
+    low, high = min(values) - pad, max(values) + pad
+    steps = [e["step"] for e in history] or [0]
+    (left, top, right, bottom), font = (40, 20, size[0] - 10, size[1] - 24), ImageFont.load_default()
+    x = lambda s: left + (right - left) * (s - min(steps)) / max(1, max(steps) - min(steps))  # noqa: E731
+    y = lambda v: bottom - (bottom - top) * (v - low) / (high - low)  # noqa: E731
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((left, top, right, bottom), outline=(160, 160, 160))
+    for v in (low, (low + high) / 2, high):
+        draw.text((2, y(v) - 6), f"{v:.2f}", fill="black", font=font)
+    draw.text((left, bottom + 6), f"step {min(steps)} to {max(steps)}", fill="black", font=font)
+    for k, (name, points) in enumerate(series.items()):
+        draw.text((left + 8 + 80 * k, 4), name, fill=colours[name], font=font)
+        if len(points) > 1:
+            draw.line([(x(s), y(v)) for s, v in points], fill=colours[name], width=2)
+        for s, v in points:
+            draw.ellipse((x(s) - 3, y(v) - 3, x(s) + 3, y(v) + 3), fill=colours[name])
+    return image
+
+class MetricModels:
+    """DINOv2 (subject, drift) and CLIP (prompt) with their preprocessing, loaded once on the CPU and on the GPU only
+    while they score (DINOv2-base 86 M parameters, CLIP ViT-B/32 151 M: about 1 GB in float32)."""
+
+    def __init__(self, dino=None, clip=None):
+        from transformers import AutoImageProcessor, AutoModel, AutoProcessor, CLIPModel
+        self.dino = (AutoImageProcessor.from_pretrained(dino, backend="pil"),
+                     AutoModel.from_pretrained(dino).eval()) if dino else None
+        self.clip = (AutoProcessor.from_pretrained(clip, backend="pil"),
+                     CLIPModel.from_pretrained(clip).eval()) if clip else None
+
+    @torch.no_grad()
+    def dino_features(self, images, device):
+        """[N, D]: the CLS token after the last layer norm, on 224 px centre crops with DINOv2's mean and std."""
+        processor, model = self.dino
+        with on_device(model, device, True):
+            pixels = processor(images=images, return_tensors="pt")["pixel_values"].to(device)
+            return model(pixel_values=pixels).pooler_output.cpu()
+
+    @torch.no_grad()
+    def clip_embeddings(self, images, texts, device):
+        """([N, P] image, [N, P] text) projected embeddings; prompts beyond CLIP's 77 tokens are cut."""
+        processor, model = self.clip
+        inputs = processor(text=texts, images=images, return_tensors="pt", padding=True, truncation=True)
+        with on_device(model, device, True):
+            out = model(**{k: v.to(device) for k, v in inputs.items()})
+            return out.image_embeds.cpu(), out.text_embeds.cpu()
+
+def read_drift_prompts(path):
+    try:
+        prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--metrics_drift_prompts {path}: {e}") from None
+    if not prompts:
+        raise UsageError(f"--metrics_drift_prompts {path}: no prompt in it")
+    return prompts
+
+@option
+class ValidationMetrics(Option):
+    """Numbers to pick a checkpoint by, at every validation, from its images: subject (DINO similarity to the
+    instance photos), prompt (CLIP image-prompt agreement), drift (how far the class prompt's images moved from the
+    base model's); validation/metrics.jsonl and .png, trackers, the model card; --keep_best keeps the best scored
+    LoRA in best/. Cost: its models' load once, about a second a validation on a GPU."""
+
+    name, run, models, references = "validation metrics", None, None, None
+    switches, requires = ("validation_metrics",), "--validation_metrics"
+    flags = [
+        flag("--validation_metrics", type=Accepts("none, all, or some of dino, clip, drift (comma-separated)",
+             convert=metric_names), help="Scores at each validation: dino (the subject's likeness), clip (prompt "
+             "agreement), drift (the class prompt's images against the base model's); default: none."),
+        flag("--metrics_reference_dir", type=existing_folder, help="Photos of the subject to compare with (held-out "
+             "ones measure likeness, not memory); default: the instance images."),
+        flag("--metrics_drift_prompts", type=readable_file, help="Prompts without the subject, one a line, for "
+             "drift; default: the class images' prompt, or the instance prompt with the trigger word replaced by the "
+             "class word."),
+        flag("--metrics_dino_model", type=model_source, default="facebook/dinov2-base", help="The DINOv2 model."),
+        flag("--metrics_clip_model", type=model_source, default="openai/clip-vit-base-patch32",
+             help="The CLIP model."),
+        flag("--keep_best", choices=["subject", "prompt", "balanced"], help="Keep the LoRA of the best scored "
+             "validation in <output_dir>/best/; balanced: the best subject score with drift at most --max_drift."),
+        flag("--max_drift", type=non_negative, help="balanced's drift limit; default: the final validation's drift.")]
+
+    def check(self):
+        args, names = self.args, self.args.validation_metrics
+        prompts = [args.validation_prompt, args.final_validation_prompt, vars(args).get("validation_prompts_file")]
+        for refused, why in ((not any(prompts), "needs validation images: add --validation_prompt (a prompt naming "
+                              "the subject)"),
+                             ("drift" in names and not self._drift_prompts(), "drift needs prompts without the "
+                              "subject: --class_prompt, --class_word or --metrics_drift_prompts"),
+                             (args.keep_best in ("subject", "balanced") and "subject" not in names
+                              or args.keep_best == "balanced" and "drift" not in names
+                              or args.keep_best == "prompt" and "prompt" not in names,
+                              f"--keep_best {args.keep_best} needs the scores it compares in --validation_metrics"),
+                             (args.keep_best and fsdp_requested(), "--keep_best under FSDP: not supported (the "
+                              "LoRA is sharded during validation); choose from validation/metrics.jsonl"),
+                             (args.max_drift is not None and args.keep_best != "balanced",
+                              "--max_drift applies to --keep_best balanced")):
+            if refused:
+                raise UsageError(f"--validation_metrics {','.join(names)}: {why}")
+
+    def _drift_prompts(self):
+        args = self.args
+        if args.metrics_drift_prompts:
+            return read_drift_prompts(args.metrics_drift_prompts)
+        # output preservation's prompt (the instance prompt with the class word), else the class images'
+        preserved = Hooks(args).collect("extra_prompts", [args.instance_prompt]) if args.instance_prompt else []
+        return preserved or ([vars(args)["class_prompt"]] if vars(args).get("class_prompt") else [])
+
+    def validation_specs(self):
+        return [ValidationSpec(p) for p in self._drift_prompts()] if "drift" in self.args.validation_metrics else []
+
+    def _names_subject(self, prompt):
+        """Whether a validation prompt names the subject: it holds --trigger_word, or a word of the instance prompt
+        that the class and drift prompts lack (the rare token: sks); without those prompts, every prompt does."""
+        args, others = self.args, self._drift_prompts()
+        words = lambda text: set(re.findall(r"\w+", (text or "").lower()))  # noqa: E731
+        if vars(args).get("trigger_word"):
+            return bool(re.search(rf"(?<!\w){re.escape(args.trigger_word)}(?!\w)", prompt))
+        rare = words(args.instance_prompt) - set().union(*map(words, others))
+        return not others or not rare or bool(rare & words(prompt))
+
+    def setup(self, run):
+        """Load the scoring models on the main process (before training: a model that cannot load stops the run
+        now, not at the first validation)."""
+        from accelerate import PartialState
+        names, args, self.run = self.args.validation_metrics, self.args, run
+        if PartialState().is_main_process:
+            self.models = MetricModels(args.metrics_dino_model if {"subject", "drift"} & set(names) else None,
+                                       args.metrics_clip_model if "prompt" in names else None)
+
+    def validated(self, accelerator, folder, tag, step, specs, scales, images):
+        """Score a validation's images (main process; at scale 1 among --validation_lora_scales) and, the first time,
+        the base model's (step 0, the curves' start); record, plot and log them; --keep_best keeps the LoRA."""
+        count, scale = len(images) // (len(specs) * len(scales)), 1.0 if 1.0 in scales else max(scales)
+        rows = [(spec.prompt, (k * len(scales) + scales.index(scale)) * count + i)
+                for k, spec in enumerate(specs) for i in range(count)]
+        base = {r: Image.open(Path(folder, f"base-{r}.png")).convert("RGB") for _, r in rows}  # the same noise
+        path = Path(folder, "metrics.jsonl")
+        self.history = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        if not self.history or self.history[0]["tag"] != "base":
+            self._record(accelerator, folder, {"step": 0, "tag": "base", **self._scores(accelerator, rows, base, base),
+                                               "images": [f"base-{r}.png" for _, r in rows]})
+        self._record(accelerator, folder, {"step": step, "tag": tag, **self._scores(
+            accelerator, rows, dict(enumerate(images)), base), "images": [f"{tag}-{r}.png" for _, r in rows]})
+
+    def _scores(self, accelerator, rows, images, base):
+        """{score: value} of `images` (by row index): subject over the prompts naming the subject, prompt over all,
+        drift over the drift prompts' against `base`'s."""
+        args, names, device, scores = self.args, self.args.validation_metrics, accelerator.device, {}
+        drift_prompts = set(self._drift_prompts())
+        subject = [images[r] for p, r in rows if p not in drift_prompts and self._names_subject(p)]
+        if "subject" in names and subject:
+            if self.references is None:
+                photos = ([Image.open(p).convert("RGB") for p in sorted(Path(args.metrics_reference_dir).iterdir())
+                           if p.suffix.lower() in IMAGE_EXTENSIONS] if args.metrics_reference_dir else
+                          [r.load() for r in self.run.data.dataset.instances])
+                self.references = self.models.dino_features(photos, device)
+            scores["subject"] = subject_score(self.models.dino_features(subject, device), self.references)
+        if "prompt" in names:
+            scores["prompt"] = paired_score(*self.models.clip_embeddings([images[r] for _, r in rows],
+                                                                          [p for p, _ in rows], device))
+        drifted = [r for p, r in rows if p in drift_prompts]
+        if "drift" in names and drifted:
+            features = self.models.dino_features([images[r] for r in drifted] + [base[r] for r in drifted], device)
+            scores["drift"] = 1 - paired_score(features[:len(drifted)], features[len(drifted):])
+        return scores
+
+    def _record(self, accelerator, folder, entry):
+        """Add `entry` to the history (dropping later steps: a resumed run redoes them), write it and its plot, log it
+        (trackers too)."""
+        path, step = Path(folder, "metrics.jsonl"), entry["step"]
+        self.history = [e for e in self.history if e["step"] < step and step] + [entry]
+        with writing(path):
+            path.write_text("".join(json.dumps(e) + "\n" for e in self.history))
+            metrics_plot(self.history).save(Path(folder, "metrics.png"))
+        shown = {k: entry[k] for k in ("subject", "prompt", "drift") if k in entry}
+        accelerator.log({f"metrics/{k}": v for k, v in shown.items()}, step=step)
+        text = ", ".join(f"{k} {v:.3f}" for k, v in shown.items()) or "no prompt names the subject"
+        if self.args.keep_best and entry["tag"] != "base":
+            text += self._keep(accelerator, folder, entry)
+        logger.info(f"validation metrics, {'the base model' if entry['tag'] == 'base' else f'step {step}'}: "
+                    f"{text} (validation/metrics.png)")
+
+    def _keep(self, accelerator, folder, entry):
+        """Save this validation's LoRA (the weights it scored) if --keep_best may choose it, drop those it no longer
+        may, and copy the chosen one to best/ -> the log's words."""
+        args, run, scored = self.args, self.run, Path(folder, "scored")
+        if entry["step"] in may_be_kept(self.history, args.keep_best, args.max_drift):
+            with run.hooks.context("validation_weights"):
+                state = lora_state_dict(accelerator, run.transformer, run.hooks)
+            dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
+            target = scored / f"step-{entry['step']}"
+            with writing(scored / "."):
+                shutil.rmtree(target, ignore_errors=True)
+                target.mkdir(parents=True)
+                write_lora_files(accelerator, run.transformer, state, target, dtype, run.hooks)
+        keep = may_be_kept(self.history, args.keep_best, args.max_drift)
+        for old in scored.glob("step-*") if scored.is_dir() else []:
+            if int(old.name[5:]) not in keep:
+                shutil.rmtree(old)
+        best, out = best_entry(self.history, args.keep_best, args.max_drift), Path(args.output_dir, "best")
+        if best is None:
+            shutil.rmtree(out, ignore_errors=True)
+            return f"; no validation within --max_drift {args.max_drift}, no best LoRA"
+        if not (scored / f"step-{best['step']}").is_dir():  # a run from a later checkpoint dropped it
+            return f"; best ({args.keep_best}): step {best['step']}, whose LoRA is gone from {scored}: {out} unchanged"
+        with writing(out):
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(scored / f"step-{best['step']}", out)
+        return f"; best ({args.keep_best}): step {best['step']}, in {out}"
+
+    def card(self):
+        """The model card's table of the run's scores (validation/metrics.jsonl), and which LoRA best/ holds."""
+        path, args = Path(self.args.output_dir, "validation", "metrics.jsonl"), self.args
+        history = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        if not history:
+            return []
+        best = args.keep_best and best_entry(history, args.keep_best, args.max_drift)
+        return ["", "Validation metrics (subject: DINOv2 similarity to the subject's photos; prompt: CLIP image-prompt "
+                "agreement; drift: 1 - DINOv2 similarity of the class prompt's images to the base model's):", "",
+                "| step | subject | prompt | drift |", "|---|---|---|---|",
+                *(f"| {e['step']} | " + " | ".join(f"{e[k]:.3f}" if k in e else "-" for k in ("subject", "prompt",
+                  "drift")) + " |" for e in history)] + (
+            ["", f"`best/` holds the LoRA of step {best['step']} (--keep_best {args.keep_best})."] if best else [])
 
 if __name__ == "__main__":
     try:

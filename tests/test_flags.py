@@ -99,6 +99,13 @@ REFUSED = {
     "num_validation_images": ["-1"],
     "validation_inference_steps": ["0"],
     "validation_guidance_scale": ["-1", "nan"],
+    "validation_metrics": ["dino,size", "DINO", ""],
+    "metrics_reference_dir": ["MISSING", "FILE"],
+    "metrics_drift_prompts": ["MISSING", "FOLDER"],
+    "metrics_dino_model": ["FILE", "MISSING", "no spaces allowed/in ids"],
+    "metrics_clip_model": ["FILE", "no spaces allowed/in ids"],
+    "keep_best": ["best", "drift"],
+    "max_drift": ["-1", "nan"],
 }
 # Flags that accept any text (prompts, names, Hub ids: the Hub itself is the judge, and only with --push_to_hub)
 FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column", "cond_image_column",

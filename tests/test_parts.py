@@ -31,8 +31,9 @@ SOURCE = SCRIPT.read_text(encoding="utf-8")
 BUDGETS = {"Part 1": 1800, "Part 2": 1850, "Part 3": 1600}
 WHOLE_BUDGET = 5250
 # The options filed beside the restructure land in Part 3 outside its budget, each within the cost it states (its
-# lines): the memory plan is its estimator (moved from benchmarks/gpu_step.py) and its planner
-NEW_OPTIONS = {"memory plan": 420}
+# lines): the memory plan is its estimator (moved from benchmarks/gpu_step.py) and its planner; the validation
+# metrics their scores, plot, history and --keep_best
+NEW_OPTIONS = {"memory plan": 420, "validation metrics": 280}
 BANNER = "# " + "-" * 112
 PART_BANNER = "# " + "=" * 112
 # the README's first command, at the tiny model's size: cached latents, checkpoints, step and epoch validations

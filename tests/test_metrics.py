@@ -1,0 +1,158 @@
+"""--validation_metrics and --keep_best (issue 37), on tiny random DINOv2 and CLIP models saved as Hub folders:
+each score against a hand computation from the models' own outputs, what --keep_best may keep, and one tiny run
+(validations at steps 2 and 4 and the final one) whose kept LoRA is the scored one and survives a resume. The proofs
+that the scores mean something (the subject's likeness rises only when the LoRA learns; output preservation drifts
+less than plain training) ride on the learning runs: tests/test_learning.py and tests/test_preservation.py."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import base_args, launch
+from tests.tiny_flux2 import make_images
+from tests.tiny_metrics import build_tiny_clip, build_tiny_dino
+
+LORA = "pytorch_lora_weights.safetensors"
+
+
+@pytest.fixture(scope="module")
+def scorers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scorers")
+    return build_tiny_dino(root / "dino"), build_tiny_clip(root / "clip")
+
+
+def pictures(count, size=(40, 56), seed=0):
+    """Fixed images: smooth random colour fields of an odd size, so resizing and cropping matter."""
+    generator = torch.Generator().manual_seed(seed)
+    fields = torch.nn.functional.interpolate(torch.rand(count, 3, 4, 4, generator=generator), size=size[::-1],
+                                             mode="bilinear")
+    return [Image.fromarray((f.permute(1, 2, 0).numpy() * 255).astype("uint8")) for f in fields]
+
+
+def test_each_score_is_the_hand_computed_one(scorers):
+    """subject: the mean over every (generated, reference) pair of the cosine of DINOv2's CLS token (after its last
+    layer norm) on 224 px centre crops with ImageNet's mean and std; prompt: the mean cosine of each image's CLIP
+    embedding with its prompt's; drift: 1 minus the mean paired cosine of DINOv2 features."""
+    from transformers import AutoImageProcessor, AutoModel, AutoProcessor, CLIPModel
+
+    dino_dir, clip_dir = scorers
+    models = T.MetricModels(dino_dir, clip_dir)
+    generated, references, base = pictures(3), pictures(2, seed=1), pictures(3, seed=2)
+    processor, dino = AutoImageProcessor.from_pretrained(dino_dir), AutoModel.from_pretrained(dino_dir)
+    pixels = processor(images=generated + references + base, return_tensors="pt")["pixel_values"]
+    assert pixels.shape == (8, 3, 224, 224)
+    with torch.no_grad():
+        cls = dino(pixel_values=pixels).last_hidden_state[:, 0]
+    cos = torch.nn.functional.cosine_similarity
+    by_hand = sum(cos(cls[g], cls[3 + r], dim=0) for g in range(3) for r in range(2)) / 6
+    features = models.dino_features(generated, "cpu")
+    assert T.subject_score(features, models.dino_features(references, "cpu")) == pytest.approx(by_hand.item(), abs=1e-5)
+    drift = 1 - sum(cos(cls[g], cls[5 + g], dim=0) for g in range(3)) / 3
+    assert 1 - T.paired_score(features, models.dino_features(base, "cpu")) == pytest.approx(drift.item(), abs=1e-5)
+    prompts = ["a photo of sks dog", "a red square", "two cats on a sofa"]
+    clip_processor, clip = AutoProcessor.from_pretrained(clip_dir), CLIPModel.from_pretrained(clip_dir)
+    inputs = clip_processor(text=prompts, images=generated, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = clip(**inputs)
+    by_hand = sum(cos(out.image_embeds[i], out.text_embeds[i], dim=0) for i in range(3)) / 3
+    assert T.paired_score(*models.clip_embeddings(generated, prompts, "cpu")) == pytest.approx(by_hand.item(), abs=1e-5)
+    assert len({round(T.paired_score(*models.clip_embeddings([generated[0]], [p], "cpu")), 6) for p in prompts}) == 3
+
+
+def test_keep_best_chooses_by_its_criterion_and_keeps_only_what_may_still_win():
+    history = [{"step": 0, "tag": "base", "subject": 0.99, "prompt": 0.99, "drift": 0.0},  # never kept
+               {"step": 2, "tag": "a", "subject": 0.50, "prompt": 0.30, "drift": 0.10},
+               {"step": 4, "tag": "b", "subject": 0.70, "prompt": 0.20, "drift": 0.30},
+               {"step": 6, "tag": "c", "subject": 0.60, "prompt": 0.30, "drift": 0.40},
+               {"step": 8, "tag": "d", "subject": 0.65, "prompt": 0.25, "drift": 0.20}]
+    assert T.best_entry(history, "subject")["step"] == 4
+    assert T.best_entry(history, "prompt")["step"] == 2  # the earliest of equals
+    assert T.best_entry(history, "balanced")["step"] == 8  # drift at most the last one's (0.20)
+    assert T.best_entry(history, "balanced", max_drift=0.35)["step"] == 4
+    assert T.best_entry(history, "balanced", max_drift=0.05) is None
+    assert T.may_be_kept(history, "subject") == {4}
+    # the final drift decides later: keep every validation no other beats in both scores (6 loses to 4)
+    assert T.may_be_kept(history, "balanced") == {2, 4, 8}
+    assert T.may_be_kept(history, "balanced", max_drift=0.15) == {2}
+
+
+@pytest.fixture(scope="module")
+def kept(tiny_model, scorers, tmp_path_factory):
+    """One run of two processes scoring every validation and keeping the best LoRA by subject (checkpoints where it
+    validates), and the same run resumed from its checkpoint-2 in a copy of its folder (history: steps 0 to 4)."""
+    root = tmp_path_factory.mktemp("kept")
+    make_images(str(root / "images"))
+    (root / "drift.txt").write_text("a photo of dog\n")
+    dino, clip = scorers
+    flags = ["--max_train_steps", "6", "--checkpointing_steps", "2", "--validation_steps", "2", "--validation_prompt",
+             "a photo of sks dog", "--num_validation_images", "2", "--validation_metrics", "all",
+             "--metrics_drift_prompts", root / "drift.txt", "--metrics_dino_model", dino, "--metrics_clip_model", clip,
+             "--keep_best", "subject", "--learning_rate", "2e-2", "--lora_dropout", "0.1"]
+    straight = launch(base_args(tiny_model, root / "images", root / "straight", *flags), num_processes=2)
+    later = {"checkpoint-4", "checkpoint-6", LORA, "best", "README.md"}  # what the run wrote after checkpoint 2
+    shutil.copytree(root / "straight", root / "resumed",
+                    ignore=lambda folder, names: later & set(names) if folder == str(root / "straight") else [])
+    scored = root / "resumed" / "validation" / "scored"  # as it was after validation 2, the only one then
+    shutil.rmtree(scored)
+    (scored / "step-2").mkdir(parents=True)
+    shutil.copy(root / "straight" / "checkpoint-2" / LORA, scored / "step-2")
+    resumed = launch(base_args(tiny_model, root / "images", root / "resumed", *flags, "--resume_from_checkpoint",
+                               "latest"), num_processes=2)
+    return root, straight, resumed
+
+
+def history(folder):
+    return [json.loads(line) for line in (folder / "validation" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_validation_is_scored_logged_plotted_and_tabled(kept):
+    root, straight, _ = kept
+    entries = history(root / "straight")
+    assert [(e["step"], e["tag"]) for e in entries] == [(0, "base"), (2, "step-000002"), (4, "step-000004"),
+                                                        (6, "final")]
+    assert all({"subject", "prompt", "drift"} <= e.keys() for e in entries) and entries[0]["drift"] == 0
+    assert entries[-1]["images"] == ["final-0.png", "final-1.png", "final-2.png", "final-3.png"]
+    assert entries[-1]["drift"] > 0  # the class prompt's images moved
+    for e in entries[1:]:  # once each, by the main process
+        assert straight.stderr.count(f"[RANK 0] validation metrics, step {e['step']}: subject {e['subject']:.3f}, "
+                                     f"prompt {e['prompt']:.3f}, drift {e['drift']:.3f}") == 1
+    assert "[RANK 1] validation metrics" not in straight.stderr
+    with Image.open(root / "straight" / "validation" / "metrics.png") as plot:
+        assert plot.size == (480, 240) and len(plot.getcolors(10000)) > 4
+    card = (root / "straight" / "README.md").read_text()
+    assert "| step | subject | prompt | drift |" in card and f"| 6 | {entries[-1]['subject']:.3f} |" in card
+
+
+def test_keep_best_keeps_the_scored_lora_bit_for_bit_and_survives_a_resume(kept):
+    root, straight, resumed = kept
+    entries = history(root / "straight")
+    best = max(entries[1:], key=lambda e: e["subject"])
+    assert f"best (subject): step {best['step']}, in {root / 'straight' / 'best'}" in straight.stderr
+    scored = (root / "straight" / (f"checkpoint-{best['step']}" if best["tag"] != "final" else "") / LORA)
+    kept_lora, reference = load_file(str(root / "straight" / "best" / LORA)), load_file(str(scored))
+    assert kept_lora.keys() == reference.keys() and all(torch.equal(kept_lora[k], reference[k]) for k in kept_lora)
+    assert sorted(p.name for p in (root / "straight" / "validation" / "scored").iterdir()) == [f"step-{best['step']}"]
+    # the resumed run continues the same history and keeps the same LoRA
+    assert history(root / "resumed") == entries
+    again = load_file(str(root / "resumed" / "best" / LORA))
+    assert all(torch.equal(again[k], kept_lora[k]) for k in kept_lora)
+    assert "validation metrics, the base model" not in resumed.stderr  # its scores came with the history
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--validation_metrics", "dino,size"], "argument --validation_metrics: invalid"),
+    (["--validation_metrics", "dino"], "--validation_metrics subject: needs validation images"),
+    (["--validation_metrics", "drift", "--validation_prompt", "x"], "drift needs prompts without the subject"),
+    (["--validation_metrics", "clip", "--validation_prompt", "x", "--keep_best", "subject"],
+     "--keep_best subject needs the scores it compares"),
+    (["--keep_best", "subject"], "--keep_best has no effect without --validation_metrics"),
+])
+def test_bad_metric_flags_are_refused_before_any_model_loads(tiny_model, tmp_path, flags, message):
+    proc = launch(base_args(tiny_model, tmp_path, tmp_path / "out", *flags), check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "loading" not in proc.stderr
