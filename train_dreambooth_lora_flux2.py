@@ -5730,10 +5730,10 @@ def read_drift_prompts(path):
 
 @option
 class ValidationMetrics(Option):
-    """Numbers to pick a checkpoint by, at every validation, from its images: subject (DINO similarity to the
-    instance photos), prompt (CLIP image-prompt agreement), drift (how far the class prompt's images moved from the
-    base model's); validation/metrics.jsonl and .png, trackers, the model card; --keep_best keeps the best scored
-    LoRA in best/. Cost: its models' load once, about a second a validation on a GPU."""
+    """Numbers to pick a checkpoint by, from each validation's images: subject (DINO likeness to the photos), prompt
+    (CLIP image-prompt agreement), drift (the class prompt's images against the base model's); in metrics.jsonl and
+    .png, the trackers, the model card; --keep_best keeps the best scored LoRA in best/. Cost: its models (about 1 GB,
+    on the GPU only while they score), a forward pass of each a validation."""
 
     name, run, models, references = "validation metrics", None, None, None
     switches, requires = ("validation_metrics",), "--validation_metrics"
@@ -5767,7 +5767,10 @@ class ValidationMetrics(Option):
                              (args.keep_best and fsdp_requested(), "--keep_best under FSDP: not supported (the "
                               "LoRA is sharded during validation); choose from validation/metrics.jsonl"),
                              (args.max_drift is not None and args.keep_best != "balanced",
-                              "--max_drift applies to --keep_best balanced")):
+                              "--max_drift applies to --keep_best balanced"),
+                             (args.metrics_reference_dir and not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in Path(
+                                 args.metrics_reference_dir).iterdir()), f"--metrics_reference_dir "
+                              f"{args.metrics_reference_dir} holds no images")):
             if refused:
                 raise UsageError(f"--validation_metrics {','.join(names)}: {why}")
 

@@ -151,8 +151,12 @@ def test_keep_best_keeps_the_scored_lora_bit_for_bit_and_survives_a_resume(kept)
     (["--validation_metrics", "clip", "--validation_prompt", "x", "--keep_best", "subject"],
      "--keep_best subject needs the scores it compares"),
     (["--keep_best", "subject"], "--keep_best has no effect without --validation_metrics"),
+    (["--validation_metrics", "dino", "--validation_prompt", "x", "--metrics_reference_dir", "EMPTY"],
+     "holds no images"),
 ])
 def test_bad_metric_flags_are_refused_before_any_model_loads(tiny_model, tmp_path, flags, message):
+    (tmp_path / "empty").mkdir()
+    flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
     proc = launch(base_args(tiny_model, tmp_path, tmp_path / "out", *flags), check=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "loading" not in proc.stderr
