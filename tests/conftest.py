@@ -157,7 +157,7 @@ def pytest_collection_finish(session):
     """Under `--dist loadgroup`, xdist groups a test by renaming its node id (`<id>@<group>`); pytest 9.2 derives the
     node id from a structured id, so the renaming does nothing and the shared runs are silently built on both
     workers (about 2 minutes more). tests/requirements.txt keeps pytest below 9.2; this stops a run where it fails."""
-    if session.config.getvalue("loadgroup"):
+    if session.config.getoption("loadgroup", default=False):  # set in xdist workers only
         ungrouped = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
         if ungrouped:
             raise pytest.UsageError(f"--dist loadgroup did not group {ungrouped[0]} (pytest {pytest.__version__} "
