@@ -305,8 +305,7 @@ def validate_args(args, hooks=None):
            "--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
 def freeze(args):
-    """args once resolved (parse, family defaults, the options' resolutions, the step count): any later change
-    is an error, so a check or stage cannot quietly change what the run does."""
+    """args once resolved (parse, family defaults, options, step count): a later change is an error, not a quiet one."""
     args.__class__ = FrozenArgs
     return args
 
@@ -5785,10 +5784,10 @@ class ValidationMetrics(Option):
     def validation_specs(self):
         return [ValidationSpec(p) for p in self._drift_prompts()] if "drift" in self.args.validation_metrics else []
 
-    def _names_subject(self, prompt):
+    def _names_subject(self, prompt, others):
         """Whether a validation prompt names the subject: it holds --trigger_word, or a word of the instance prompt
-        that the class and drift prompts lack (the rare token: sks); without those prompts, every prompt does."""
-        args, others = self.args, self._drift_prompts()
+        that the class and drift prompts (`others`) lack (the rare token: sks); without those, every prompt does."""
+        args = self.args
         words = lambda text: set(re.findall(r"\w+", (text or "").lower()))  # noqa: E731
         if vars(args).get("trigger_word"):
             return bool(re.search(rf"(?<!\w){re.escape(args.trigger_word)}(?!\w)", prompt))
@@ -5823,8 +5822,8 @@ class ValidationMetrics(Option):
         """{score: value} of `images` (by row index): subject over the prompts naming the subject, prompt over all,
         drift over the drift prompts' against `base`'s."""
         args, names, device, scores = self.args, self.args.validation_metrics, accelerator.device, {}
-        drift_prompts = set(self._drift_prompts())
-        subject = [images[r] for p, r in rows if p not in drift_prompts and self._names_subject(p)]
+        others = self._drift_prompts()  # read once a validation: a file, or the options' prompts
+        subject = [images[r] for p, r in rows if p not in others and self._names_subject(p, others)]
         if "subject" in names and subject:
             if self.references is None:
                 photos = ([Image.open(p).convert("RGB") for p in sorted(Path(args.metrics_reference_dir).iterdir())
@@ -5835,7 +5834,7 @@ class ValidationMetrics(Option):
         if "prompt" in names:
             scores["prompt"] = paired_score(*self.models.clip_embeddings([images[r] for _, r in rows],
                                                                           [p for p, _ in rows], device))
-        drifted = [r for p, r in rows if p in drift_prompts]
+        drifted = [r for p, r in rows if p in others]
         if "drift" in names and drifted:
             features = self.models.dino_features([images[r] for r in drifted] + [base[r] for r in drifted], device)
             scores["drift"] = 1 - paired_score(features[:len(drifted)], features[len(drifted):])
