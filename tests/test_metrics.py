@@ -4,8 +4,10 @@ each score against a hand computation from the models' own outputs, what --keep_
 that the scores mean something (the subject's likeness rises only when the LoRA learns; output preservation drifts
 less than plain training) ride on the learning runs: tests/test_learning.py and tests/test_preservation.py."""
 
+import argparse
 import json
 import shutil
+import types
 
 import pytest
 import torch
@@ -62,6 +64,30 @@ def test_each_score_is_the_hand_computed_one(scorers):
     by_hand = sum(cos(out.image_embeds[i], out.text_embeds[i], dim=0) for i in range(3)) / 3
     assert T.paired_score(*models.clip_embeddings(generated, prompts, "cpu")) == pytest.approx(by_hand.item(), abs=1e-5)
     assert len({round(T.paired_score(*models.clip_embeddings([generated[0]], [p], "cpu")), 6) for p in prompts}) == 3
+
+
+@pytest.mark.parametrize("trigger", [None, "ohwx"])
+def test_the_subject_score_reads_only_the_images_whose_prompt_names_the_subject(scorers, tmp_path, trigger):
+    """subject: the rows whose prompt holds --trigger_word, or else the instance prompt's word that the drift prompts
+    lack (sks); a prompt naming neither (a red square) and the drift prompts' rows are left out of it."""
+    (tmp_path / "drift.txt").write_text("a photo of dog\n")
+    args = argparse.Namespace(validation_metrics=T.metric_names("all"), metrics_drift_prompts=tmp_path / "drift.txt",
+                              instance_prompt=f"a photo of {trigger or 'sks'} dog", metrics_reference_dir=None,
+                              trigger_word=trigger)
+    option = T.ValidationMetrics(args)
+    option.models = T.MetricModels(*scorers)
+    option.references = option.models.dino_features(pictures(2, seed=1), "cpu")
+    images, base = pictures(4), pictures(4, seed=2)
+    rows = [(f"{trigger or 'sks'} dog in a bucket", 0), ("a red square", 1), ("a photo of dog", 2),
+            (f"a {trigger or 'sks'} dog on a beach", 3)]
+    scores = option._scores(types.SimpleNamespace(device="cpu"), rows, dict(enumerate(images)), dict(enumerate(base)))
+    features = option.models.dino_features
+    assert scores["subject"] == pytest.approx(T.subject_score(features([images[0], images[3]], "cpu"),
+                                                              option.references), abs=1e-6)
+    wrong = T.subject_score(features(images[:2] + images[3:], "cpu"), option.references)
+    assert abs(scores["subject"] - wrong) > 1e-4  # the red square would have moved it
+    assert scores["drift"] == pytest.approx(1 - T.paired_score(features([images[2]], "cpu"),
+                                                               features([base[2]], "cpu")), abs=1e-6)
 
 
 def test_keep_best_chooses_by_its_criterion_and_keeps_only_what_may_still_win():
