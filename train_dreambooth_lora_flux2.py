@@ -270,10 +270,6 @@ def parse_args(argv=None):
 def validate_args(args, hooks=None):
     """The checks that combine flags (each flag's own value was checked by its type), then the options' checks,
     before anything heavy loads. hooks: the run's options (default: those `args` turns on). Raises UsageError."""
-    def refuse(condition, message):
-        if condition:
-            raise UsageError(message)
-
     hooks = hooks or Hooks(args)
     cuda = torch.cuda.is_available()
     layers = args.text_encoder_out_layers or []
@@ -1908,6 +1904,11 @@ class _HelpFormatter(argparse.HelpFormatter):
             text += " Default: none."
         return text
 
+def refuse(condition, message):
+    """A check: `message` (built whether or not it is needed: keep it cheap and safe) when `condition` holds."""
+    if condition:
+        raise UsageError(message)
+
 class _Parser(argparse.ArgumentParser):
     """A bad flag is one line and exit 2 (argparse would print its usage of 100 flags first); a refused value names
     the flag, the value and what the flag accepts. A default is not checked: it is the script's own choice."""
@@ -1949,8 +1950,7 @@ def config_tokens(argv):
                 if path.endswith(".toml") else __import__("yaml").safe_load(text))
     except Exception as e:  # noqa: BLE001 - unreadable or not the format its name says
         raise UsageError(f"--config {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: expected a mapping of flag names to values")
+    refuse(not isinstance(data, dict), f"--config {path}: expected a mapping of flag names to values")
     parser = build_parser()
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
     tokens = []
@@ -1964,8 +1964,7 @@ def config_tokens(argv):
             raise UsageError(f"--config {path}: {key!r} is not a flag{hint}")
         action, flag_name = actions[name], actions[name].option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
-            if not isinstance(value, bool):
-                raise UsageError(f"--config {path}: {flag_name} {value!r}: expected true or false")
+            refuse(not isinstance(value, bool), f"--config {path}: {flag_name} {value!r}: expected true or false")
             tokens += [flag_name] if value else []
         elif action.nargs in ("+", "*"):
             tokens += [flag_name, *map(str, value if isinstance(value, list) else [value])]
@@ -2015,14 +2014,12 @@ def parse_buckets(text):
     buckets = []
     for pair in filter(None, (s.strip() for s in text.split(";"))):
         m = re.fullmatch(r"(\d+)\s*,\s*(\d+)", pair)
-        if not m:
-            raise UsageError(f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
+        refuse(not m, f"--aspect_ratio_buckets {text}: {pair!r} is not 'height,width'")
         h, w = int(m.group(1)), int(m.group(2))
         if h <= 0 or w <= 0 or h % 16 or w % 16:
             raise UsageError(f"--aspect_ratio_buckets {text}: sides must be positive multiples of 16, got {h},{w}")
         buckets.append((h, w))
-    if not buckets:
-        raise UsageError(f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
+    refuse(not buckets, f"--aspect_ratio_buckets {text}: no bucket given (expected 'h,w;h,w;...')")
     return list(dict.fromkeys(buckets))
 
 def resolve_buckets(args):
@@ -2194,9 +2191,8 @@ def check_checkpoint_fits(checkpoint, accelerator, run, training):
     if problem is None and not is_fsdp(accelerator) and saved_groups != [len(g["params"])
                                                                           for g in run.optimizer.param_groups]:
         problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
-                         f"({problem}); was it trained with another --rank, --lora_layers or model?")
+    refuse(problem, f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
+                    f"({problem}); was it trained with another --rank, --lora_layers or model?")
 
 def surprising_values(args, hooks=None):
     """Legal values that are probably not what the user meant -> one warning line each (the options' too). hooks: the
@@ -2247,8 +2243,7 @@ def find_resume_checkpoint(args):
     if not (path / TRAINER_STATE_NAME).is_file():
         raise UsageError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE_NAME})")
     problem = checkpoint_problem(path)
-    if problem:
-        raise UsageError(f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
+    refuse(problem, f"--resume_from_checkpoint {path}: a damaged checkpoint: {problem}")
     return path
 
 def check_resume_processes(args, checkpoint, accelerator):
@@ -2497,9 +2492,8 @@ def check_resume_flags(args, checkpoint):
         return
     saved, now = json.loads((checkpoint / TRAINER_STATE_NAME).read_text()).get("flags", {}), flags_to_keep(args)
     changed = [f"--{k} {now[k]} (the checkpoint's: {saved[k]})" for k in now if k in saved and saved[k] != now[k]]
-    if changed:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint}: {', '.join(changed)}; resume with the flags that "
-                         "trained it")
+    refuse(changed, f"--resume_from_checkpoint {checkpoint}: {', '.join(changed)}; resume with the flags that "
+                    "trained it")
 
 def warn_changed_images(checkpoint, images):
     """A resume whose images changed on disk (or were added or removed) since the checkpoint: one warning naming
@@ -2603,9 +2597,8 @@ def load_pipeline_tokenizer(args):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path, subfolder="tokenizer",
                                               revision=args.revision, cache_dir=args.cache_dir)
-    if not tokenizer.chat_template:
-        raise UsageError(f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
-                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
+    refuse(not tokenizer.chat_template, f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
+                                        "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
     return tokenizer
 
 def guidance_scale(args, family):
@@ -2669,8 +2662,7 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False):
     (decompression-bomb) file is reported now, all of them in one message; files `index` (a ScanIndex, updated in
     place) knows unchanged are neither decoded nor hashed again. `progress` shows a bar."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise UsageError(f"{folder}: no such folder")
+    refuse(not folder.is_dir(), f"{folder}: no such folder")
     index = ScanIndex() if index is None else index
     scanned_at = time.time()
     records, bad, empty_captions, found = [], [], [], {}
@@ -2707,8 +2699,7 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False):
             records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
                                        mask_path=str(mask) if mask else None, sha256=sha))
     index.keep(found, scanned_at)
-    if bad:
-        raise UsageError(f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
+    refuse(bad, f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
     if empty_captions:
         warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
                       "those images use --instance_prompt", stacklevel=2)
@@ -2750,9 +2741,8 @@ def load_instance_images(args, cache, accelerator, cond_column=None):
         return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
                                args.cache_dir, cond_column)
     records = scan_folder(args.instance_data_dir, cache, accelerator)
-    if not records:
-        raise UsageError(f"--instance_data_dir {args.instance_data_dir}: no images found "
-                         f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    refuse(not records, f"--instance_data_dir {args.instance_data_dir}: no images found "
+                        f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
     return records
 
 def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
@@ -2785,9 +2775,8 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
             caption = "\n".join(c for c in caption if c)
         records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), image=image, conditions=refs,
                                    caption=(caption or "").strip() or None))
-    if empty:
-        raise UsageError(f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
-                         f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
+    refuse(empty, f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
+                  f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
     return records
 
 def load_mask(record):
