@@ -261,9 +261,8 @@ def parse_args(argv=None):
     args.resolution = max(args.resolutions)
     resume = args.resume_from_checkpoint
     if resume not in (None, "latest") and not Path(resume).is_dir():  # a name in --output_dir, as the example takes it
-        if not Path(args.output_dir, resume).is_dir():
-            raise UsageError(f"--resume_from_checkpoint {resume}: no such checkpoint folder (expected a checkpoint "
-                             "folder, the name of one in --output_dir, or 'latest')")
+        refuse(not Path(args.output_dir, resume).is_dir(), f"--resume_from_checkpoint {resume}: no such checkpoint "
+               "folder (expected a checkpoint folder, the name of one in --output_dir, or 'latest')")
         args.resume_from_checkpoint = str(Path(args.output_dir, resume))
     return args
 
@@ -542,8 +541,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), seed=0, center_crop=False,
                  random_flip=False, with_pixels=True, fixed_crops=False, with_masks=False):
-        if not instances:
-            raise UsageError("no instance images found")
+        refuse(not instances, "no instance images found")
         self.instances, self.classes, self.instance_prompt = list(instances), list(classes), instance_prompt
         (self.ladders, self.buckets), self.seed = ladder_buckets(buckets), seed
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
@@ -3645,9 +3643,8 @@ def push_to_hub(args):
 
 @option
 class FromManifest(Option):
-    """A dataset_manifest.json (every run writes one) and the disk cache replace the images, the text encoder and,
-    unless validation needs it, the VAE: the manifest restores the data flags, the seed and the image records; the
-    cache holds every entry. Cost: nothing on a run without it."""
+    """The disk cache and a dataset_manifest.json (every run writes one: the data flags, the seed, the image records)
+    replace the images, the text encoder and, unless validation needs it, the VAE. Cost: none."""
 
     name = "the manifest"
     flags = [flag("--from_manifest", type=readable_file, help="Train from a dataset_manifest.json and the disk "
@@ -3657,15 +3654,14 @@ class FromManifest(Option):
     def check(self):
         args = self.args
         for name in ("instance_data_dir", "dataset_name", "class_data_dir", "cond_data_dir"):
-            if vars(args).get(name) is not None:
-                raise UsageError(f"--from_manifest replaces --{name}: the manifest names the data, the cache holds it")
-        if not args.cache_latents:
-            raise UsageError("--from_manifest needs --cache_latents (without the images, latents can only come from "
-                             "the cache)")
-        if resolve_cache_dir(args.precompute_cache_dir, os.environ) is None:
-            raise UsageError("--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
-        if args.masked_loss:
-            raise UsageError("--from_manifest cannot train with --masked_loss: masks are made from the source images")
+            refuse(vars(args).get(name) is not None,
+                   f"--from_manifest replaces --{name}: the manifest names the data, the cache holds it")
+        refuse(not args.cache_latents, "--from_manifest needs --cache_latents (without the images, latents can only "
+               "come from the cache)")
+        refuse(resolve_cache_dir(args.precompute_cache_dir, os.environ) is None,
+               "--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
+        refuse(args.masked_loss, "--from_manifest cannot train with --masked_loss: masks are made from the source "
+               "images")
 
     def load_images(self, cache, accelerator):
         self.manifest = read_manifest(self.args.from_manifest)
@@ -3680,9 +3676,8 @@ class FromManifest(Option):
 
     def resolve(self, family):
         model, args = self.manifest["model"], self.args
-        if model["family"] != family.pipeline:
-            raise UsageError(f"--from_manifest {args.from_manifest}: its entries were made for a {model['family']} "
-                             f"checkpoint, --pretrained_model_name_or_path is a {family.pipeline}")
+        refuse(model["family"] != family.pipeline, f"--from_manifest {args.from_manifest}: its entries were made for a "
+               f"{model['family']} checkpoint, --pretrained_model_name_or_path is a {family.pipeline}")
         if model["pretrained_model_name_or_path"] != args.pretrained_model_name_or_path:
             logger.warning(f"--from_manifest: its embeddings and latents were made with "
                            f"{model['pretrained_model_name_or_path']}, training {args.pretrained_model_name_or_path}")
@@ -3709,11 +3704,9 @@ def read_manifest(path):
                 "latent_identity"), "instances": (), "classes": (), "entries": (), "cache": ()}
     missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
                if part not in manifest or (key and key not in manifest[part])]
-    if missing:
-        raise UsageError(f"--from_manifest {path}: incomplete, {', '.join(missing)} missing")
-    if manifest["model"]["latent_identity"] is None:
-        raise UsageError(f"--from_manifest {path} was written by a run without --cache_latents: the cache holds no "
-                         "latents of its images")
+    refuse(missing, f"--from_manifest {path}: incomplete, {', '.join(missing)} missing")
+    refuse(manifest["model"]["latent_identity"] is None, f"--from_manifest {path} was written by a run without "
+           "--cache_latents: the cache holds no latents of its images")
     return manifest
 
 def missing_entries_message(root, written_with, dataset, prompts, latents, needed):
@@ -3729,9 +3722,8 @@ def missing_entries_message(root, written_with, dataset, prompts, latents, neede
             f"--precompute_cache_dir {written_with}. Train once with the images to fill the cache")
 
 def apply_manifest(args, manifest):
-    """The data flags become the manifest's (one given differently is overridden, with a warning), the seed too
-    unless --seed is given (random crops depend on it) -> (instance records, class records: their caption the class
-    prompt). Records without a file: enough for keys and sizes, never for pixels."""
+    """The data flags (one given differently is overridden, with a warning) and, unless --seed is given, the seed
+    become the manifest's -> (instance records, class records): without files, enough for keys and sizes."""
     data, parser = manifest["data"], build_parser()
     for name in MANIFEST_DATA_FLAGS:
         if vars(args).get(name) not in (parser.get_default(name), data[name]):
@@ -3759,9 +3751,8 @@ def apply_manifest(args, manifest):
 
 @option
 class ClassImages(Option):
-    """DreamBooth's prior preservation: class images of --class_data_dir (missing ones generated with the base model,
-    each process a share) train beside the instance images under the class prompt, their loss weighted by
-    --prior_loss_weight, so the class keeps its look. Cost: a class row per instance row, and the generation."""
+    """DreamBooth's prior preservation: class images (missing ones generated by the base model) train beside the
+    instance images under the class prompt, so the class keeps its look. Cost: a class row per instance row."""
 
     name = "class images"
     flags = [
@@ -3777,11 +3768,9 @@ class ClassImages(Option):
     def check(self):
         args = self.args
         if args.with_prior_preservation and not vars(args).get("from_manifest"):  # a manifest brings its own
-            if not args.class_prompt:
-                raise UsageError("--with_prior_preservation needs --class_prompt")
-            if not args.class_data_dir:
-                raise UsageError("--with_prior_preservation needs --class_data_dir (missing class images are "
-                                 "generated there)")
+            refuse(not args.class_prompt, "--with_prior_preservation needs --class_prompt")
+            refuse(not args.class_data_dir, "--with_prior_preservation needs --class_data_dir (missing class images "
+                   "are generated there)")
 
     def notes(self):
         args = self.args
@@ -3796,15 +3785,13 @@ class ClassImages(Option):
         return self.args.num_class_images if self.args.with_prior_preservation else None
 
     def class_images(self, accelerator, seed, family, cache):
-        if self.args.with_prior_preservation:
-            return load_class_images(self.args, accelerator, seed, family, cache)
-        return None
+        args = self.args
+        return load_class_images(args, accelerator, seed, family, cache) if args.with_prior_preservation else None
 
     def step_config(self, config):
         return dataclasses.replace(config, prior_loss_weight=self.args.prior_loss_weight)
 
 def load_class_images(args, accelerator, seed, family, cache):
-    """The class images of --class_data_dir, missing ones generated first; their caption is the class prompt."""
     Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
     records = scan_folder(args.class_data_dir, cache, accelerator, read_captions=False)
     if len(records) < args.num_class_images:
@@ -3857,7 +3844,6 @@ def generate_class_images(args, accelerator, seed, existing, family):
     accelerator.wait_for_everyone()
 
 def free_gpu_bytes(device):
-    """Free memory on a CUDA device (None on any other)."""
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 def pipeline_placement(component_bytes, free_bytes, offload):
@@ -3867,13 +3853,9 @@ def pipeline_placement(component_bytes, free_bytes, offload):
     offload (its largest model, the 64 GB transformer, fits); on 24 GB, sequential."""
     if free_bytes is None:
         return "device"
-
-    def fits(n):
-        return n * 1.2 + 2 * 2**30 <= free_bytes
-
-    if not offload and fits(sum(component_bytes)):
-        return "device"
-    return "model" if fits(max(component_bytes, default=0)) else "sequential"
+    whole, largest = (n * 1.2 + 2 * 2**30 <= free_bytes
+                      for n in (sum(component_bytes), max(component_bytes, default=0)))
+    return "device" if whole and not offload else "model" if largest else "sequential"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3899,29 +3881,25 @@ class EditTraining(Option):
 
     def check(self):
         args = self.args
-        if args.cond_data_dir and not args.instance_data_dir:
-            raise UsageError("--cond_data_dir pairs with --instance_data_dir; with --dataset_name use "
-                             "--cond_image_column")
-        if args.cond_image_column and not args.dataset_name:
-            raise UsageError("--cond_image_column is a column of --dataset_name; with --instance_data_dir use "
-                             "--cond_data_dir")
-        if (args.cond_data_dir and args.instance_data_dir and Path(args.cond_data_dir).resolve() ==
-                Path(args.instance_data_dir).resolve()) or (args.cond_image_column and
-                                                            args.cond_image_column == args.image_column):
-            raise UsageError("the condition images are the targets (--cond_data_dir is --instance_data_dir, or "
-                             "--cond_image_column is --image_column): the LoRA would learn to copy its input")
-        if (args.cond_data_dir or args.cond_image_column) and vars(args).get("with_prior_preservation"):
-            raise UsageError("--with_prior_preservation does not combine with edit training (--cond_data_dir, "
-                             "--cond_image_column): its class images are text-to-image samples without a condition "
-                             "image, and a batch cannot mix rows with and without reference tokens (every row of a "
-                             "batch has the same token count). Regularise an edit LoRA with edit pairs of the class "
-                             "instead")
+        refuse(args.cond_data_dir and not args.instance_data_dir, "--cond_data_dir pairs with --instance_data_dir; "
+               "with --dataset_name use --cond_image_column")
+        refuse(args.cond_image_column and not args.dataset_name, "--cond_image_column is a column of --dataset_name; "
+               "with --instance_data_dir use --cond_data_dir")
+        same_folder = args.cond_data_dir and args.instance_data_dir and (
+            Path(args.cond_data_dir).resolve() == Path(args.instance_data_dir).resolve())
+        refuse(same_folder or (args.cond_image_column and args.cond_image_column == args.image_column), "the "
+               "condition images are the targets (--cond_data_dir is --instance_data_dir, or --cond_image_column is "
+               "--image_column): the LoRA would learn to copy its input")
+        refuse((args.cond_data_dir or args.cond_image_column) and vars(args).get("with_prior_preservation"),
+               "--with_prior_preservation does not combine with edit training (--cond_data_dir, --cond_image_column): "
+               "its class images are text-to-image samples without a condition image, and a batch cannot mix rows "
+               "with and without reference tokens (every row of a batch has the same token count). Regularise an "
+               "edit LoRA with edit pairs of the class instead")
 
     def notes(self):
         args = self.args
-        if args.validation_image is not None and not (args.validation_prompt or args.final_validation_prompt):
-            return ["--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"]
-        return []
+        return [] if args.validation_image is None or args.validation_prompt or args.final_validation_prompt else [
+            "--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"]
 
     def load_images(self, cache, accelerator):
         """The targets with their conditions: a row's condition column, or x.* of --cond_data_dir for target x.*."""
@@ -3947,10 +3925,9 @@ class EditTraining(Option):
             raise UsageError(f"--validation_image {args.validation_image}: cannot be decoded ({e})") from None
         condition, bucket = fit_to_bucket(image, dataset.ladders[args.resolutions.index(args.resolution)])
         h, w = condition.height, condition.width  # the pipelines take conditions of 64 px a side or more, up to 8:1
-        if min(h, w) < 64 or max(h, w) > 8 * min(h, w):
-            raise UsageError(f"--validation_image {args.validation_image}: it is fitted into the bucket {h}x{w} "
-                             "(h x w) as training conditions are, and the FLUX.2 pipelines take condition images of "
-                             "at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
+        refuse(min(h, w) < 64 or max(h, w) > 8 * min(h, w), f"--validation_image {args.validation_image}: it is "
+               f"fitted into the bucket {h}x{w} (h x w) as training conditions are, and the FLUX.2 pipelines take "
+               "condition images of at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
         return condition, bucket
 
     def describe(self, dataset):
@@ -3960,8 +3937,7 @@ class EditTraining(Option):
                 "target's)"] if dataset.conditions else []
 
 def fit_to_bucket(image, buckets):
-    """A condition image as training uses conditions -> (the RGB PIL image resized to cover reference_size of its
-    nearest bucket and centre-cropped to it, the bucket: the size of the edited image)."""
+    """A condition image as training fits conditions -> (RGB image, its nearest bucket: the edited image's size)."""
     bucket = buckets[nearest_bucket(image.height, image.width, buckets)]
     size = reference_size(bucket)
     return transform_image(image, (*draw_crop(image.size, size, True, None), False), size), bucket
@@ -3979,9 +3955,8 @@ def pair_conditions(targets, conditions, target_folder, cond_folder):
                  for r in conditions if Path(r.name).stem not in stems]
     problems += [f"{cond_folder}: {', '.join(r.name for r in found)} are the same stem's condition; keep one"
                  for found in by_stem.values() if len(found) > 1]
-    if problems:
-        raise UsageError(f"--cond_data_dir: {len(problems)} image(s) without a partner (edit training pairs "
-                         f"x.* of --instance_data_dir with x.* of --cond_data_dir):\n  " + "\n  ".join(problems))
+    refuse(problems, f"--cond_data_dir: {len(problems)} image(s) without a partner (edit training pairs x.* of "
+           f"--instance_data_dir with x.* of --cond_data_dir):\n  " + "\n  ".join(problems))
     return [dataclasses.replace(r, conditions=tuple(by_stem[Path(r.name).stem])) for r in targets]
 
 
@@ -4045,9 +4020,8 @@ class EMA(Option):
         return True
 
 class LoraEMA:
-    """Exponential moving average of the trainable (LoRA) parameters, in float32 on `device`. It starts at the
-    weights of the first optimizer step (not the random init) and warms up: decay_t = min(decay, (1 + t) / (10 + t)),
-    so early steps are not swamped."""
+    """EMA of the LoRA parameters, in float32 on `device`, from the weights of the first optimizer step (not the
+    random init), warmed up so early steps are not swamped: decay_t = min(decay, (1 + t) / (10 + t))."""
 
     def __init__(self, named_params, decay, device="cpu"):
         self.decay, self.device, self.step = decay, torch.device(device), 0
@@ -4107,9 +4081,8 @@ BFL_GLOBAL = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": 
 
 @option
 class Adapters(Option):
-    """Other adapters than a fresh LoRA: --init_lora (continue a LoRA file of any layout diffusers reads), DoRA,
-    LyCORIS' LoKr and LoHa (PEFT), and the final file in ComfyUI's layout (--lora_format). Cost: none per step for
-    --init_lora and the ComfyUI file; DoRA, LoKr and LoHa compute their weight update at every forward."""
+    """--init_lora (continue a LoRA of any layout diffusers reads), DoRA, LyCORIS' LoKr and LoHa (PEFT), and a final
+    file in ComfyUI's layout (--lora_format). Cost: DoRA, LoKr and LoHa compute their weight update every forward."""
 
     name = "adapters and the ComfyUI file"
     switches = ("adapter", "use_dora", "init_lora", "lora_format")
@@ -4133,28 +4106,23 @@ class Adapters(Option):
 
     def check(self):
         args = self.args
-        unverified = [name for name, given in (
-            ("FSDP", fsdp_requested()), ("--bnb_quantization_config_path", vars(args).get(
-                "bnb_quantization_config_path")), ("--do_fp8_training", vars(args).get("do_fp8_training")),
-            ("--blocks_to_swap", vars(args).get("blocks_to_swap"))) if given]
-        if self.kind and unverified:
-            raise UsageError(f"{self.kind} (--use_dora, --adapter) is not verified with {', '.join(unverified)} here; "
-                             "train a plain LoRA with those, or this adapter without them")
-        if args.adapter != "lora" and (args.use_dora or args.lora_dropout or args.init_lora):
-            raise UsageError(f"--adapter {args.adapter} takes no --use_dora, --lora_dropout or --init_lora (a LoRA "
-                             "file)")
+        unverified = ["FSDP"] if fsdp_requested() else []
+        unverified += [f"--{f}" for f in ("bnb_quantization_config_path", "do_fp8_training", "blocks_to_swap")
+                       if vars(args).get(f)]
+        refuse(self.kind and unverified, f"{self.kind} (--use_dora, --adapter) is not verified with "
+               f"{', '.join(unverified)} here; train a plain LoRA with those, or this adapter without them")
+        refuse(args.adapter != "lora" and (args.use_dora or args.lora_dropout or args.init_lora),
+               f"--adapter {args.adapter} takes no --use_dora, --lora_dropout or --init_lora (a LoRA file)")
         lokr = [f for f in ("lokr_factor", "lokr_decompose_both") if f in self._set(args)]
         if lokr and args.adapter != "lokr":
             raise UsageError(f"--{lokr[0]} has no effect without --adapter lokr")
         init = args.init_lora
-        if init and not Path(init).exists() and (init.endswith(".safetensors") or not re.fullmatch(r"[\w.-]+/[\w.-]+",
-                                                                                                 init)):
-            raise UsageError(f"--init_lora {init}: no such file or folder (expected a .safetensors file, a folder "
-                             f"holding {LORA_WEIGHTS_NAME}, or a Hub id owner/name)")
-        if args.use_dora and args.lora_format != "diffusers":
-            raise UsageError("--use_dora with --lora_format comfyui/both: ComfyUI scales DoRA against the base "
-                             "weights' norms, PEFT against the adapted weights' (and ComfyUI's convention is "
-                             "changing), so no ComfyUI file is exact; keep --lora_format diffusers")
+        not_hub_id = init and (init.endswith(".safetensors") or not re.fullmatch(r"[\w.-]+/[\w.-]+", init))
+        refuse(not_hub_id and not Path(init).exists(), f"--init_lora {init}: no such file or folder (expected a "
+               f".safetensors file, a folder holding {LORA_WEIGHTS_NAME}, or a Hub id owner/name)")
+        refuse(args.use_dora and args.lora_format != "diffusers", "--use_dora with --lora_format comfyui/both: "
+               "ComfyUI scales DoRA against the base weights' norms, PEFT against the adapted weights' (and ComfyUI's "
+               "convention is changing), so no ComfyUI file is exact; keep --lora_format diffusers")
 
     def resolve(self, family):
         """--init_lora: its rank, targets and DoRA become the run's; a conflicting --rank, --lora_layers or
@@ -4166,9 +4134,8 @@ class Adapters(Option):
         linear = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
                   if isinstance(m, torch.nn.Linear)}
         lacking = sorted(set(init.ranks) - set(linear))
-        if lacking:
-            raise UsageError(f"--init_lora {args.init_lora}: this transformer has no linear layer "
-                             f"{', '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''} (a LoRA of another model?)")
+        refuse(lacking, f"--init_lora {args.init_lora}: this transformer has no linear layer "
+               f"{', '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''} (a LoRA of another model?)")
         sizes = {m: (init.state[f"{m}.lora_A.weight"].shape[1], init.state[f"{m}.lora_B.weight"].shape[0])
                  for m in init.ranks}
         resized = [m for m in sorted(sizes) if sizes[m] != linear[m]]
@@ -4176,17 +4143,15 @@ class Adapters(Option):
             (i, o), (mi, mo) = sizes[resized[0]], linear[resized[0]]
             raise UsageError(f"--init_lora {args.init_lora}: {len(resized)} layers are of another size (e.g. "
                              f"{resized[0]}: {i} -> {o} features there, {mi} -> {mo} here): a LoRA of another model?")
-        if args.rank != parser.get_default("rank") and args.rank != init.rank:
-            raise UsageError(f"--rank {args.rank} conflicts with --init_lora {args.init_lora}, which has rank "
-                             f"{init.rank}")
+        refuse(args.rank != parser.get_default("rank") and args.rank != init.rank,
+               f"--rank {args.rank} conflicts with --init_lora {args.init_lora}, which has rank {init.rank}")
         if args.lora_layers != parser.get_default("lora_layers"):
             targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
             named = {n for n in linear if peft_matches(n, targets)}
-            if named != set(init.ranks):
-                raise UsageError(f"--lora_layers {args.lora_layers} names other layers than --init_lora "
-                                 f"{args.init_lora} adapts ({len(named)} against {len(init.ranks)} layers)")
-        if args.use_dora and not init.use_dora:
-            raise UsageError(f"--use_dora conflicts with --init_lora {args.init_lora}, a plain LoRA")
+            refuse(named != set(init.ranks), f"--lora_layers {args.lora_layers} names other layers than --init_lora "
+                   f"{args.init_lora} adapts ({len(named)} against {len(init.ranks)} layers)")
+        refuse(args.use_dora and not init.use_dora,
+               f"--use_dora conflicts with --init_lora {args.init_lora}, a plain LoRA")
         args.rank, args.use_dora = init.rank, init.use_dora
         self.kind = "DoRA" if init.use_dora else self.kind
 
@@ -4204,12 +4169,10 @@ class Adapters(Option):
                     bfl_name(name)
                 except ValueError as e:
                     problems.append(str(e))
-        if problems:
-            raise UsageError(f"--lora_format {args.lora_format}: {'; '.join(problems[:3])}; leave those layers out of "
-                             "--lora_layers, or keep --lora_format diffusers")
+        refuse(problems, f"--lora_format {args.lora_format}: {'; '.join(problems[:3])}; leave those layers out of "
+               "--lora_layers, or keep --lora_format diffusers")
 
     def adapter_config(self, config, transformer):
-        """A LoRA (DoRA with --use_dora) on the layers of --init_lora at its ranks, or a LoKr or LoHa."""
         from peft import LoHaConfig, LoKrConfig, LoraConfig
         args, targets, pattern = self.args, sorted(config.target_modules), {}
         if args.init_lora:
@@ -4230,11 +4193,9 @@ class Adapters(Option):
         from peft import set_peft_model_state_dict
         args = self.args
         if args.init_lora:
-            init, state = read_init_lora(args.init_lora), {}
-            for key, value in init.state.items():
-                module = key.rsplit(".lora_", 1)[0]
-                rescale = init.scales[module] / (args.lora_alpha / init.ranks[module])
-                state[key] = value * rescale if ".lora_B." in key else value
+            init = read_init_lora(args.init_lora)
+            rescale = {m: init.scales[m] / (args.lora_alpha / r) for m, r in init.ranks.items()}
+            state = {k: v * rescale[k.rsplit(".lora_", 1)[0]] if ".lora_B." in k else v for k, v in init.state.items()}
             result = set_peft_model_state_dict(transformer, state, adapter_name="default")
             if result.unexpected_keys:
                 raise UsageError(f"--init_lora {args.init_lora}: {len(result.unexpected_keys)} tensors found no layer "
@@ -4290,11 +4251,10 @@ def bfl_name(module):
                      "order there)" if module == "norm_out.linear" else ""))
 
 def to_comfyui(state):
-    """A LoRA (PEFT names, scale folded into lora_B) -> ComfyUI's FLUX.2 layout: diffusion_model.<BFL name>.lora_A /
-    lora_B.weight, the ai-toolkit layout, which diffusers' loader reads too. The fused qkv is exact: A = the three A
-    stacked [r_q + r_k + r_v, in], B block-diagonal [3h, r_q + r_k + r_v] (a projection not adapted is a zero row
-    block), so B @ A stacks the three updates. No .alpha tensors: ComfyUI then applies scale 1, which is the folded
-    scale (and diffusers' reader of this layout refuses .alpha keys)."""
+    """A LoRA (PEFT names, scale folded into lora_B) -> ComfyUI's FLUX.2 layout, ai-toolkit's (diffusers reads it):
+    diffusion_model.<BFL name>.lora_A / lora_B.weight. The fused qkv is exact: A = the three A stacked [R, in], B
+    block-diagonal [3h, R] (R = r_q + r_k + r_v; a projection not adapted is a zero row block). No .alpha tensors:
+    ComfyUI then applies scale 1, the folded scale (and diffusers' reader of this layout refuses .alpha keys)."""
     out, fused = {}, collections.defaultdict(dict)
     for key, value in state.items():
         module, _, part = key.rpartition(".lora_")
@@ -4350,10 +4310,9 @@ class InitLora:
 @functools.cache
 def read_init_lora(path):
     """--init_lora (a file, a folder holding pytorch_lora_weights.safetensors, or a Hub id) -> InitLora, read by
-    diffusers' own Flux2Pipeline.lora_state_dict, so every layout it reads works: ours, ai-toolkit/BFL (fused qkv:
-    A duplicated, B split per projection), kohya (alpha folded). Columns of lora_B that are all zero (the other
-    projections' blocks of a fused qkv) are dropped with their rows of lora_A, and modules with no update at all, so a
-    fused file gives back its per-projection ranks and targets. UsageError when it is no FLUX.2 LoRA."""
+    diffusers' Flux2Pipeline.lora_state_dict, so every layout it reads works: ours, ai-toolkit/BFL (fused qkv: A
+    duplicated, B split per projection), kohya. Columns of lora_B all zero (the other projections' blocks of a fused
+    qkv) go with their rows of lora_A, so a fused file gives back its per-projection ranks and targets."""
     from diffusers import Flux2Pipeline
     from safetensors.torch import load_file
     file = Path(path) / LORA_WEIGHTS_NAME if Path(path).is_dir() else Path(path)
@@ -4366,8 +4325,6 @@ def read_init_lora(path):
                 up = down.replace("lora_A", "lora_B").replace("lora_down", "lora_up")
                 source[up] = source[up] * (source.pop(key).item() / source[down].shape[0])
         state, meta = Flux2Pipeline.lora_state_dict(source, return_lora_metadata=True)
-    except UsageError:
-        raise
     except Exception as e:  # noqa: BLE001 - missing, unreadable, not a LoRA diffusers reads: the same advice
         raise UsageError(f"--init_lora {path}: cannot read a FLUX.2 LoRA from it ({type(e).__name__}: {e})") from None
     if not state:  # diffusers' reader keeps no key it does not know for FLUX.2
@@ -4378,9 +4335,8 @@ def read_init_lora(path):
     parts = collections.defaultdict(dict)
     for key, value in state.items():
         m = re.fullmatch(pattern, key)
-        if m is None:
-            raise UsageError(f"--init_lora {path}: {key} is not a LoRA tensor of the transformer (LoKr, LoHa, text "
-                             "encoder and bias adapters cannot be continued)")
+        refuse(m is None, f"--init_lora {path}: {key} is not a LoRA tensor of the transformer (LoKr, LoHa, text "
+               "encoder and bias adapters cannot be continued)")
         parts[m.group(1)][m.group(2)] = value
     meta = {k.removeprefix("transformer."): v for k, v in (meta or {}).items()}
     out, ranks, scales = {}, {}, {}
@@ -4397,8 +4353,7 @@ def read_init_lora(path):
         rank = t["lora_A.weight"].shape[0]  # the file's (without metadata: alpha = rank, scale 1)
         alpha = pattern_value(meta.get("alpha_pattern"), module, meta.get("lora_alpha", rank))
         scales[module] = alpha / pattern_value(meta.get("rank_pattern"), module, meta.get("r", rank))
-    if not ranks:
-        raise UsageError(f"--init_lora {path}: it holds no update (every lora_B is zero)")
+    refuse(not ranks, f"--init_lora {path}: it holds no update (every lora_B is zero)")
     broken = [k for k, v in out.items() if not torch.isfinite(v).all()]
     if broken:
         raise UsageError(f"--init_lora {path}: {len(broken)} tensors hold NaN or infinite values (e.g. {broken[0]})")
@@ -4418,7 +4373,6 @@ def pattern_value(pattern, module, default):
 TRIGGER = "[trigger]"  # the placeholder ai-toolkit's captions use
 
 def with_trigger(text, word):
-    """`text` with the [trigger] placeholder filled by `word` (no word, or no text: unchanged)."""
     return text.replace(TRIGGER, word) if word and text else text
 
 def mentions(text, word):
@@ -4427,14 +4381,14 @@ def mentions(text, word):
 
 @option
 class TriggerWords(Option):
-    """--trigger_word fills [trigger] in captions and prompts and goes before each caption line that lacks it;
-    --output_preservation trains the prediction for the caption with the word replaced by --class_word toward the
-    base model's, on the same noisy latents (adapters off, no gradients), in one forward with the batch. Cost:
-    output preservation adds a forward without gradients and P more rows to the trained forward and backward."""
+    """--trigger_word fills [trigger] and goes before each caption line lacking it; --output_preservation trains the
+    prediction for the caption with the word replaced by --class_word toward the base model's (same noisy latents).
+    Cost: output preservation adds a forward without gradients and P more rows to the trained forward and backward."""
 
     name = "trigger words and output preservation"
     placeholder = TRIGGER  # a [trigger] without --trigger_word turns this on, to refuse it
     switches, requires = ("trigger_word", "output_preservation", "class_word"), "--output_preservation"
+    prompt_flags = ("instance_prompt", "class_prompt", "validation_prompt", "final_validation_prompt")
     flags = [
         flag("--trigger_word", type=Accepts("a word or words on one line, without spaces around", lambda v: bool(
             v.strip()) and v == v.strip() and "\n" not in v and "\r" not in v),
@@ -4446,13 +4400,11 @@ class TriggerWords(Option):
 
     def check(self):
         args = self.args
-        prompts = ("instance_prompt", "class_prompt", "validation_prompt", "final_validation_prompt")
-        placed = [f for f in prompts if TRIGGER in (vars(args).get(f) or "")]
+        placed = [f for f in self.prompt_flags if TRIGGER in (vars(args).get(f) or "")]
         if placed and not args.trigger_word:
             raise UsageError(f"{TRIGGER} in --{placed[0]}: give --trigger_word, the word it stands for")
-        if args.class_word and not args.output_preservation:
-            raise UsageError("--class_word is the word --output_preservation puts in place of --trigger_word; add "
-                             "--output_preservation, or leave --class_word out")
+        refuse(args.class_word and not args.output_preservation, "--class_word is the word --output_preservation "
+               "puts in place of --trigger_word; add --output_preservation, or leave --class_word out")
         if not args.output_preservation:
             return
         for refused, why in ((not (args.trigger_word and args.class_word), "needs --trigger_word and --class_word "
@@ -4463,8 +4415,7 @@ class TriggerWords(Option):
                               "is not supported for edit training"),
                              (vars(args).get("compile"), "is not supported with --compile (switching the adapters off "
                               "for the base prediction would compile the blocks twice)")):
-            if refused:
-                raise UsageError(f"--output_preservation {why}")
+            refuse(refused, f"--output_preservation {why}")
         if mentions(args.class_word, args.trigger_word):
             raise UsageError(f"--class_word {args.class_word!r} contains --trigger_word {args.trigger_word!r}")
 
@@ -4474,26 +4425,22 @@ class TriggerWords(Option):
                 "nothing"] if args.output_preservation and args.output_preservation_weight == 0 else []
 
     def resolve(self, family):
-        """[trigger] filled in the prompts given as flags."""
-        for name in ("instance_prompt", "class_prompt", "validation_prompt", "final_validation_prompt"):
+        for name in self.prompt_flags:
             if TRIGGER in (vars(self.args).get(name) or ""):
                 setattr(self.args, name, with_trigger(getattr(self.args, name), self.args.trigger_word))
 
     def images(self, instances):
-        """[trigger] filled in every caption, and 'WORD, ' put before each caption alternative that lacks the word. A
-        [trigger] without the word, or images without a caption whose --instance_prompt lacks it, are refused with
-        their names (the run would train a subject it cannot name)."""
+        """[trigger] filled in every caption, and 'WORD, ' put before each caption line lacking the word; refused by
+        name: a [trigger] without the word, images whose only prompt lacks it (the run could not name its subject)."""
         args, word, bare = self.args, self.args.trigger_word, [r.name for r in instances if not r.caption]
         if not word:
             placed = [r.name for r in instances if TRIGGER in (r.caption or "")]
-            if placed:
-                raise UsageError(f"{TRIGGER} in the captions of {', '.join(placed[:5])}{', ...' * (len(placed) > 5)}"
-                                 ": give --trigger_word, the word it stands for")
+            refuse(placed, f"{TRIGGER} in the captions of {', '.join(placed[:5])}{', ...' * (len(placed) > 5)}: give "
+                   "--trigger_word, the word it stands for")
             return instances
-        if bare and not mentions(args.instance_prompt, word):
-            raise UsageError(f"--trigger_word {word}: --instance_prompt {args.instance_prompt!r}, the prompt of "
-                             f"{len(bare)} image(s) without a caption ({', '.join(bare[:3])}), does not contain it; "
-                             f"write it in (or {TRIGGER} where it goes)")
+        refuse(bare and not mentions(args.instance_prompt, word), f"--trigger_word {word}: --instance_prompt "
+               f"{args.instance_prompt!r}, the prompt of {len(bare)} image(s) without a caption "
+               f"({', '.join(bare[:3])}), does not contain it; write it in (or {TRIGGER} where it goes)")
 
         def fill(line):
             line = with_trigger(line, word)
@@ -4503,9 +4450,8 @@ class TriggerWords(Option):
                 for r in instances]
 
     def prompt(self, text):
-        if TRIGGER in text and not self.args.trigger_word:
-            raise UsageError(f"{TRIGGER} in the validation prompt {text!r}: give --trigger_word, the word it stands "
-                             "for")
+        refuse(TRIGGER in text and not self.args.trigger_word,
+               f"{TRIGGER} in the validation prompt {text!r}: give --trigger_word, the word it stands for")
         return with_trigger(text, self.args.trigger_word)
 
     def describe(self, dataset):
@@ -4517,17 +4463,15 @@ class TriggerWords(Option):
         return [text] if text else []
 
     def extra_prompts(self, texts):
-        if not self.args.output_preservation:
-            return []
-        return [preservation_text(t, self.args.trigger_word, self.args.class_word) for t in texts]
+        args = self.args
+        return [preservation_text(t, args.trigger_word, args.class_word) for t in texts if args.output_preservation]
 
     def extra_texts(self):
         return self.extra_prompts if self.args.output_preservation else None
 
     def step_extra(self, embeds):
-        """The step's share: the base model (adapters off, no gradients) predicts the first P rows' noisy latents
-        under their preservation prompts `embeds` [P, L, D]; the same P rows join the trained forward, whose
-        prediction for them is pulled toward the base one by weight x MSE."""
+        """The base model (adapters off, no gradients) predicts the first P rows under their preservation prompts
+        `embeds` [P, L, D]; those rows join the trained forward, pulled toward the base prediction by weight x MSE."""
         from accelerate.utils import extract_model_from_parallel
         weight = self.args.output_preservation_weight
 
@@ -4555,9 +4499,8 @@ def http_url(value):
 
 @option
 class TextEncoders(Option):
-    """Ways to encode prompts without a whole text encoder on each GPU: [dev]'s remote encoder (a Hugging Face
-    endpoint), int8 (torchao, any device) or NF4 (bitsandbytes, CUDA) weights, or the encoder sharded over the
-    processes with FSDP2. Precompute only: no cost per step."""
+    """Prompts encoded without a whole text encoder on each GPU: [dev]'s remote encoder (a Hugging Face endpoint),
+    int8 (torchao) or NF4 (bitsandbytes) weights, or sharded with FSDP2. Precompute only: no cost per step."""
 
     name = "text encoders"
     switches = ("remote_text_encoder", "text_encoder_quantization", "fsdp_text_encoder")
@@ -4577,18 +4520,15 @@ class TextEncoders(Option):
 
     def check(self):
         args, processes = self.args, int(os.environ.get("WORLD_SIZE", 1))
-        if args.remote_text_encoder and not hub_token(args):
-            raise UsageError("--remote_text_encoder needs a Hugging Face token: run `hf auth login` (or pass "
-                             "--hub_token)")
-        if args.text_encoder_quantization == "nf4" and not torch.cuda.is_available():
-            raise UsageError("--text_encoder_quantization nf4 needs a CUDA GPU (bitsandbytes); int8 works on any "
-                             "device")
-        if args.text_encoder_quantization != "none" and (args.remote_text_encoder or args.fsdp_text_encoder):
-            raise UsageError("--text_encoder_quantization quantises the text encoder this process loads: leave out "
-                             "--remote_text_encoder and --fsdp_text_encoder")
-        if args.fsdp_text_encoder and (processes < 2 or args.remote_text_encoder):
-            raise UsageError("--fsdp_text_encoder shards the text encoder over several processes: launch 2 or more, "
-                             "without --remote_text_encoder")
+        refuse(args.remote_text_encoder and not hub_token(args), "--remote_text_encoder needs a Hugging Face token: "
+               "run `hf auth login` (or pass --hub_token)")
+        refuse(args.text_encoder_quantization == "nf4" and not torch.cuda.is_available(),
+               "--text_encoder_quantization nf4 needs a CUDA GPU (bitsandbytes); int8 works on any device")
+        refuse(args.text_encoder_quantization != "none" and (args.remote_text_encoder or args.fsdp_text_encoder),
+               "--text_encoder_quantization quantises the text encoder this process loads: leave out "
+               "--remote_text_encoder and --fsdp_text_encoder")
+        refuse(args.fsdp_text_encoder and (processes < 2 or args.remote_text_encoder), "--fsdp_text_encoder shards "
+               "the text encoder over several processes: launch 2 or more, without --remote_text_encoder")
 
     def resolve(self, family):
         if self.args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
@@ -4613,10 +4553,9 @@ class TextEncoders(Option):
         return 1 if self.args.remote_text_encoder else None
 
     def text_encoder(self, load, accelerator, dtype):
-        """int8: torchao weight-only, each linear layer quantised on the device, so the bf16 model never is whole on
-        it; NF4: bitsandbytes, loaded onto the CUDA device (embeddings and the output layer stay bf16); sharded: FSDP2,
-        every decoder layer a unit gathered only while it runs (each process holds 1/N; every process then runs the
-        same number of passes, which precompute_prompts ensures). Embeddings change a little: docs/memory.md."""
+        """int8: torchao, each linear layer quantised on the device, so the bf16 model is never whole on it; NF4:
+        bitsandbytes (embeddings and the output layer stay bf16); sharded: FSDP2, a decoder layer gathered only while
+        it runs (precompute_prompts gives every process as many passes). Embeddings change a little: docs/memory.md."""
         mode = self.args.text_encoder_quantization
         if mode == "nf4":
             import transformers
@@ -4670,6 +4609,8 @@ def remote_prompt_embeds(url, prompt, token):
 # ----------------------------------------------------------------------------------------------------------------
 # Option: Prodigy (--optimizer prodigy)
 
+true_or_false = Accepts("true or false", convert=boolean)
+
 @option
 class Prodigy(Option):
     """Prodigy (the prodigyopt package) finds its own step size; its learning rate multiplies it (usually 1.0).
@@ -4682,11 +4623,9 @@ class Prodigy(Option):
         flag("--optimizer", type=str.lower, default="adamw", choices=["adamw", "prodigy"],
              help="AdamW, or Prodigy (needs prodigyopt; its learning rate is a multiplier, usually 1.0)."),
         flag("--prodigy_beta3", type=below_one, help="Prodigy's step-size decay; default: sqrt(--adam_beta2)."),
-        flag("--prodigy_decouple", type=Accepts("true or false", convert=boolean), default=True,
-             help="Decoupled weight decay."),
-        flag("--prodigy_use_bias_correction", type=Accepts("true or false", convert=boolean), default=True,
-             help="Adam's bias correction."),
-        flag("--prodigy_safeguard_warmup", type=Accepts("true or false", convert=boolean), default=True,
+        flag("--prodigy_decouple", type=true_or_false, default=True, help="Decoupled weight decay."),
+        flag("--prodigy_use_bias_correction", type=true_or_false, default=True, help="Adam's bias correction."),
+        flag("--prodigy_safeguard_warmup", type=true_or_false, default=True,
              help="Keep the step size from growing during warm-up.")]
 
     def check(self):
@@ -4713,18 +4652,16 @@ class Prodigy(Option):
 
 @option
 class FSDP(Option):
-    """Training under accelerate's FSDP (turned on by its config): the LoRA and the optimizer state are gathered
-    from the shards to save them and scattered to resume; with cpu_ram_efficient_loading only process 0 reads the
-    weights. Cost: the gathering at each checkpoint (collectives every process joins)."""
+    """Training under accelerate's FSDP (its config turns it on): the LoRA and the optimizer state are gathered from
+    the shards to save them and scattered to resume. Cost: those collectives at each checkpoint."""
 
     name = "FSDP"
     env = "ACCELERATE_USE_FSDP"
     places_transformer = True  # accelerate moves and shards one wrapped block at a time
 
     def load_transformer(self, accelerator, weight_dtype):
-        """Under cpu_ram_efficient_loading, only the first process reads the weights: accelerate broadcasts them
-        while it shards (its LoRA initialisation too), so the others build an empty model and a node holds one copy
-        of [dev]'s 64 GB in host memory, not one per process. Quantised weights: accelerate loads them everywhere."""
+        """Under cpu_ram_efficient_loading, only process 0 reads the weights (accelerate broadcasts them while it
+        shards): a node holds one copy of [dev]'s 64 GB, not one a process. Quantised weights load everywhere."""
         plugin = accelerator.state.fsdp_plugin if is_fsdp(accelerator) else None
         if not (plugin and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process
                 and not vars(self.args).get("bnb_quantization_config_path")):
@@ -4760,7 +4697,6 @@ class FSDP(Option):
         """Every process passes the full tensors; torch keeps each process's shard."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
-
         if not is_fsdp(accelerator):
             return None
         options, names = StateDictOptions(full_state_dict=True, strict=False), fsdp_lora_params(run.transformer)
@@ -4788,9 +4724,8 @@ def fsdp_lora_params(transformer):
 
 @option
 class BlockSwapping(Option):
-    """The frozen weights of the last N transformer blocks live in pinned host memory, each copied in just before
-    it runs (BlockSwapper carries out a SwapSchedule): a peak N - 2 blocks below keeping all of them. Cost: each
-    swapped block's weights cross the bus once per forward and once per backward (mostly hidden behind compute)."""
+    """The frozen weights of the last N blocks live in pinned host memory, each copied in just before it runs: a peak
+    N - 2 blocks lower. Cost: their weights cross the bus once a forward and a backward (mostly hidden by compute)."""
 
     name = "block swapping"
     places_transformer = True  # the swapped blocks are placed once their LoRA exists
@@ -4798,22 +4733,18 @@ class BlockSwapping(Option):
                   "N blocks in host memory (CUDA, with --gradient_checkpointing).")]
 
     def check(self):
-        if not torch.cuda.is_available():
-            raise UsageError("--blocks_to_swap needs a CUDA GPU: it moves blocks between pinned host memory and the "
-                             "GPU")
-        if fsdp_requested():
-            raise UsageError("--blocks_to_swap does not work under FSDP, which already splits every block over the "
-                             "GPUs; use one or the other")
-        if not self.args.gradient_checkpointing:
-            raise UsageError("--blocks_to_swap needs --gradient_checkpointing: without it autograd keeps every "
-                             "block's weights for the backward pass, so swapped blocks could not leave the GPU")
+        refuse(not torch.cuda.is_available(), "--blocks_to_swap needs a CUDA GPU: it moves blocks between pinned host "
+               "memory and the GPU")
+        refuse(fsdp_requested(), "--blocks_to_swap does not work under FSDP, which already splits every block over "
+               "the GPUs; use one or the other")
+        refuse(not self.args.gradient_checkpointing, "--blocks_to_swap needs --gradient_checkpointing: without it "
+               "autograd keeps every block's weights for the backward pass, so swapped blocks could not leave the GPU")
 
     def check_model(self, model):
         blocks = len(transformer_blocks(model))
-        if self.args.blocks_to_swap > blocks:
-            raise UsageError(f"--blocks_to_swap {self.args.blocks_to_swap}: this transformer has {blocks} blocks "
-                             f"({model.config.num_layers} double-stream, {model.config.num_single_layers} "
-                             "single-stream)")
+        refuse(self.args.blocks_to_swap > blocks, f"--blocks_to_swap {self.args.blocks_to_swap}: this transformer has "
+               f"{blocks} blocks ({model.config.num_layers} double-stream, {model.config.num_single_layers} "
+               "single-stream)")
 
     def after_lora(self, transformer, accelerator):
         count = self.args.blocks_to_swap
@@ -4841,13 +4772,11 @@ class SwapSchedule:
         self.backward_block = None  # whose backward runs now: a forward of this block is its recomputation
 
     def _bring(self, i, wait):
-        actions = []
-        if i in self.swapped and i not in self.resident:
-            self.resident.add(i)
-            actions.append(("load", i))
-        if wait and i in self.swapped:
-            actions.append(("wait", i))
-        return actions
+        if i not in self.swapped:
+            return []
+        actions = [] if i in self.resident else [("load", i)]
+        self.resident.add(i)
+        return actions + ([("wait", i)] if wait else [])
 
     def _drop(self, blocks):
         gone = sorted(blocks & self.resident)
@@ -4866,10 +4795,8 @@ class SwapSchedule:
         return self._bring(i, wait=True) + self._bring(i + 1, wait=False)
 
     def after_block(self, i, training):
-        if i == self.backward_block or i not in self.swapped:
-            return []
-        if training and i == self.swapped[-1]:  # the backward pass starts with this block
-            return []
+        if i == self.backward_block or i not in self.swapped or training and i == self.swapped[-1]:
+            return []  # (the last swapped block: the backward pass starts with it)
         return self._drop({i})
 
     def before_backward(self, i):
@@ -4879,11 +4806,9 @@ class SwapSchedule:
         return self._drop(done) + self._bring(i, wait=True) + self._bring(i - 1, wait=False)
 
 class BlockSwapper:
-    """Carries out a SwapSchedule with module hooks, so the training loop and the validation pipeline run unchanged.
-    The frozen weights of the swapped blocks live in pinned host memory; their parameters hold an empty tensor
-    except while the schedule has them on the device. LoRA parameters (trainable) stay put, so the optimizer never
-    sees a swap. On a CPU (the tests) everything but the side stream runs as on a GPU, and an evicted block that ran
-    would fail on its empty weights."""
+    """Carries out a SwapSchedule with module hooks, so the loop and the validation pipeline run unchanged. A swapped
+    block's frozen parameters hold an empty tensor except while the schedule has them on the device; LoRA parameters
+    stay put, so the optimizer never sees a swap. On a CPU (the tests) all but the side stream runs as on a GPU."""
 
     def __init__(self, transformer, blocks_to_swap, device):
         blocks = transformer_blocks(transformer)
@@ -4941,8 +4866,7 @@ class BlockSwapper:
                     for param, host, slot in self.weights[i]:
                         param.data = slot.copy_(host, non_blocking=True)
                     if self.stream is not None:
-                        self.ready[i] = torch.cuda.Event()
-                        self.ready[i].record(self.stream)
+                        self.ready[i] = self.stream.record_event()
             elif action == "wait" and i in self.ready:
                 torch.cuda.current_stream(self.device).wait_event(self.ready.pop(i))
             elif action == "evict":
@@ -4972,15 +4896,12 @@ class _BeforeBackward(torch.autograd.Function):
 TRAINING_ATTENTION_BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math", "flex",
                                "flash", "flash_hub", "_flash_3", "_flash_3_hub", "xformers")
 # Backends seen to break a FLUX.2 training step; refused with the evidence, so no run dies mid-way.
-BROKEN_ATTENTION_BACKENDS = {
-    "_native_cudnn": "crashed FLUX.2 [klein] 4B training steps with 'CUDA error: an illegal memory access' at 512 "
-                     "and 1024 px, eager and compiled (H100, torch 2.11 + CUDA 13.0, 2026-11-22); use native, which "
-                     "picks a working SDPA kernel itself",
-}
+BROKEN_ATTENTION_BACKENDS = {"_native_cudnn": "crashed FLUX.2 [klein] 4B training steps with 'CUDA error: an illegal "
+                             "memory access' at 512 and 1024 px, eager and compiled (H100, torch 2.11 + CUDA 13.0, "
+                             "2026-11-22); use native, which picks a working SDPA kernel itself"}
 
 def attention_backend_problem(name):
-    """Why --attention_backend `name` cannot train here (None: it can): unknown, inference-only, package missing
-    (diffusers' own requirement check), or a CUDA kernel without a CUDA GPU."""
+    """Why --attention_backend `name` cannot train here (None: it can)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
     if name not in TRAINING_ATTENTION_BACKENDS:
         known = {b.value for b in AttentionBackendName}
@@ -4991,10 +4912,8 @@ def attention_backend_problem(name):
         _check_attention_backend_requirements(AttentionBackendName(name))
     except (RuntimeError, ValueError, ImportError) as e:
         return str(e)
-    if name == "flex" and not torch.cuda.is_available():
-        return "needs a CUDA GPU (FlexAttention has no backward pass on the CPU)"
-    if name not in ("native", "_native_math", "flex") and not torch.cuda.is_available():
-        return "needs a CUDA GPU"
+    if name not in ("native", "_native_math") and not torch.cuda.is_available():
+        return "needs a CUDA GPU" + (" (FlexAttention has no backward pass on the CPU)" if name == "flex" else "")
     return None
 
 def check_attention_backend(name):
@@ -5029,9 +4948,8 @@ def read_bnb_config(path):
         config = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"--bnb_quantization_config_path {path}: {e}") from None
-    if not isinstance(config, dict) or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
-        raise UsageError(f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or "
-                         "load_in_8bit")
+    refuse(not isinstance(config, dict) or not (config.get("load_in_4bit") or config.get("load_in_8bit")),
+           f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or load_in_8bit")
     return config
 
 @option
@@ -5062,8 +4980,7 @@ class SpeedAndMemory(Option):
             raise UsageError("--do_fp8_training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)")
         if args.bnb_quantization_config_path:
             read_bnb_config(args.bnb_quantization_config_path)
-            if not cuda:
-                raise UsageError("--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
+            refuse(not cuda, "--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
 
     def notes(self):  # measured: docs/speed.md
         return ["--do_fp8_training without --compile: at [klein] 4B, batch 1, it made a step 2.1 to 2.3 times slower "
@@ -5071,8 +4988,7 @@ class SpeedAndMemory(Option):
             self.args.do_fp8_training and not self.args.compile) else []
 
     def quantization_config(self, weight_dtype):
-        """The diffusers BitsAndBytesConfig of the frozen transformer (QLoRA: the base in 4 or 8 bits, LoRA on top
-        in float32), or None."""
+        """QLoRA: the frozen transformer in 4 or 8 bits (diffusers' BitsAndBytesConfig), the LoRA on top in float32."""
         if not self.args.bnb_quantization_config_path:
             return None
         from diffusers import BitsAndBytesConfig
@@ -5095,11 +5011,9 @@ class SpeedAndMemory(Option):
         return transformer
 
     def after_lora(self, transformer, accelerator):
-        """--compile: regional compilation. Each repeated block's forward is compiled; the copies of a block class
-        share one compiled graph (their weights are graph inputs), so compiling costs seconds per class, not minutes,
-        and gradient checkpointing and module hooks wrap the block from outside (the LoRA layers inside compile with
-        it). The first bucket compiles static shapes; a second shape recompiles once with dynamic shapes, which then
-        serve every bucket."""
+        """--compile, regionally: the copies of a block class share one compiled graph (their weights are its inputs),
+        so compiling costs seconds, not minutes; checkpointing and hooks wrap each block from outside. A second bucket
+        shape recompiles once with dynamic shapes, which then serve every bucket."""
         if self.args.compile:
             blocks = transformer_blocks(transformer)
             for block in blocks:
@@ -5135,20 +5049,18 @@ def read_validation_prompts(path):
         found = {}
         for setting in options:
             m = re.fullmatch(r"size (\d+)x(\d+)|seed (\d+)|steps ([1-9]\d*)|guidance (\d+(?:\.\d+)?)", setting.strip())
-            if (m is None or any(not sides_ok(int(side)) for side in m.groups()[:2] if side)
-                    or (m.group(3) and int(m.group(3)) > 2**32 - 1)):  # --resolution's sides, --seed's range
-                raise UsageError(f"--validation_prompts_file {path}, line {number_}: --{setting.strip()}: expected "
-                                 "--size WxH (sides from 16 to 4096, multiples of 16), --seed N (0 to 4294967295), "
-                                 "--steps N (N >= 1) or --guidance X")
+            refuse(m is None or any(not sides_ok(int(side)) for side in m.groups()[:2] if side)  # --resolution's sides
+                   or (m.group(3) and int(m.group(3)) > 2**32 - 1),  # --seed's range
+                   f"--validation_prompts_file {path}, line {number_}: --{setting.strip()}: expected --size WxH (sides "
+                   "from 16 to 4096, multiples of 16), --seed N (0 to 4294967295), --steps N (N >= 1) or --guidance X")
             if m.group(1):
                 found.update(width=int(m.group(1)), height=int(m.group(2)))
             found.update({k: cast(v) for k, v, cast in (("seed", m.group(3), int), ("steps", m.group(4), int),
                                                          ("guidance", m.group(5), float)) if v is not None})
-        if not prompt.strip() or prompt.startswith("--"):
-            raise UsageError(f"--validation_prompts_file {path}, line {number_}: no prompt before the options")
+        refuse(not prompt.strip() or prompt.startswith("--"),
+               f"--validation_prompts_file {path}, line {number_}: no prompt before the options")
         specs.append(ValidationSpec(prompt.strip(), **found))
-    if not specs:
-        raise UsageError(f"--validation_prompts_file {path}: no prompt in it")
+    refuse(not specs, f"--validation_prompts_file {path}: no prompt in it")
     return specs
 
 @option
@@ -5443,11 +5355,10 @@ class MemoryPlan(Option):
         flag("--plan_only", action="store_true", help="Print the plan (every candidate, its estimated peak) and stop.")]
 
     def check(self):
-        if fsdp_requested():
-            raise UsageError("--memory_plan auto plans one GPU's memory; under FSDP each process holds a shard: set "
-                             "the memory flags yourself")
-        if self.args.plan_only and self.args.gpu_memory is None and not torch.cuda.is_available():
-            raise UsageError("--plan_only: no GPU here; give --gpu_memory, the size of the card to plan for")
+        refuse(fsdp_requested(), "--memory_plan auto plans one GPU's memory; under FSDP each process holds a shard: "
+               "set the memory flags yourself")
+        refuse(self.args.plan_only and self.args.gpu_memory is None and not torch.cuda.is_available(),
+               "--plan_only: no GPU here; give --gpu_memory, the size of the card to plan for")
 
     def plan_memory(self, family):
         args, can = self.args, vars(self.args)  # can: the flags of the options still in the script
@@ -5712,8 +5623,7 @@ def read_drift_prompts(path):
         prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--metrics_drift_prompts {path}: {e}") from None
-    if not prompts:
-        raise UsageError(f"--metrics_drift_prompts {path}: no prompt in it")
+    refuse(not prompts, f"--metrics_drift_prompts {path}: no prompt in it")
     return prompts
 
 @option
@@ -5759,8 +5669,7 @@ class ValidationMetrics(Option):
                              (args.metrics_reference_dir and not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in Path(
                                  args.metrics_reference_dir).iterdir()), f"--metrics_reference_dir "
                               f"{args.metrics_reference_dir} holds no images")):
-            if refused:
-                raise UsageError(f"--validation_metrics {','.join(names)}: {why}")
+            refuse(refused, f"--validation_metrics {','.join(names)}: {why}")
 
     def _drift_prompts(self):
         args = self.args
