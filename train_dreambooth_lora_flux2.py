@@ -2025,9 +2025,8 @@ def resolve_buckets(args):
     separated by |, one per side)."""
     if args.aspect_ratio_buckets:
         ladders = [parse_buckets(part) for part in args.aspect_ratio_buckets.split("|")]
-        if len(ladders) != len(args.resolutions):
-            raise UsageError(f"--aspect_ratio_buckets gives {len(ladders)} bucket list(s) for {len(args.resolutions)} "
-                             "--resolution side(s); separate one list per side with |")
+        refuse(len(ladders) != len(args.resolutions), f"--aspect_ratio_buckets gives {len(ladders)} bucket list(s) "
+               f"for {len(args.resolutions)} --resolution side(s); separate one list per side with |")
     else:
         ladders = [bucket_ladder(r) if args.use_aspect_ratio_buckets else [(r, r)] for r in args.resolutions]
     return ladders[0] if len(ladders) == 1 else ladders
@@ -2060,13 +2059,11 @@ def check_model_fit(args, hooks=None):
             raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: its text_encoder "
                              f"or transformer config lacks {e}") from None
         layers = args.text_encoder_out_layers
-        if max(layers) > depth:
-            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder has layers 0 "
-                             f"to {depth} (0: its embeddings)")
-        if len(layers) * width != joint:
-            raise UsageError(f"--text_encoder_out_layers {' '.join(map(str, layers))}: {len(layers)} layers of width "
-                             f"{width} make {len(layers) * width} features; this transformer takes {joint} "
-                             f"({joint // width} layers)")
+        refuse(max(layers) > depth, f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder "
+               f"has layers 0 to {depth} (0: its embeddings)")
+        refuse(len(layers) * width != joint, f"--text_encoder_out_layers {' '.join(map(str, layers))}: "
+               f"{len(layers)} layers of width {width} make {len(layers) * width} features; this transformer takes "
+               f"{joint} ({joint // width} layers)")
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
     targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
     problems = unusable_lora_targets(targets, kinds)
@@ -2254,16 +2251,14 @@ def check_resume_processes(args, checkpoint, accelerator):
     step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())["global_step"] if checkpoint is not None else None
     if accelerator.num_processes > 1:
         found = gather_object([(step, str(checkpoint) if checkpoint is not None else f"none in {args.output_dir}")])
-        if len({s for s, _ in found}) > 1:
-            raise UsageError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: the processes found different "
-                             f"checkpoints ({'; '.join(f'process {r}: {c}' for r, (_, c) in enumerate(found))}); every "
-                             "process reads the checkpoint: share --output_dir between machines, or copy checkpoint-N "
-                             "into each machine's --output_dir")
+        listed = "; ".join(f"process {r}: {c}" for r, (_, c) in enumerate(found))
+        refuse(len({s for s, _ in found}) > 1, f"--resume_from_checkpoint {args.resume_from_checkpoint}: the "
+               f"processes found different checkpoints ({listed}); every process reads the checkpoint: share "
+               "--output_dir between machines, or copy checkpoint-N into each machine's --output_dir")
     saved = len(list(checkpoint.glob("rng-*.json"))) if checkpoint is not None else 0
-    if saved and saved != accelerator.num_processes:
-        raise UsageError(f"--resume_from_checkpoint: {checkpoint} was written by {saved} process{'es' * (saved > 1)}, "
-                         f"this run has {accelerator.num_processes}; resume on {saved} (any number of machines), or "
-                         "start a new run")
+    refuse(saved and saved != accelerator.num_processes, f"--resume_from_checkpoint: {checkpoint} was written by "
+           f"{saved} process{'es' * (saved > 1)}, this run has {accelerator.num_processes}; resume on {saved} (any "
+           "number of machines), or start a new run")
 
 def check_batches_early(args, instances, seed, processes, classes_wanted):
     """The batch size, before the model's files are read and class images generated."""
@@ -2753,9 +2748,8 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
     split = load_dataset(name, config, cache_dir=cache_dir)["train"]
     for flag_name, column in (("--image_column", image_column), ("--caption_column", caption_column),
                               ("--cond_image_column", cond_column)):
-        if column is not None and column not in split.column_names:
-            raise UsageError(f"{flag_name} {column!r} is not a column of {name}; columns: "
-                             f"{', '.join(split.column_names)}")
+        refuse(column is not None and column not in split.column_names,
+               f"{flag_name} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
     captions = split[caption_column] if caption_column else [None] * len(split)
     conditions = split[cond_column] if cond_column else [()] * len(split)
     records, empty = [], []
