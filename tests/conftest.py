@@ -153,12 +153,13 @@ def checkpoint_run(tiny_model):
 
 
 
-def pytest_collection_finish(session):
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
     """Under `--dist loadgroup`, xdist groups a test by renaming its node id (`<id>@<group>`); pytest 9.2 derives the
     node id from a structured id, so the renaming does nothing and the shared runs are silently built on both
-    workers (about 2 minutes more). tests/requirements.txt keeps pytest below 9.2; this stops a run where it fails."""
-    if session.config.getoption("loadgroup", default=False):  # set in xdist workers only
-        ungrouped = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
-        if ungrouped:
-            raise pytest.UsageError(f"--dist loadgroup did not group {ungrouped[0]} (pytest {pytest.__version__} "
-                                    "with this pytest-xdist): install pytest<9.2 (tests/requirements.txt)")
+    workers (about 2 minutes more). tests/requirements.txt keeps pytest below 9.2; where that fails, every grouped
+    test errors with this message before its fixtures are built (raised at collection, xdist showed no message)."""
+    if (item.config.getoption("loadgroup", default=False)  # set in xdist workers only
+            and item.get_closest_marker("xdist_group") and "@" not in item.nodeid):
+        raise pytest.UsageError(f"--dist loadgroup did not group {item.nodeid} (pytest {pytest.__version__} with "
+                                "this pytest-xdist): install pytest<9.2 (tests/requirements.txt)")
