@@ -2414,11 +2414,15 @@ def follow_umask(path):
     os.chmod(path, 0o666 & ~umask())
 
 def write_json_atomic(path, data):
+    write_text_atomic(path, json.dumps(data, indent=1, ensure_ascii=False))
+
+def write_text_atomic(path, text):
+    """A file that is either its old or its new text, never cut short (a kill mid-write leaves the old one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):
@@ -5627,7 +5631,7 @@ class ValidationMetrics(Option):
     .png, the trackers, the model card; --keep_best keeps the best scored LoRA in best/. Cost: its models (about 1 GB,
     on the GPU only while they score), a forward pass of each a validation."""
 
-    name, run, models, references = "validation metrics", None, None, None
+    name, run, models, references, photos, others = "validation metrics", None, None, None, (), ()
     switches, requires = ("validation_metrics",), "--validation_metrics"
     flags = [
         flag("--validation_metrics", type=Accepts("none, all, or some of dino, clip, drift (comma-separated)",
@@ -5660,6 +5664,9 @@ class ValidationMetrics(Option):
                               "LoRA is sharded during validation); choose from validation/metrics.jsonl"),
                              (args.max_drift is not None and args.keep_best != "balanced",
                               "--max_drift applies to --keep_best balanced"),
+                             ("subject" in names and vars(args).get("from_manifest") and not args.metrics_reference_dir,
+                              "--from_manifest trains without the instance images: give --metrics_reference_dir, "
+                              "photos of the subject to compare with"),
                              (args.metrics_reference_dir and not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in Path(
                                  args.metrics_reference_dir).iterdir()), f"--metrics_reference_dir "
                               f"{args.metrics_reference_dir} holds no images")):
@@ -5687,13 +5694,16 @@ class ValidationMetrics(Option):
         return not others or not rare or bool(rare & words(prompt))
 
     def setup(self, run):
-        """Load the scoring models on the main process (before training: a model that cannot load stops the run
-        now, not at the first validation)."""
+        """Load the scoring models and find the subject's photos on the main process (before training: a model
+        that cannot load or a photo that cannot be read stops the run now, not at the first validation)."""
         from accelerate import PartialState
         names, args, self.run = self.args.validation_metrics, self.args, run
         if PartialState().is_main_process:
             self.models = MetricModels(args.metrics_dino_model if {"subject", "drift"} & set(names) else None,
                                        args.metrics_clip_model if "prompt" in names else None)
+            self.photos = (scan_image_folder(args.metrics_reference_dir, read_captions=False)
+                           if args.metrics_reference_dir else run.data.dataset.instances)
+            self.others = self._drift_prompts()  # a file, or the options' prompts: read once
 
     def validated(self, accelerator, folder, tag, step, specs, scales, images):
         """Score a validation's images (main process; at scale 1 among --validation_lora_scales) and, the first time,
@@ -5713,15 +5723,11 @@ class ValidationMetrics(Option):
     def _scores(self, accelerator, rows, images, base):
         """{score: value} of `images` (by row index): subject over the prompts naming the subject, prompt over all,
         drift over the drift prompts' against `base`'s."""
-        args, names, device, scores = self.args, self.args.validation_metrics, accelerator.device, {}
-        others = self._drift_prompts()  # read once a validation: a file, or the options' prompts
+        names, device, scores, others = self.args.validation_metrics, accelerator.device, {}, self.others
         subject = [images[r] for p, r in rows if p not in others and self._names_subject(p, others)]
         if "subject" in names and subject:
             if self.references is None:
-                photos = ([Image.open(p).convert("RGB") for p in sorted(Path(args.metrics_reference_dir).iterdir())
-                           if p.suffix.lower() in IMAGE_EXTENSIONS] if args.metrics_reference_dir else
-                          [r.load() for r in self.run.data.dataset.instances])
-                self.references = self.models.dino_features(photos, device)
+                self.references = self.models.dino_features([r.load() for r in self.photos], device)
             scores["subject"] = subject_score(self.models.dino_features(subject, device), self.references)
         if "prompt" in names:
             scores["prompt"] = paired_score(*self.models.clip_embeddings([images[r] for _, r in rows],
@@ -5736,9 +5742,9 @@ class ValidationMetrics(Option):
         """Add `entry` to the history (dropping later steps: a resumed run redoes them), write it and its plot, log it
         (trackers too)."""
         path, step = Path(folder, "metrics.jsonl"), entry["step"]
-        self.history = [e for e in self.history if e["step"] < step and step] + [entry]
+        self.history = [e for e in self.history if e["step"] < step] + [entry]
         with writing(path):
-            path.write_text("".join(json.dumps(e) + "\n" for e in self.history))
+            write_text_atomic(path, "".join(json.dumps(e) + "\n" for e in self.history))
             metrics_plot(self.history).save(Path(folder, "metrics.png"))
         shown = {k: entry[k] for k in ("subject", "prompt", "drift") if k in entry}
         accelerator.log({f"metrics/{k}": v for k, v in shown.items()}, step=step)
@@ -5752,7 +5758,8 @@ class ValidationMetrics(Option):
         """Save this validation's LoRA (the weights it scored) if --keep_best may choose it, drop those it no longer
         may, and copy the chosen one to best/ -> the log's words."""
         args, run, scored = self.args, self.run, Path(folder, "scored")
-        if entry["step"] in may_be_kept(self.history, args.keep_best, args.max_drift):
+        keep = may_be_kept(self.history, args.keep_best, args.max_drift)
+        if entry["step"] in keep:
             with run.hooks.context("validation_weights"):
                 state = lora_state_dict(accelerator, run.transformer, run.hooks)
             dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
@@ -5761,7 +5768,6 @@ class ValidationMetrics(Option):
                 shutil.rmtree(target, ignore_errors=True)
                 target.mkdir(parents=True)
                 write_lora_files(accelerator, run.transformer, state, target, dtype, run.hooks)
-        keep = may_be_kept(self.history, args.keep_best, args.max_drift)
         for old in scored.glob("step-*") if scored.is_dir() else []:
             if int(old.name[5:]) not in keep:
                 shutil.rmtree(old)

@@ -152,7 +152,6 @@ def checkpoint_run(tiny_model):
         named_params=named, step_config=None)
 
 
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Under `--dist loadgroup`, xdist groups a test by renaming its node id (`<id>@<group>`); pytest 9.2 derives the

@@ -416,3 +416,13 @@ def test_flags_that_do_not_go_together_are_named(extra, message, tmp_path):
 def test_tracker_config_never_holds_the_hub_token():
     config = T.tracker_config(_args("--instance_data_dir", ".", "--hub_token", "hf_secret", "--text_encoder_out_layers", "1", "2"))
     assert "hf_secret" not in str(config) and config["text_encoder_out_layers"] == "[1, 2]"
+
+
+def test_an_atomic_text_write_that_fails_leaves_the_old_file_whole(tmp_path):
+    """validation/metrics.jsonl and the progress sheet's record are rewritten whole at each validation: a write that
+    fails halfway (here: text that cannot be encoded; in a run, a kill or a full disk) keeps the old text."""
+    path = tmp_path / "metrics.jsonl"
+    T.write_text_atomic(path, '{"step": 0}\n')
+    with pytest.raises(UnicodeEncodeError):
+        T.write_text_atomic(path, '{"step": 0}\n{"step": 2, "tag": "\udc80"}\n')
+    assert path.read_text() == '{"step": 0}\n' and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]

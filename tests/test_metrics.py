@@ -77,6 +77,7 @@ def test_the_subject_score_reads_only_the_images_whose_prompt_names_the_subject(
     option = T.ValidationMetrics(args)
     option.models = T.MetricModels(*scorers)
     option.references = option.models.dino_features(pictures(2, seed=1), "cpu")
+    option.others = option._drift_prompts()  # what setup reads once
     images, base = pictures(4), pictures(4, seed=2)
     rows = [(f"{trigger or 'sks'} dog in a bucket", 0), ("a red square", 1), ("a photo of dog", 2),
             (f"a {trigger or 'sks'} dog on a beach", 3)]
@@ -186,3 +187,35 @@ def test_bad_metric_flags_are_refused_before_any_model_loads(tiny_model, tmp_pat
     proc = launch(base_args(tiny_model, tmp_path, tmp_path / "out", *flags), check=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "loading" not in proc.stderr
+
+
+def test_a_manifest_run_scoring_the_subject_needs_reference_photos(tmp_path):
+    """--from_manifest trains without the instance images, so the subject score has nothing to compare with: refused
+    before anything loads (it crashed at the first validation, hours in), unless --metrics_reference_dir gives some."""
+    manifest = tmp_path / "dataset_manifest.json"
+    manifest.write_text("{}")
+    flags = ["--pretrained_model_name_or_path", "m", "--from_manifest", str(manifest), "--cache_latents",
+             "--validation_prompt", "a photo of sks dog", "--validation_metrics", "dino"]
+    with pytest.raises(T.UsageError, match="--from_manifest trains without the instance images: give "
+                                           "--metrics_reference_dir"):
+        T.validate_args(T.parse_args(flags))
+    make_images(str(tmp_path / "photos"))
+    T.validate_args(T.parse_args([*flags, "--metrics_reference_dir", str(tmp_path / "photos")]))
+
+
+def test_reference_photos_are_read_as_training_reads_images(scorers, tmp_path):
+    """--metrics_reference_dir is scanned as an image folder (hidden files skipped, EXIF orientation applied), when
+    the scoring models load."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    upright = pictures(1, size=(40, 56))[0]
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown rotated by 90 degrees
+    upright.transpose(Image.Transpose.ROTATE_90).save(photos / "phone.jpg", exif=exif, quality=100)
+    (photos / "._phone.jpg").write_bytes(b"macOS resource fork, not an image")
+    args = argparse.Namespace(validation_metrics=T.metric_names("dino"), metrics_reference_dir=str(photos),
+                              metrics_dino_model=scorers[0], metrics_clip_model=scorers[1], metrics_drift_prompts=None,
+                              instance_prompt="a photo of sks dog", class_prompt=None)
+    option = T.ValidationMetrics(args)
+    option.setup(types.SimpleNamespace(data=None))
+    assert [r.name for r in option.photos] == ["phone.jpg"] and option.photos[0].load().size == (40, 56)
