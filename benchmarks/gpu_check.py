@@ -17,8 +17,8 @@ In order, each started only while its usual time fits what is left of the budget
   no_gc     the README command without the plan, without --gradient_checkpointing
   compile   the README command without the plan, with --gradient_checkpointing --compile
   dev       gpu_step.py: [dev] at 1024 px, bf16, checkpointing (with --blocks_to_swap half under 100 GiB)
-  dev_nf4   gpu_step.py: [dev] NF4 with half the blocks swapped (the 24 GB command's kind; its estimate's NF4
-            allowance was measured on [klein] 4B only)
+  dev_nf4   gpu_step.py: [dev] NF4 with half the blocks swapped (the 24 GB command's kind: 19.7 GiB, 2.45 s/it on an
+            H200, 2026-11-26, from a separate call once quantising moved to the GPU)
   upstream  the diffusers example (benchmarks/upstream/train_dreambooth_lora_flux2_klein.py, fetched, kept out of git)
             on the same folder and flags, when present
   step_compile  gpu_step.py: [klein] 4B compiled, checkpointing, bf16

@@ -228,31 +228,39 @@ def build_transformer(config, device, dtype, nf4):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device("meta" if nf4 else device):
             transformer = Flux2Transformer2DModel(**config)
     finally:
         torch.set_default_dtype(previous)
     if nf4:
-        quantize_nf4(transformer, dtype)
+        quantize_nf4(transformer, dtype, torch.device(device))
     return transformer
 
 
-def quantize_nf4(transformer, compute_dtype):
+def quantize_nf4(transformer, compute_dtype, device):
     """Every linear layer -> bitsandbytes NF4, as diffusers' BitsAndBytesConfig (load_in_4bit, no skipped modules)
-    converts them when the script loads with --bnb_quantization_config_path; one layer at a time so the bf16 copy
-    never exists twice. (Before 2026-11-26 the blocks' layers only: the H200 NF4 rows of that day.)"""
+    converts them when the script loads with --bnb_quantization_config_path. Built from the meta device one layer at a
+    time: each random bf16 weight is made and quantised on the GPU, then moved to `device` (the CPU for swapped rows).
+    Quantising [dev]'s 32 B weights on the CPU took longer than the whole GPU call (H200, 2026-11-26). (Before
+    2026-11-26 the blocks' layers only: the H200 NF4 rows of that day.)"""
     import bitsandbytes as bnb
 
+    where = torch.device("cuda") if torch.cuda.is_available() else device
     for name, module in [(n, m) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]:
         quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                       compute_dtype=compute_dtype, quant_type="nf4", device="meta")
-        quantized.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4").to(
-            module.weight.device)
+        weight = torch.empty(module.out_features, module.in_features, device=where, dtype=compute_dtype)
+        quantized.weight = bnb.nn.Params4bit(weight.normal_(std=0.02), requires_grad=False, quant_type="nf4").to(
+            where).to(device)
         if module.bias is not None:
-            quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+            quantized.bias = torch.nn.Parameter(torch.zeros(module.out_features, device=device, dtype=compute_dtype),
+                                                requires_grad=False)
         parent, _, child = name.rpartition(".")
         setattr(transformer.get_submodule(parent) if parent else transformer, child, quantized)
-        del module
+    for module in transformer.modules():  # what is left: the RMSNorm scales
+        for key, param in module.named_parameters(recurse=False):
+            if param.is_meta:
+                setattr(module, key, torch.nn.Parameter(torch.ones_like(param, device=device)))
 
 
 def image_tokens_of(row):

@@ -79,6 +79,18 @@ def test_each_plan_fits_its_card_and_more_memory_never_gives_a_slower_plan(plann
     assert found["dev", 80][1].quant is None and found["dev", 80][1].swap == 0
 
 
+
+def test_the_24_and_48_gb_plans_ran_on_a_gpu_near_their_estimate(planned):
+    """benchmarks/gpu_check.sh on an H200 (2026-11-26) ran the README's first command on real [klein] 4B shapes with
+    the GPU cut to 24 and to 48 GB (torch.cuda.set_per_process_memory_fraction, --gpu_memory): each ran the flags
+    planned here, peaked within 10% of the planned peak, and within the card with the plan's margin."""
+    found, _ = planned
+    for card, flags, allocated, reserved in ((24, "--gradient_checkpointing", 10.91, 13.17), (48, "", 22.71, 26.49)):
+        _, chosen, text = found["klein4b", card]
+        assert T.plan_flags(chosen, text) == flags
+        assert chosen.peak / GIB == pytest.approx(allocated, rel=0.1)
+        assert T.fits_card(allocated * GIB, card * GIB) and reserved < card
+
 def test_plan_only_prints_every_candidate_and_the_flags_then_stops(planned, monkeypatch, capsys, fresh_accelerate):
     found, work = planned
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
