@@ -110,6 +110,47 @@ def free_port():
         return s.getsockname()[1]
 
 
+class Zygote:
+    """launch()'s single-process runs fork a process that has imported the script's libraries (tests/zygote.py), each
+    child running the script as `python SCRIPT ARGS` would: that import is 5 s of a tiny run's 8, and the suite makes
+    about a hundred such runs. One per pytest worker, started at its first run. A run whose environment differs from
+    the zygote's in anything read at import time (PYTHONPATH, thread counts, the Hub's flags, ...) starts afresh."""
+
+    process = None
+    env = None
+    PER_RUN = ("XDG_CACHE_HOME", "PYTEST_", "ACCELERATE_", "FSDP_")  # read when the script runs, not at import
+
+    @classmethod
+    def serves(cls, env):
+        if cls.process is None:
+            cls.env = {k: v for k, v in env.items() if not k.startswith(cls.PER_RUN)}
+            cls.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, env=cls.env,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                           text=True, bufsize=1)
+            atexit.register(cls.process.kill)
+        fixed = {k: v for k, v in env.items() if not k.startswith(cls.PER_RUN)}
+        return cls.process.poll() is None and fixed == cls.env
+
+    @classmethod
+    def run(cls, cmd, env, timeout):
+        import json
+        import threading
+
+        with tempfile.TemporaryDirectory() as out:
+            paths = {name: os.path.join(out, name) for name in ("stdout", "stderr")}
+            cls.process.stdin.write(json.dumps(dict(argv=cmd[1:], env=env, cwd=str(ROOT), **paths)) + "\n")
+            pid = json.loads(cls.process.stdout.readline())["pid"]
+            fired = threading.Event()
+            timer = threading.Timer(timeout, lambda: (fired.set(), os.killpg(pid, 9)))  # the child leads its group
+            timer.start()
+            returncode = json.loads(cls.process.stdout.readline())["returncode"]
+            timer.cancel()
+            stdout, stderr = (Path(paths[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
+        if fired.is_set():
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+
+
 def launch(args, num_processes=1, env=None, check=True, timeout=600, via_accelerate=False):
     """Run the real script on the CPU; returns the CompletedProcess. One process runs it directly (what
     `accelerate launch` does for one process, without a second interpreter's start-up), or under `accelerate
@@ -125,7 +166,10 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
         env = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     cmd += [str(SCRIPT), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if cmd[0] == sys.executable and len(cmd) == len(args) + 2 and Zygote.serves(full_env):
+        proc = Zygote.run(cmd, full_env, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc

@@ -1,0 +1,61 @@
+"""A fork server for the tests' single-process runs of the script (conftest.launch): started once per pytest worker,
+it imports the script's libraries (about 5 s of a tiny run's 8: torch, diffusers, transformers, bitsandbytes through
+diffusers' quantisers) and nothing else, so no thread or RNG has been used; each request forks it, and the child runs
+the script as `python SCRIPT ARGS` would (`__main__`, sys.argv, sys.path[0], cwd, environment, fresh Python and NumPy
+seeds, output to files), exiting the way that process would (atexit, exit code, signals).
+
+Protocol, one JSON line each way: request {"argv", "env", "cwd", "stdout", "stderr"}; reply {"pid"} when forked, then
+{"returncode"} (as subprocess reports it: -N for signal N) when it ended."""
+
+import json
+import os
+import sys
+
+import accelerate  # noqa: F401
+import diffusers  # noqa: F401
+import peft  # noqa: F401
+import safetensors.torch  # noqa: F401
+import torch  # noqa: F401
+import transformers  # noqa: F401
+from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel  # noqa: F401
+from PIL import Image  # noqa: F401
+
+
+def serve():
+    """Answer requests until stdin closes; in a forked child, return its request."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            return request
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    sys.exit(0)
+
+
+request = serve()  # the zygote never gets past this line; each child does
+os.setsid()  # its own process group: a timeout kills the run and anything it started
+for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                       (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+    opened = os.open(path, mode)
+    os.dup2(opened, fd)
+    os.close(opened)
+sys.stdin = open(os.devnull)
+os.chdir(request["cwd"])
+os.environ.clear()
+os.environ.update(request["env"])
+sys.argv = request["argv"]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+import random  # noqa: E402
+
+import numpy  # noqa: E402
+
+random.seed()  # a fresh interpreter's seeds, not the zygote's
+numpy.random.seed()
+import runpy  # noqa: E402
+
+runpy.run_path(sys.argv[0], run_name="__main__")
+sys.exit(0)
