@@ -27,6 +27,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+SESSION_ENV = dict(os.environ)  # what every launched run starts from, unless a test changes it (Zygote below)
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "train_dreambooth_lora_flux2.py"
 sys.path.insert(0, str(ROOT))
@@ -123,7 +124,8 @@ class Zygote:
     @classmethod
     def serves(cls, env):
         if cls.process is None:
-            cls.env = {k: v for k, v in env.items() if not k.startswith(cls.PER_RUN)}
+            cls.env = {k: v for k, v in {**SESSION_ENV, "PYTHONUNBUFFERED": "1"}.items()
+                       if not k.startswith(cls.PER_RUN)}
             cls.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, env=cls.env,
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                            text=True, bufsize=1)
@@ -138,7 +140,8 @@ class Zygote:
 
         with tempfile.TemporaryDirectory() as out:
             paths = {name: os.path.join(out, name) for name in ("stdout", "stderr")}
-            cls.process.stdin.write(json.dumps(dict(argv=cmd[1:], env=env, cwd=str(ROOT), **paths)) + "\n")
+            request = dict(argv=[str(a) for a in cmd[1:]], env=env, cwd=str(ROOT), **paths)
+            cls.process.stdin.write(json.dumps(request) + "\n")
             pid = json.loads(cls.process.stdout.readline())["pid"]
             fired = threading.Event()
             timer = threading.Timer(timeout, lambda: (fired.set(), os.killpg(pid, 9)))  # the child leads its group
@@ -167,8 +170,10 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
     cmd += [str(SCRIPT), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if cmd[0] == sys.executable and len(cmd) == len(args) + 2 and Zygote.serves(full_env):
+        open(f"/tmp/tl/zy-{os.environ.get('PYTEST_XDIST_WORKER')}.txt", "a").write("zygote\n")  # TEMP
         proc = Zygote.run(cmd, full_env, timeout)
     else:
+        open(f"/tmp/tl/zy-{os.environ.get('PYTEST_XDIST_WORKER')}.txt", "a").write(f"fresh {cmd[:3]} {sorted(k for k in set(full_env) ^ set(Zygote.env or {}) if not k.startswith(Zygote.PER_RUN))} {sorted(k for k in set(full_env) & set(Zygote.env or {}) if full_env[k] != Zygote.env[k] and not k.startswith(Zygote.PER_RUN))}\n")  # TEMP
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
