@@ -119,7 +119,7 @@ class Zygote:
 
     process = None
     env = None
-    PER_RUN = ("XDG_CACHE_HOME", "PYTEST_", "ACCELERATE_", "FSDP_")  # read when the script runs, not at import
+    PER_RUN = ("XDG_CACHE_HOME", "PYTEST_", "ACCELERATE_", "FSDP_", "RAY_")  # read as the script runs, or not at all
 
     @classmethod
     def serves(cls, env):
