@@ -156,8 +156,9 @@ class Zygote:
 
 def launch(args, num_processes=1, env=None, check=True, timeout=600, via_accelerate=False):
     """Run the real script on the CPU; returns the CompletedProcess. One process runs it directly (what
-    `accelerate launch` does for one process, without a second interpreter's start-up), or under `accelerate
-    launch` with via_accelerate; several processes run under torchrun with gloo (what accelerate uses on GPUs)."""
+    `accelerate launch` does for one process, without a second interpreter's start-up; forked from the Zygote where
+    the environment allows), or under `accelerate launch` with via_accelerate; several processes run under torchrun
+    with gloo (what accelerate uses on GPUs)."""
     if num_processes == 1 and via_accelerate:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]
@@ -170,10 +171,8 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
     cmd += [str(SCRIPT), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if cmd[0] == sys.executable and len(cmd) == len(args) + 2 and Zygote.serves(full_env):
-        open(f"/tmp/tl/zy-{os.environ.get('PYTEST_XDIST_WORKER')}.txt", "a").write("zygote\n")  # TEMP
         proc = Zygote.run(cmd, full_env, timeout)
     else:
-        open(f"/tmp/tl/zy-{os.environ.get('PYTEST_XDIST_WORKER')}.txt", "a").write(f"fresh {cmd[:3]} {sorted(k for k in set(full_env) ^ set(Zygote.env or {}) if not k.startswith(Zygote.PER_RUN))} {sorted(k for k in set(full_env) & set(Zygote.env or {}) if full_env[k] != Zygote.env[k] and not k.startswith(Zygote.PER_RUN))}\n")  # TEMP
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")

@@ -49,13 +49,7 @@ os.environ.clear()
 os.environ.update(request["env"])
 sys.argv = request["argv"]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-import random  # noqa: E402
-
-import numpy  # noqa: E402
-
-random.seed()  # a fresh interpreter's seeds, not the zygote's
-numpy.random.seed()
-import runpy  # noqa: E402
+import runpy  # noqa: E402  (Python's and NumPy's global generators reseed themselves in a forked child)
 
 runpy.run_path(sys.argv[0], run_name="__main__")
 sys.exit(0)

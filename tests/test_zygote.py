@@ -1,0 +1,46 @@
+"""The tests' fork server (tests/zygote.py, conftest.Zygote): a run forked from it behaves as `python SCRIPT ARGS` in a
+fresh interpreter would, as far as the tests can tell: argv, working folder, environment, output, exit code, a
+signal's death, fresh random seeds, a timeout that kills it; and a changed import-time environment is not served."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, SESSION_ENV, Zygote
+
+PROBE = """
+import os, random, sys
+import numpy
+print(sys.argv[1:], os.getcwd(), os.environ.get("PROBE"), __name__, sys.path[0], flush=True)
+print(random.random(), numpy.random.rand(), file=sys.stderr, flush=True)
+if sys.argv[1] == "signal":
+    os.kill(os.getpid(), 15)
+if sys.argv[1] == "sleep":
+    import time
+    time.sleep(60)
+sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
+"""
+
+
+def test_a_forked_run_is_the_fresh_process_it_stands_for(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {**SESSION_ENV, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp_path)}
+    assert Zygote.serves(env)
+    runs = [Zygote.run([sys.executable, script, "3", "x y"], {**env, "PROBE": "yes"}, 60) for _ in range(2)]
+    fresh = subprocess.run([sys.executable, str(script), "3", "x y"], cwd=ROOT, env={**env, "PROBE": "yes"},
+                           capture_output=True, text=True)
+    assert [r.returncode for r in (*runs, fresh)] == [3, 3, 3]
+    assert runs[0].stdout == runs[1].stdout == fresh.stdout
+    assert f"['3', 'x y'] {ROOT} yes __main__ {tmp_path}" in fresh.stdout
+    assert len({r.stderr for r in (*runs, fresh)}) == 3  # each its own Python and NumPy seeds
+    assert Zygote.run([sys.executable, script, "signal"], env, 60).returncode == -15
+    with pytest.raises(subprocess.TimeoutExpired):
+        Zygote.run([sys.executable, script, "sleep"], env, 2)
+    assert Zygote.run([sys.executable, script, "0"], env, 60).returncode == 0  # still serving
+    assert not Zygote.serves({**env, "PYTHONPATH": str(tmp_path)})  # read at start-up: a fresh interpreter
+    assert not Zygote.serves({**env, "OMP_NUM_THREADS": "7"})
+    assert Zygote.serves({**env, "XDG_CACHE_HOME": "/elsewhere", "ACCELERATE_USE_CPU": "true"})
+    assert os.environ.get("PROBE") is None
