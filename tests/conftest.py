@@ -2,11 +2,13 @@
 
 import argparse
 import atexit
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,22 +124,21 @@ class Zygote:
     PER_RUN = ("XDG_CACHE_HOME", "PYTEST_", "ACCELERATE_", "FSDP_", "RAY_")  # read as the script runs, or not at all
 
     @classmethod
+    def fixed(cls, env):
+        return {k: v for k, v in env.items() if not k.startswith(cls.PER_RUN)}
+
+    @classmethod
     def serves(cls, env):
         if cls.process is None:
-            cls.env = {k: v for k, v in {**SESSION_ENV, "PYTHONUNBUFFERED": "1"}.items()
-                       if not k.startswith(cls.PER_RUN)}
+            cls.env = cls.fixed({**SESSION_ENV, "PYTHONUNBUFFERED": "1"})
             cls.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, env=cls.env,
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                            text=True, bufsize=1)
             atexit.register(cls.process.kill)
-        fixed = {k: v for k, v in env.items() if not k.startswith(cls.PER_RUN)}
-        return cls.process.poll() is None and fixed == cls.env
+        return cls.process.poll() is None and cls.fixed(env) == cls.env
 
     @classmethod
     def run(cls, cmd, env, timeout):
-        import json
-        import threading
-
         with tempfile.TemporaryDirectory() as out:
             paths = {name: os.path.join(out, name) for name in ("stdout", "stderr")}
             request = dict(argv=[str(a) for a in cmd[1:]], env=env, cwd=str(ROOT), **paths)
@@ -170,7 +171,7 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
         env = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     cmd += [str(SCRIPT), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    if cmd[0] == sys.executable and len(cmd) == len(args) + 2 and Zygote.serves(full_env):
+    if num_processes == 1 and not via_accelerate and Zygote.serves(full_env):
         proc = Zygote.run(cmd, full_env, timeout)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
