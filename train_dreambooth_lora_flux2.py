@@ -1308,8 +1308,7 @@ def save_checkpoint(args, accelerator, run, global_step):
             problem = checkpoint_problem(partial)  # every file whole and this run's
             if problem:
                 raise TrainingStopped(f"could not write {final}: {problem} (does another run write to --output_dir?)")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)
+            replace_folder(partial, final)
     except WRITE_ERRORS as e:
         shutil.rmtree(partial, ignore_errors=True)
         if not Path(args.output_dir).is_dir():
@@ -2427,6 +2426,26 @@ def write_text_atomic(path, text):
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+def replace_folder(new, target):
+    """Put folder `new` in `target`'s place: the old one is renamed aside and deleted last, so a kill at any moment
+    leaves a whole folder at `target` (or, between the two renames, beside it), never a half one."""
+    old = target.with_name(f"{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+def copy_folder(source, target):
+    """Copy folder `source` over `target` without a moment where `target` is missing or half copied."""
+    new = target.with_name(f"{target.name}.partial")
+    shutil.rmtree(new, ignore_errors=True)
+    try:
+        shutil.copytree(source, new)
+        replace_folder(new, target)
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
 
 def list_checkpoints(output_dir):
     """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
@@ -5778,8 +5797,7 @@ class ValidationMetrics(Option):
         if not (scored / f"step-{best['step']}").is_dir():  # a run from a later checkpoint dropped it
             return f"; best ({args.keep_best}): step {best['step']}, whose LoRA is gone from {scored}: {out} unchanged"
         with writing(out):
-            shutil.rmtree(out, ignore_errors=True)
-            shutil.copytree(scored / f"step-{best['step']}", out)
+            copy_folder(scored / f"step-{best['step']}", out)
         return f"; best ({args.keep_best}): step {best['step']}, in {out}"
 
     def card(self):

@@ -3,6 +3,7 @@
 import itertools
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -426,3 +427,32 @@ def test_an_atomic_text_write_that_fails_leaves_the_old_file_whole(tmp_path):
     with pytest.raises(UnicodeEncodeError):
         T.write_text_atomic(path, '{"step": 0}\n{"step": 2, "tag": "\udc80"}\n')
     assert path.read_text() == '{"step": 0}\n' and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_folder_copy_that_fails_halfway_leaves_the_old_folder_whole(tmp_path, monkeypatch):
+    """--keep_best copies the best LoRA into best/ at each validation that changes it: a copy that fails halfway (here:
+    the second file; in a run, a kill or a full disk) keeps the previous best/ whole, and leaves nothing beside it."""
+    best, source = tmp_path / "best", tmp_path / "step-4"
+    best.mkdir()
+    (best / "a.safetensors").write_text("old a")
+    (best / "b.safetensors").write_text("old b")
+    source.mkdir()
+    (source / "a.safetensors").write_text("new a")
+    (source / "b.safetensors").write_text("new b")
+    copy, copied = shutil.copyfile, []
+
+    def copy_once(src, dst, **kw):
+        if copied:
+            raise OSError(28, "No space left on device")
+        copied.append(src)
+        return copy(src, dst, **kw)
+
+    monkeypatch.setattr(shutil, "copyfile", copy_once)
+    with pytest.raises(shutil.Error):
+        T.copy_folder(source, best)
+    assert {p.name: p.read_text() for p in best.iterdir()} == {"a.safetensors": "old a", "b.safetensors": "old b"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step-4"]
+    monkeypatch.setattr(shutil, "copyfile", copy)
+    T.copy_folder(source, best)
+    assert {p.name: p.read_text() for p in best.iterdir()} == {"a.safetensors": "new a", "b.safetensors": "new b"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step-4"]
