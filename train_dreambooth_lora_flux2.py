@@ -3189,9 +3189,7 @@ def cache_identity(args, weight_dtype, family, encoder=None):
     return CacheIdentity(prompts, latents)
 
 def settle_cache(accelerator, disk, entries):
-    """After precompute: each machine's first process deletes least-recently-used entries beyond the bound (never
-    one a live run uses), and the main process logs where the cache is, what this run reused and wrote, and the
-    cache's size against the bound."""
+    """After precompute: each machine's first process bounds the folder (evict_lru), the main one logs what it did."""
     accelerator.wait_for_everyone()  # every process has written its share
     if not accelerator.is_local_main_process:
         return
@@ -3426,8 +3424,7 @@ def share_entries(cache, keys, accelerator):
 # Outputs: the progress sheet, trackers, the model card, the upload
 
 def show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale):
-    """After a validation: the condition image beside its images (edit mode), the progress sheet (a row label per
-    prompt and strength when there are several), the trackers, a log line."""
+    """After a validation: the condition image (edit mode), the progress sheet, the trackers, a log line."""
     if condition is not None:
         condition.save(folder / "condition.png")
     elif stale:
