@@ -1843,16 +1843,12 @@ def numbers(text):
     return [float(x) for x in text.split(",")]
 
 def folder_can_be(path, writable=False):
-    """A folder that exists (and is writable, if asked), or could be created: no file in the way, and the nearest
-    existing parent writable."""
+    """Whether `path` is a folder (writable, if asked) or could be made: its nearest existing parent writable."""
     path = Path(path).absolute()
     if path.exists():
         return path.is_dir() and (not writable or os.access(path, os.W_OK | os.X_OK))
     parent = next(p for p in path.parents if p.exists())
     return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
-
-def hub_id_or_folder(value):
-    return Path(value).is_dir() or (not Path(value).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", value) is not None)
 
 TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 positive_int, non_negative_int, seed_value = integer(1), integer(0), integer(0, 2**32 - 1)  # numpy seeds: 32 bits
@@ -1860,7 +1856,8 @@ probability, below_one = number(0, 1), number(0, 1, high_open=True)
 positive, non_negative = number(0, low_open=True), number(0)
 finite = number()
 mode_scale = number(-1, 1.75)  # the mode density is monotonic on [0, 1] only for -1 <= scale <= 1 / (pi / 2 - 1)
-model_source = Accepts("a local checkpoint folder or a Hub id (name or owner/name)", hub_id_or_folder)
+model_source = Accepts("a local checkpoint folder or a Hub id (name or owner/name)", lambda v: Path(v).is_dir() or (
+    not Path(v).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v) is not None))
 existing_folder = Accepts("an existing, readable folder",
                           lambda v: Path(v).is_dir() and os.access(v, os.R_OK | os.X_OK))
 readable_file = Accepts("a readable file", lambda v: Path(v).is_file() and os.access(v, os.R_OK))
@@ -1914,9 +1911,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
     def _get_value(self, action, text):
-        value = super()._get_value(action, text)
-        rule = action.type if isinstance(action.type, Accepts) else None
-        if rule is not None and rule.ok is not None and text is not action.default:
+        value, rule = super()._get_value(action, text), action.type
+        if isinstance(rule, Accepts) and rule.ok is not None and text is not action.default:
             try:
                 ok = rule.ok(value)
             except (TypeError, ValueError, OSError, RuntimeError):
@@ -1936,10 +1932,9 @@ def config_tokens(argv):
     nearest flag too."""
     import difflib
     argv = list(sys.argv[1:] if argv is None else argv)
-    found = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
-    if not found or (argv[found[-1]] == "--config" and found[-1] + 1 == len(argv)):
+    i = max((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), default=None)
+    if i is None or argv[i:] == ["--config"]:
         return argv  # none, or no value: argparse says so
-    i = found[-1]
     path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -1982,13 +1977,11 @@ def resolved_config(args, seed, max_train_steps=None, run_id=None):
     token), the seed used and the script's version: a --config file that repeats the run."""
     config = {}
     for action in build_parser()._actions:
-        name = action.dest
-        if not action.option_strings or name in ("help", "config", "print_config", "hub_token"):
-            continue
-        value = vars(args).get(name)
-        value = list(value) if isinstance(value, tuple) else value
-        config[name] = ",".join(map(str, args.resolutions)) if name == "resolution" else value
-    config.update(seed=seed, max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
+        value = vars(args).get(action.dest)
+        if action.option_strings and action.dest not in ("help", "config", "print_config", "hub_token"):
+            config[action.dest] = list(value) if isinstance(value, tuple) else value
+    config.update(resolution=",".join(map(str, args.resolutions)), seed=seed,
+                  max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
     return {**config, "run": run_id} if run_id else config
 
 def write_config(args, data, folder, accelerator, run_id=None):
@@ -2048,12 +2041,11 @@ def check_model_fit(args, hooks=None):
     of the transformer; then the options'. hooks: the run's options (default: those `args` turns on)."""
     hooks = hooks or Hooks(args)
     model = empty_transformer(args)
-    config = model.config
     if not hooks.flag("no_text_encoder"):  # a remote encoder or a manifest's embeddings: no text encoder here
         text = read_model_json(args, "text_encoder/config.json", "text_encoder config")
         text = text.get("text_config", text)  # [dev]'s Mistral 3 nests its language model's config
         try:
-            depth, width, joint = text["num_hidden_layers"], text["hidden_size"], config["joint_attention_dim"]
+            depth, width, joint = text["num_hidden_layers"], text["hidden_size"], model.config["joint_attention_dim"]
         except (KeyError, TypeError) as e:
             raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: its text_encoder "
                              f"or transformer config lacks {e}") from None
@@ -2182,8 +2174,8 @@ def check_checkpoint_fits(checkpoint, accelerator, run, training):
         k: v.shape for k, v in get_peft_model_state_dict(accelerator.unwrap_model(run.transformer)).items()})
     problem = state_fit_problem(training["lora"], expected) or run.hooks.first("training_state_problem", training)
     saved_groups = [len(g["params"]) for g in training["optimizer"].get("param_groups", [])]
-    if problem is None and not is_fsdp(accelerator) and saved_groups != [len(g["params"])
-                                                                          for g in run.optimizer.param_groups]:
+    groups = [len(g["params"]) for g in run.optimizer.param_groups]
+    if problem is None and not is_fsdp(accelerator) and saved_groups != groups:
         problem = f"its optimizer holds {saved_groups} parameters per group, this run's optimizer other numbers"
     refuse(problem, f"--resume_from_checkpoint {checkpoint}: its LoRA does not fit this model and these flags "
                     f"({problem}); was it trained with another --rank, --lora_layers or model?")
@@ -2376,10 +2368,8 @@ def read_state(folder, name):
                            load_file(str(Path(folder, f"{name}.safetensors"))))
 
 def rng_state():
-    state = {"torch": torch.get_rng_state()}  # LoRA dropout draws from the global generators
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    return {"torch": torch.get_rng_state(), **cuda}  # LoRA dropout draws from the global generators
 
 def restore_rng(checkpoint, rank):
     """This process's RNG state from a checkpoint (one file per process; check_resume_processes checked the count)."""
@@ -2485,8 +2475,7 @@ def hold_output_dir(args, accelerator):
         except OSError as e:  # a file system without locks: nothing to hold
             logger.warning(f"--output_dir {args.output_dir} cannot be locked ({e}): nothing stops a second run there")
         if problem is None:
-            held.seek(0)
-            held.truncate()
+            held.truncate(0)
             held.write(f"the run of process {os.getpid()} on {socket.gethostname()} since {time.strftime('%c')}")
             held.flush()
             for stale in Path(args.output_dir).glob("checkpoint-*.partial*"):
@@ -2512,8 +2501,7 @@ def check_resume_flags(args, checkpoint):
                     "trained it")
 
 def warn_changed_images(checkpoint, images):
-    """A resume whose images changed on disk (or were added or removed) since the checkpoint: one warning naming
-    them; the resumed run does not continue the original exactly."""
+    """Warn, naming them, when images changed, were added or were removed since `checkpoint` was written."""
     saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text()).get("images") if checkpoint else None
     if saved is None or saved == images:
         return
@@ -2702,14 +2690,13 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False):
                 bad.append(f"{path}: {e}")
                 continue
             found[path.name] = (stats[path], size, sha)
-            caption = None
-            txt = path.with_suffix(".txt")
+            caption, txt = None, path.with_suffix(".txt")
             if read_captions and txt.is_file():
                 try:
                     caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
                 except UnicodeDecodeError as e:
                     bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
-                if caption is None and txt not in {Path(b.split(": ")[0]) for b in bad}:
+                if caption is None:  # an undecodable one is refused below, before this list is shown
                     empty_captions.append(txt.name)
             mask = masks.get(path.stem)
             records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
@@ -2872,8 +2859,10 @@ class DiskStore:
             return True
         if not path.is_file():
             return False
-        try:
-            check_entry_header(path)
+        try:  # one tensor "value", its SHA-256 in the metadata, and a file as long as its header says
+            header = safetensors_header(path)
+            if "value" not in header or len(header.get("__metadata__", {}).get("sha256", "")) != 64:
+                raise ValueError("not a cache entry of this trainer (no value or checksum)")
         except Exception as e:  # noqa: BLE001 - truncated, corrupt or foreign: all mean "recompute"
             logger.warning(f"cache entry {path} is damaged ({e}); recomputing it", main_process_only=False)
             with contextlib.suppress(OSError):
@@ -2991,15 +2980,10 @@ class Eviction:
 def cache_entries(root):
     """-> [(mtime, bytes, path relative to root)] of every entry under root (prompts/, latents/, ...)."""
     found = []
-    for kind in os.scandir(root):
-        if not kind.is_dir() or kind.name in ("leases", "scans"):
-            continue
-        for shard in os.scandir(kind.path):
-            if shard.is_dir():
-                for entry in os.scandir(shard.path):
-                    if entry.name.endswith(".safetensors") and not entry.name.startswith("."):
-                        st = entry.stat()
-                        found.append((st.st_mtime, st.st_size, f"{kind.name}/{shard.name}/{entry.name}"))
+    for path in Path(root).glob("*/*/*.safetensors"):  # <kind>/<shard>/<entry>
+        if not path.name.startswith(".") and path.parts[-3] not in ("leases", "scans"):
+            st = path.stat()
+            found.append((st.st_mtime, st.st_size, path.relative_to(root).as_posix()))
     return found
 
 STRAY_SECONDS = 3600  # a temporary entry file this old is a killed run's: a live write takes seconds
@@ -3143,10 +3127,9 @@ class DiskCache:
         if self.write_error is None and self.lease is None:
             try:
                 self.lease = take_lease(self.root, entries)
+                atexit.register(release_lease, self.lease)
             except OSError as e:
                 self.unwritable(e)
-                return
-            atexit.register(release_lease, self.lease)
 
 def resolve_cache_dir(value, environ):
     """--precompute_cache_dir: None -> the per-user folder ($XDG_CACHE_HOME when absolute, as the XDG spec asks,
@@ -3174,13 +3157,6 @@ def safetensors_header(path):
     if os.path.getsize(path) != 8 + length + end:
         raise ValueError(f"{os.path.getsize(path)} bytes where its header says {8 + length + end}: cut short?")
     return header
-
-def check_entry_header(path):
-    """A cache entry's structure, from its header alone: one tensor "value", a SHA-256 in the metadata, and a file
-    exactly as long as the header says. Raises ValueError (or OSError) otherwise."""
-    header = safetensors_header(path)
-    if "value" not in header or len(header.get("__metadata__", {}).get("sha256", "")) != 64:
-        raise ValueError("not a cache entry of this trainer (no value or checksum)")
 
 def component_folder(args, subfolder):
     """Local folder of a checkpoint component; for a Hub id, the snapshot loading would use (downloaded if absent)."""
@@ -3232,9 +3208,7 @@ def cache_identity(args, weight_dtype, family, encoder=None):
     return CacheIdentity(prompts, latents)
 
 def settle_cache(accelerator, disk, entries):
-    """After precompute: each machine's first process deletes least-recently-used entries beyond the bound (never
-    one a live run uses), and the main process logs where the cache is, what this run reused and wrote, and the
-    cache's size against the bound."""
+    """After precompute: each machine's first process bounds the folder (evict_lru), the main one logs what it did."""
     accelerator.wait_for_everyone()  # every process has written its share
     if not accelerator.is_local_main_process:
         return
@@ -3264,10 +3238,10 @@ def settle_cache(accelerator, disk, entries):
 
 def report_memory_copies(caches, processes):
     """The in-memory cache is copied into every process: say what that costs, as a warning once it is large."""
-    stores = [c.store for c in (caches.prompts, caches.latents, caches.masks) if c is not None]
-    per_process = sum(v.numel() * v.element_size() for store in stores for v in store.values())
     if processes < 2:
         return
+    stores = [c.store for c in (caches.prompts, caches.latents, caches.masks) if c is not None]
+    per_process = sum(v.numel() * v.element_size() for store in stores for v in store.values())
     note = (f"in-memory precompute cache: {human_bytes(per_process)} per process, copied into each of {processes} "
             f"processes on this machine ({human_bytes(per_process * processes)} of host RAM)")
     if per_process * processes >= DUPLICATED_RAM_WARN_BYTES:
@@ -3469,8 +3443,7 @@ def share_entries(cache, keys, accelerator):
 # Outputs: the progress sheet, trackers, the model card, the upload
 
 def show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale):
-    """After a validation: the condition image beside its images (edit mode), the progress sheet (a row label per
-    prompt and strength when there are several), the trackers, a log line."""
+    """After a validation: the condition image (edit mode), the progress sheet, the trackers, a log line."""
     if condition is not None:
         condition.save(folder / "condition.png")
     elif stale:
