@@ -4264,12 +4264,8 @@ def to_comfyui(state):
     for bfl, blocks in fused.items():
         a = torch.cat([blocks[b]["A.weight"] for b in sorted(blocks)])  # [R, in]
         h = next(iter(blocks.values()))["B.weight"].shape[0]
-        b_matrix, col = a.new_zeros(3 * h, a.shape[0]), 0  # [3h, R]
-        for block in sorted(blocks):
-            r = blocks[block]["A.weight"].shape[0]
-            b_matrix[block * h:(block + 1) * h, col:col + r] = blocks[block]["B.weight"]
-            col += r
-        out[f"diffusion_model.{bfl}.lora_A.weight"], out[f"diffusion_model.{bfl}.lora_B.weight"] = a, b_matrix
+        b = torch.block_diag(*(blocks[i]["B.weight"] if i in blocks else a.new_zeros(h, 0) for i in range(3)))
+        out[f"diffusion_model.{bfl}.lora_A.weight"], out[f"diffusion_model.{bfl}.lora_B.weight"] = a, b  # [3h, R]
     return out
 
 def to_lycoris(state, config):
