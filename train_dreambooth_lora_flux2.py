@@ -4043,15 +4043,13 @@ class LoraEMA:
     def applied(self, named_params):
         """Temporarily put the averaged weights into the model (validation, saving); the raw ones come back."""
         raw = {n: p.detach().clone() for n, p in named_params.items()}
-        with torch.no_grad():
-            for name, param in named_params.items():
-                param.copy_(self.shadow[name])
+        for name, param in named_params.items():
+            param.detach().copy_(self.shadow[name])
         try:
             yield
         finally:
-            with torch.no_grad():
-                for name, param in named_params.items():
-                    param.copy_(raw[name])
+            for name, param in named_params.items():
+                param.detach().copy_(raw[name])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -4171,7 +4169,7 @@ class Adapters(Option):
                "--lora_layers, or keep --lora_format diffusers")
 
     def adapter_config(self, config, transformer):
-        from peft import LoHaConfig, LoKrConfig, LoraConfig
+        from peft import LoHaConfig, LoKrConfig
         args, targets, pattern = self.args, sorted(config.target_modules), {}
         if args.init_lora:
             init = read_init_lora(args.init_lora)
@@ -4181,9 +4179,7 @@ class Adapters(Option):
                               decompose_both=args.lokr_decompose_both, decompose_factor=args.lokr_factor)
         if args.adapter == "loha":
             return LoHaConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets)
-        extra = {"use_dora": True} if args.use_dora else {}
-        return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                          init_lora_weights="gaussian", target_modules=targets, rank_pattern=pattern, **extra)
+        return dataclasses.replace(config, target_modules=targets, rank_pattern=pattern, use_dora=args.use_dora)
 
     def after_lora(self, transformer, accelerator):
         """--init_lora's weights into the fresh adapter, lora_B rescaled from the file's scale to this run's
