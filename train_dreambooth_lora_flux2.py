@@ -4397,15 +4397,14 @@ class TriggerWords(Option):
                "puts in place of --trigger_word; add --output_preservation, or leave --class_word out")
         if not args.output_preservation:
             return
-        for refused, why in ((not (args.trigger_word and args.class_word), "needs --trigger_word and --class_word "
-                              "(the preservation prompt is the caption with the one replaced by the other)"),
-                             (vars(args).get("with_prior_preservation"), "and --with_prior_preservation are two ways "
-                              "to the same end: choose one"),
-                             (vars(args).get("cond_data_dir") or vars(args).get("cond_image_column"),
-                              "is not supported for edit training"),
-                             (vars(args).get("compile"), "is not supported with --compile (switching the adapters off "
-                              "for the base prediction would compile the blocks twice)")):
-            refuse(refused, f"--output_preservation {why}")
+        refuse(not (args.trigger_word and args.class_word), "--output_preservation needs --trigger_word and "
+               "--class_word (the preservation prompt is the caption with the one replaced by the other)")
+        refuse(vars(args).get("with_prior_preservation"), "--output_preservation and --with_prior_preservation are two "
+               "ways to the same end: choose one")
+        refuse(vars(args).get("cond_data_dir") or vars(args).get("cond_image_column"),
+               "--output_preservation is not supported for edit training")
+        refuse(vars(args).get("compile"), "--output_preservation is not supported with --compile (switching the "
+               "adapters off for the base prediction would compile the blocks twice)")
         if mentions(args.class_word, args.trigger_word):
             raise UsageError(f"--class_word {args.class_word!r} contains --trigger_word {args.trigger_word!r}")
 
@@ -5038,15 +5037,13 @@ def read_validation_prompts(path):
         prompt, *options = re.split(r"\s+--", line.strip())
         found = {}
         for setting in options:
-            m = re.fullmatch(r"size (\d+)x(\d+)|seed (\d+)|steps ([1-9]\d*)|guidance (\d+(?:\.\d+)?)", setting.strip())
-            refuse(m is None or any(not sides_ok(int(side)) for side in m.groups()[:2] if side)  # --resolution's sides
-                   or (m.group(3) and int(m.group(3)) > 2**32 - 1),  # --seed's range
+            m = re.fullmatch(r"size (?P<width>\d+)x(?P<height>\d+)|seed (?P<seed>\d+)|steps (?P<steps>[1-9]\d*)|"
+                             r"guidance (?P<guidance>\d+(?:\.\d+)?)", setting.strip())
+            refuse(m is None or any(not sides_ok(int(m[k])) for k in ("width", "height") if m[k])  # as --resolution
+                   or (m["seed"] and int(m["seed"]) > 2**32 - 1),  # --seed's range
                    f"--validation_prompts_file {path}, line {number_}: --{setting.strip()}: expected --size WxH (sides "
                    "from 16 to 4096, multiples of 16), --seed N (0 to 4294967295), --steps N (N >= 1) or --guidance X")
-            if m.group(1):
-                found.update(width=int(m.group(1)), height=int(m.group(2)))
-            found.update({k: cast(v) for k, v, cast in (("seed", m.group(3), int), ("steps", m.group(4), int),
-                                                         ("guidance", m.group(5), float)) if v is not None})
+            found.update({k: float(v) if k == "guidance" else int(v) for k, v in m.groupdict().items() if v})
         refuse(not prompt.strip() or prompt.startswith("--"),
                f"--validation_prompts_file {path}, line {number_}: no prompt before the options")
         specs.append(ValidationSpec(prompt.strip(), **found))
