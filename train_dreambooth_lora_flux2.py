@@ -4819,8 +4819,7 @@ class BlockSwapper:
         bitsandbytes matmul keeps its weight) then holds no memory and sees the weight again when it is back."""
         params = [p for p in block.parameters() if not p.requires_grad]
         sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # 64-byte aligned views
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        buffer = buffer.pin_memory() if self.stream is not None else buffer
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.stream is not None)
         weights, offset = [], 0
         for param, size in zip(params, sizes):
             host = buffer[offset:offset + param.numel() * param.element_size()].view(param.dtype).view(param.shape)
