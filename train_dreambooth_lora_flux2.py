@@ -4351,10 +4351,7 @@ def read_init_lora(path):
 
 def pattern_value(pattern, module, default):
     """A PEFT rank_pattern / alpha_pattern entry for `module` (its keys match as PEFT matches them), else default."""
-    for key, value in (pattern or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+    return next((value for key, value in (pattern or {}).items() if re.match(rf"(.*\.)?({key})$", module)), default)
 
 
 # ----------------------------------------------------------------------------------------------------------------
