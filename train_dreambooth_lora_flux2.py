@@ -3826,7 +3826,7 @@ def generate_class_images(args, accelerator, seed, existing, family):
                     f"{'one model' if placement == 'model' else 'one layer'} on the GPU at a time)")
     pipeline.set_progress_bar_config(disable=True)
     mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
-    batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
+    batches = chunks(mine, args.sample_batch_size)
     logger.info(f"generating {missing} class images into {args.class_data_dir}")
     for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
         generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i))
