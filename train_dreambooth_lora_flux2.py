@@ -3818,7 +3818,7 @@ def generate_class_images(args, accelerator, seed, existing, family):
                     f"{'one model' if placement == 'model' else 'one layer'} on the GPU at a time)")
     pipeline.set_progress_bar_config(disable=True)
     mine = list(enumerate(names))[accelerator.process_index::accelerator.num_processes]
-    batches = [mine[i:i + args.sample_batch_size] for i in range(0, len(mine), args.sample_batch_size)]
+    batches = chunks(mine, args.sample_batch_size)
     logger.info(f"generating {missing} class images into {args.class_data_dir}")
     for batch in tqdm(batches, desc="Generating class images", disable=not accelerator.is_local_main_process):
         generators = [torch.Generator(accelerator.device).manual_seed(seed_for("class-image", seed, i))
@@ -4035,15 +4035,13 @@ class LoraEMA:
     def applied(self, named_params):
         """Temporarily put the averaged weights into the model (validation, saving); the raw ones come back."""
         raw = {n: p.detach().clone() for n, p in named_params.items()}
-        with torch.no_grad():
-            for name, param in named_params.items():
-                param.copy_(self.shadow[name])
+        for name, param in named_params.items():
+            param.detach().copy_(self.shadow[name])
         try:
             yield
         finally:
-            with torch.no_grad():
-                for name, param in named_params.items():
-                    param.copy_(raw[name])
+            for name, param in named_params.items():
+                param.detach().copy_(raw[name])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -4163,7 +4161,7 @@ class Adapters(Option):
                "--lora_layers, or keep --lora_format diffusers")
 
     def adapter_config(self, config, transformer):
-        from peft import LoHaConfig, LoKrConfig, LoraConfig
+        from peft import LoHaConfig, LoKrConfig
         args, targets, pattern = self.args, sorted(config.target_modules), {}
         if args.init_lora:
             init = read_init_lora(args.init_lora)
@@ -4173,9 +4171,7 @@ class Adapters(Option):
                               decompose_both=args.lokr_decompose_both, decompose_factor=args.lokr_factor)
         if args.adapter == "loha":
             return LoHaConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets)
-        extra = {"use_dora": True} if args.use_dora else {}
-        return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                          init_lora_weights="gaussian", target_modules=targets, rank_pattern=pattern, **extra)
+        return dataclasses.replace(config, target_modules=targets, rank_pattern=pattern, use_dora=args.use_dora)
 
     def after_lora(self, transformer, accelerator):
         """--init_lora's weights into the fresh adapter, lora_B rescaled from the file's scale to this run's
@@ -4256,12 +4252,8 @@ def to_comfyui(state):
     for bfl, blocks in fused.items():
         a = torch.cat([blocks[b]["A.weight"] for b in sorted(blocks)])  # [R, in]
         h = next(iter(blocks.values()))["B.weight"].shape[0]
-        b_matrix, col = a.new_zeros(3 * h, a.shape[0]), 0  # [3h, R]
-        for block in sorted(blocks):
-            r = blocks[block]["A.weight"].shape[0]
-            b_matrix[block * h:(block + 1) * h, col:col + r] = blocks[block]["B.weight"]
-            col += r
-        out[f"diffusion_model.{bfl}.lora_A.weight"], out[f"diffusion_model.{bfl}.lora_B.weight"] = a, b_matrix
+        b = torch.block_diag(*(blocks[i]["B.weight"] if i in blocks else a.new_zeros(h, 0) for i in range(3)))
+        out[f"diffusion_model.{bfl}.lora_A.weight"], out[f"diffusion_model.{bfl}.lora_B.weight"] = a, b  # [3h, R]
     return out
 
 def to_lycoris(state, config):
@@ -4351,10 +4343,7 @@ def read_init_lora(path):
 
 def pattern_value(pattern, module, default):
     """A PEFT rank_pattern / alpha_pattern entry for `module` (its keys match as PEFT matches them), else default."""
-    for key, value in (pattern or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+    return next((value for key, value in (pattern or {}).items() if re.match(rf"(.*\.)?({key})$", module)), default)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -4397,15 +4386,14 @@ class TriggerWords(Option):
                "puts in place of --trigger_word; add --output_preservation, or leave --class_word out")
         if not args.output_preservation:
             return
-        for refused, why in ((not (args.trigger_word and args.class_word), "needs --trigger_word and --class_word "
-                              "(the preservation prompt is the caption with the one replaced by the other)"),
-                             (vars(args).get("with_prior_preservation"), "and --with_prior_preservation are two ways "
-                              "to the same end: choose one"),
-                             (vars(args).get("cond_data_dir") or vars(args).get("cond_image_column"),
-                              "is not supported for edit training"),
-                             (vars(args).get("compile"), "is not supported with --compile (switching the adapters off "
-                              "for the base prediction would compile the blocks twice)")):
-            refuse(refused, f"--output_preservation {why}")
+        refuse(not (args.trigger_word and args.class_word), "--output_preservation needs --trigger_word and "
+               "--class_word (the preservation prompt is the caption with the one replaced by the other)")
+        refuse(vars(args).get("with_prior_preservation"), "--output_preservation and --with_prior_preservation are two "
+               "ways to the same end: choose one")
+        refuse(vars(args).get("cond_data_dir") or vars(args).get("cond_image_column"),
+               "--output_preservation is not supported for edit training")
+        refuse(vars(args).get("compile"), "--output_preservation is not supported with --compile (switching the "
+               "adapters off for the base prediction would compile the blocks twice)")
         if mentions(args.class_word, args.trigger_word):
             raise UsageError(f"--class_word {args.class_word!r} contains --trigger_word {args.trigger_word!r}")
 
@@ -4820,8 +4808,7 @@ class BlockSwapper:
         bitsandbytes matmul keeps its weight) then holds no memory and sees the weight again when it is back."""
         params = [p for p in block.parameters() if not p.requires_grad]
         sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # 64-byte aligned views
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        buffer = buffer.pin_memory() if self.stream is not None else buffer
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.stream is not None)
         weights, offset = [], 0
         for param, size in zip(params, sizes):
             host = buffer[offset:offset + param.numel() * param.element_size()].view(param.dtype).view(param.shape)
@@ -5038,15 +5025,13 @@ def read_validation_prompts(path):
         prompt, *options = re.split(r"\s+--", line.strip())
         found = {}
         for setting in options:
-            m = re.fullmatch(r"size (\d+)x(\d+)|seed (\d+)|steps ([1-9]\d*)|guidance (\d+(?:\.\d+)?)", setting.strip())
-            refuse(m is None or any(not sides_ok(int(side)) for side in m.groups()[:2] if side)  # --resolution's sides
-                   or (m.group(3) and int(m.group(3)) > 2**32 - 1),  # --seed's range
+            m = re.fullmatch(r"size (?P<width>\d+)x(?P<height>\d+)|seed (?P<seed>\d+)|steps (?P<steps>[1-9]\d*)|"
+                             r"guidance (?P<guidance>\d+(?:\.\d+)?)", setting.strip())
+            refuse(m is None or any(not sides_ok(int(m[k])) for k in ("width", "height") if m[k])  # as --resolution
+                   or (m["seed"] and int(m["seed"]) > 2**32 - 1),  # --seed's range
                    f"--validation_prompts_file {path}, line {number_}: --{setting.strip()}: expected --size WxH (sides "
                    "from 16 to 4096, multiples of 16), --seed N (0 to 4294967295), --steps N (N >= 1) or --guidance X")
-            if m.group(1):
-                found.update(width=int(m.group(1)), height=int(m.group(2)))
-            found.update({k: cast(v) for k, v, cast in (("seed", m.group(3), int), ("steps", m.group(4), int),
-                                                         ("guidance", m.group(5), float)) if v is not None})
+            found.update({k: float(v) if k == "guidance" else int(v) for k, v in m.groupdict().items() if v})
         refuse(not prompt.strip() or prompt.startswith("--"),
                f"--validation_prompts_file {path}, line {number_}: no prompt before the options")
         specs.append(ValidationSpec(prompt.strip(), **found))
