@@ -3616,8 +3616,9 @@ def push_to_hub(args):
     from huggingface_hub import create_repo, upload_folder
     repo_id = create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
     upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
-                  commit_message="DreamBooth LoRA",  # the manifest names local paths: it stays, as the checkpoints do
-                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", MANIFEST_NAME])
+                  commit_message="DreamBooth LoRA",  # what names local paths or this machine stays, as checkpoints do
+                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", MANIFEST_NAME,
+                                   "config.yaml", RUN_LOCK, "validation/scored/**"])
     logger.info(f"pushed to https://huggingface.co/{repo_id}")
 
 

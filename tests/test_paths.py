@@ -67,14 +67,15 @@ def test_scale_lr_multiplies_by_batch_accumulation_and_processes(extra, processe
     assert optimizer.param_groups[0]["lr"] == pytest.approx(lr)
 
 
-def test_push_to_hub_uploads_the_lora_card_and_images_never_checkpoints_logs_or_the_manifest(tmp_path, monkeypatch):
+def test_push_to_hub_uploads_the_lora_card_images_and_best_never_checkpoints_logs_paths_or_the_lock(tmp_path, monkeypatch):
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
     out = tmp_path / "my-dog-lora"
     files = ["pytorch_lora_weights.safetensors", "README.md", "validation/final-0.png", "validation/progress-0.png",
              "checkpoint-500/training.safetensors", "checkpoint-500/trainer_state.json", "logs/run/events.out.tfevents.1",
-             T.MANIFEST_NAME]
+             T.MANIFEST_NAME, "config.yaml", T.RUN_LOCK, "validation/scored/step-4/pytorch_lora_weights.safetensors",
+             "best/pytorch_lora_weights.safetensors"]
     for name in files:
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("x")
@@ -88,7 +89,8 @@ def test_push_to_hub_uploads_the_lora_card_and_images_never_checkpoints_logs_or_
     upload = calls["upload"]
     assert upload["repo_id"] == "someone/my-dog-lora" and upload["folder_path"] == str(out) and upload["token"] == "hf_x"
     sent = set(filter_repo_objects(files, ignore_patterns=upload["ignore_patterns"]))
-    assert sent == {"pytorch_lora_weights.safetensors", "README.md", "validation/final-0.png", "validation/progress-0.png"}
+    assert sent == {"pytorch_lora_weights.safetensors", "README.md", "validation/final-0.png", "validation/progress-0.png",
+                    "best/pytorch_lora_weights.safetensors"}  # config.yaml names local paths, .run.lock this machine
 
 
 @pytest.mark.parametrize("report_to, kept", [("wandb", []), ("all", ["tensorboard"]), ("tensorboard", ["tensorboard"])])
