@@ -1024,13 +1024,13 @@ def prepare_data(args, accelerator, cache, hooks=None):
     if args.print_config:  # the resolved flags, before class images are generated and any model loads
         print_config(args, seed, batches, accelerator)
     check_resume_flags(args, checkpoint)  # the adapter a checkpoint was trained with
+    instances = hooks.chain("images", instances)  # its refusals, and the prompts file's, before class images are made
+    specs = option_validation_specs(hooks)
     classes = hooks.first("class_images", accelerator, seed, family, cache) or []
-    instances = hooks.chain("images", instances)
     check_same_images(accelerator, instances, classes)
     dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
     if args.max_train_steps is None:
         args.max_train_steps = args.num_train_epochs * math.ceil(len(sampler) / args.gradient_accumulation_steps)
-    specs = option_validation_specs(hooks)
     condition = hooks.first("condition", dataset, bool(args.validation_prompt or args.final_validation_prompt or specs))
     images = {f"{kind}/{r.name}": r.content_hash() for kind in ("instance", "class") for r in dataset.record_list(kind)}
     warn_changed_images(checkpoint, images)
@@ -1550,6 +1550,8 @@ class StopRequest:
 def train(args, accelerator, run, global_step):
     """The loop: one flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of epoch
     m // len(sampler), so a resumed run skips exactly the batches already trained."""
+    if global_step >= args.max_train_steps:  # resumed from the last step's checkpoint: only `finish` is left
+        return 0
     data, accum = run.data, args.gradient_accumulation_steps
     batches_per_epoch, micro = len(data.sampler), global_step * accum
     accelerator.step = micro  # accelerate's accumulation counter: sync on every accum-th micro-step
@@ -1598,7 +1600,10 @@ def train(args, accelerator, run, global_step):
                 after_epoch(args, accelerator, run, global_step, epoch)
             if global_step >= args.max_train_steps:
                 break
-    return global_step
+        late = stop.agreed(accelerator)[0]  # a signal after the last step's agreement counts too
+        if late and not signum and global_step % args.checkpointing_steps:  # a checkpoint for the resume's `latest`
+            save_checkpoint(args, accelerator, run, global_step)
+        return late  # for `finish`: the LoRA and the card, not the final images
 
 def validates_in_training(args, accelerator, run, global_step):
     """Whether a validation during training shows anything: prompts, images asked for, the final validation not
@@ -1614,7 +1619,7 @@ def after_optimizer_step(args, accelerator, run, global_step, signum):
     if (args.validation_steps and global_step % args.validation_steps == 0
             and validates_in_training(args, accelerator, run, global_step)):
         run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
-    if signum:
+    if signum and global_step < args.max_train_steps:  # at the last step, `finish` saves the LoRA first
         raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
                               "with the same command plus --resume_from_checkpoint latest", 128 + signum)
 
@@ -1726,9 +1731,9 @@ def write_lora_files(accelerator, transformer, state, folder, dtype, hooks):
     hooks.first("write_lora", accelerator, transformer, state, folder, dtype,
                 default=lambda: save_lora(accelerator, transformer, state, folder, dtype))
 
-def finish(args, accelerator, run):
-    """Save the LoRA (or the options' files: the EMA, ComfyUI's), the final validation images and the model card.
-    Writing is the main process's; gathering (FSDP) and the fingerprint involve every process."""
+def finish(args, accelerator, run, signum=0):
+    """Save the LoRA (or the options' files: the EMA, ComfyUI's), the final validation images (none after a stop
+    signal: `signum`) and the model card. The main process writes; gathering (FSDP) and the fingerprint need all."""
     state = lora_state_dict(accelerator, run.transformer, run.hooks)
     # processes must agree bit for bit; the fingerprint makes that checkable from the logs
     fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items())))
@@ -1742,7 +1747,10 @@ def finish(args, accelerator, run):
         logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}")
     prompt = args.validation_prompt or args.final_validation_prompt
     paths, stopped = [], None
-    if ((prompt or run.data.specs) and not args.skip_final_inference and args.num_validation_images > 0
+    if signum:
+        stopped = TrainingStopped(f"stopped by {signal.Signals(signum).name} at the last step: the LoRA is saved and "
+                                  "the model card written without the final images", 128 + signum)
+    elif ((prompt or run.data.specs) and not args.skip_final_inference and args.num_validation_images > 0
             and validates_here(accelerator)):
         try:  # a signal here stops the images, not the model card: the LoRA is saved already
             with StopRequest("", interrupt=True):
@@ -1775,15 +1783,14 @@ def main(argv=None):
     try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
         cache = open_cache(args)
         data = prepare_data(args, accelerator, cache, hooks)  # resolves the flags, then freezes them
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         lock = hold_output_dir(args, accelerator)  # noqa: F841 - held while it is open: one run per output folder
         write_config(args, data, args.output_dir, accelerator)  # the resolved flags: --config repeats the run
         caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, cache)
         run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
         global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
         start_logging(args, accelerator, run, global_step)
-        train(args, accelerator, run, global_step)
-        finish(args, accelerator, run)
+        signum = train(args, accelerator, run, global_step)
+        finish(args, accelerator, run, signum)
     except torch.OutOfMemoryError:
         raise TrainingStopped(OOM_ADVICE) from None
     finally:
@@ -2213,7 +2220,10 @@ def find_resume_checkpoint(args):
         return None
     if args.resume_from_checkpoint == "latest":
         found = list_checkpoints(args.output_dir)
-        if not found:
+        if not found:  # a finished run without checkpoints: starting again would overwrite its LoRA and seed
+            refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir,
+                   f"--resume_from_checkpoint latest: {args.output_dir} holds a finished LoRA and no checkpoint to "
+                   "continue from; choose another --output_dir, or pass --overwrite_output_dir to train it again")
             logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {args.output_dir}; starting from "
                            "scratch")
             return None
@@ -2325,7 +2335,9 @@ def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=L
 WRITE_ERRORS = (OSError, SafetensorError)  # safetensors reports an I/O failure (a full disk) as its own error
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial(-\w+)?)?$")  # checkpoint-N.partial-<run>: being written
 RUN_LOCK = ".run.lock"  # in --output_dir: locked by the main process of the run writing there
-RESUME_FLAGS = ("rank", "lora_alpha", "lora_layers")  # a resume keeps them (and the options' resume_flags)
+# a resume keeps them (and the options' resume_flags): the adapter's shape, and what the optimizer's state restores
+RESUME_FLAGS = ("rank", "lora_alpha", "lora_layers", "learning_rate", "scale_lr", "adam_beta1", "adam_beta2",
+                "adam_weight_decay", "adam_epsilon")
 
 def flatten_state(obj, tensors, path="t"):
     """Nested state (dicts, lists, tensors, scalars) -> a JSON-able skeleton; tensors go into `tensors` by path."""
@@ -2463,6 +2475,7 @@ def hold_output_dir(args, accelerator):
     import fcntl
     import socket
     held, problem = None, None
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     if accelerator.is_main_process:
         held = open(Path(args.output_dir, RUN_LOCK), "a+")  # noqa: SIM115 - held open for the run: it is the lock
         try:
@@ -2487,7 +2500,8 @@ def hold_output_dir(args, accelerator):
     return held
 
 def flags_to_keep(args):
-    """The flags a resumed run must share with its checkpoint: the adapter's rank, scale, layers and kind."""
+    """The flags a resumed run must share with its checkpoint: the adapter's rank, scale, layers and kind, and the
+    optimizer's settings (its restored state carries the checkpoint's: a new value would be ignored)."""
     return {name: vars(args).get(name) for name in (*RESUME_FLAGS, *(n for o in OPTIONS for n in o.resume_flags))}
 
 def check_resume_flags(args, checkpoint):

@@ -209,8 +209,10 @@ def test_a_resume_whose_images_changed_says_which(resumable, tiny_model, tmp_pat
 
 @pytest.mark.parametrize("extra, changed", [(["--lora_alpha", "8"], "--lora_alpha 8 (the checkpoint's: 4)"),
                                             (["--lora_layers", "attention"], "--lora_layers attention"),
-                                            (["--adapter", "loha"], "--adapter loha (the checkpoint's: lora)")])
-def test_a_resume_with_another_adapter_is_refused_before_models_load(extra, changed, resumable, tiny_model, tmp_path):
+                                            (["--adapter", "loha"], "--adapter loha (the checkpoint's: lora)"),
+                                            (["--learning_rate", "5e-4"], "--learning_rate 0.0005 (the checkpoint's: "),
+                                            (["--adam_weight_decay", "0"], "--adam_weight_decay 0.0 (the checkpoint's: ")])
+def test_a_resume_with_another_adapter_or_optimizer_setting_is_refused_before_models_load(extra, changed, resumable, tiny_model, tmp_path):
     proc = _resume(tiny_model, resumable, tmp_path / "out", *extra)
     assert proc.returncode == 2 and len(_errors(proc)) == 1 and changed in proc.stderr, proc.stderr[-3000:]
     assert "resume with the flags that trained it" in proc.stderr and "loading the" not in proc.stderr
@@ -422,3 +424,63 @@ def test_an_init_lora_resumed_says_its_weights_give_way_to_the_checkpoints(tiny_
     with caplog.at_level(logging.WARNING):
         option.load_training_state({"lora": {}})
     assert "--init_lora me/a-lora: its weights are replaced by the checkpoint's" in caplog.text
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_a_stop_signal_at_the_last_step_saves_the_lora_and_card_and_a_resume_only_finishes(when, tiny_model, images,
+                                                                                           tmp_path, monkeypatch):
+    """A preemption at the last step: `during` it (before the step's agreement) or `after` that agreement (while the
+    step logs or checkpoints). Either way the LoRA and the card are written, the final images skipped, exit 143; the
+    resumed run trains no step past --max_train_steps: it only makes the final images, the LoRA unchanged."""
+    out = tmp_path / "out"
+    args = base_args(tiny_model, images, out, "--max_train_steps", "3", "--checkpointing_steps", "100",
+                     "--validation_prompt", "a photo of sks dog", "--num_validation_images", "1",
+                     "--validation_epochs", "1000", "--lora_dropout", "0.1")
+    name, last = ("micro_step", 4) if when == "during" else ("log_step", 3)  # argument 4: micro-step, global step
+    real = getattr(T, name)
+
+    def signalling(*a, **kw):
+        result = real(*a, **kw)
+        if a[4] == (2 if when == "during" else last):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(T, name, signalling)
+    with pytest.raises(T.TrainingStopped) as stopped:
+        T.main(args)
+    monkeypatch.setattr(T, name, real)
+    assert stopped.value.code == 128 + signal.SIGTERM and "at the last step: the LoRA is saved" in str(stopped.value)
+    assert (out / "README.md").is_file() and not list(out.glob("validation/final-*.png"))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    saved = load_file(str(out / LORA))
+    T.main(args + ["--resume_from_checkpoint", "latest"])
+    again = load_file(str(out / LORA))
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
+    assert len(list(out.glob("validation/final-*.png"))) == 1
+    samples = (out / "logs" / "samples-0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["micro_step"] for line in samples] == [0, 1, 2]  # no step trained past the last
+
+
+def test_latest_without_a_checkpoint_never_retrains_over_a_finished_lora(tmp_path):
+    """`--resume_from_checkpoint latest` on every (re)launch is the documented pattern; in a folder whose run
+    finished without writing a checkpoint it would start again from scratch, overwriting the LoRA and its seed."""
+    (tmp_path / LORA).write_bytes(b"a finished run's")
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
+                         "--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
+    with pytest.raises(T.UsageError, match="holds a finished LoRA and no checkpoint to continue from"):
+        T.find_resume_checkpoint(args)
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
+                         "--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest", "--overwrite_output_dir"])
+    assert T.find_resume_checkpoint(args) is None  # asked for: a fresh start
+
+
+def test_trigger_refusals_come_before_class_images_are_generated(tiny_model, images, tmp_path):
+    """A [trigger] caption without --trigger_word is refused (exit 2) before the base pipeline loads to generate class
+    images, not after it made them (for [dev], a 100 GB pipeline and minutes of images)."""
+    (images / next(p.name for p in images.iterdir() if p.suffix == ".png")).with_suffix(".txt").write_text(
+        "a photo of [trigger] dog")
+    classes = tmp_path / "classes"
+    proc = launch(base_args(tiny_model, images, tmp_path / "out", "--with_prior_preservation", "--class_prompt", "a dog",
+                            "--class_data_dir", str(classes), "--num_class_images", "2"), check=False)
+    assert proc.returncode == 2 and "[trigger] in the captions of" in proc.stderr, proc.stderr[-2000:]
+    assert "generating" not in proc.stderr and not list(classes.glob("*.png"))
