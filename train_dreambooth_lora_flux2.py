@@ -227,7 +227,7 @@ def output_flags(p):
     g.add_argument("--print_config", action="store_true", help="Print the resolved flags (a --config file) and stop.")
     g.add_argument("--output_dir", type=output_folder, default="flux2-dreambooth-lora",
                    help="Where the LoRA, checkpoints, validation images and logs go.")
-    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow a folder that holds a finished LoRA.")
+    g.add_argument("--overwrite_output_dir", action="store_true", help="Start over in a folder of an earlier run.")
     g.add_argument("--checkpointing_steps", type=positive_int, default=500, help="A checkpoint every N steps.")
     g.add_argument("--checkpoints_total_limit", type=positive_int, help="Keep the newest N; default: all.")
     g.add_argument("--resume_from_checkpoint", type=checkpoint_name,
@@ -2216,7 +2216,12 @@ def surprising_values(args, hooks=None):
 def find_resume_checkpoint(args):
     """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
     a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
-    if args.resume_from_checkpoint is None:
+    if args.resume_from_checkpoint is None:  # a fresh run among an earlier run's checkpoints would mix with them
+        found = [] if args.overwrite_output_dir else list_checkpoints(args.output_dir)
+        if found:
+            raise UsageError(f"--output_dir {args.output_dir} holds an earlier run's checkpoints (newest: "
+                             f"{found[-1].name}); continue it with --resume_from_checkpoint latest, choose another "
+                             "--output_dir, or pass --overwrite_output_dir to start over (its checkpoints are deleted)")
         return None
     if args.resume_from_checkpoint == "latest":
         found = list_checkpoints(args.output_dir)
@@ -2491,7 +2496,8 @@ def hold_output_dir(args, accelerator):
             held.truncate(0)
             held.write(f"the run of process {os.getpid()} on {socket.gethostname()} since {time.strftime('%c')}")
             held.flush()
-            for stale in Path(args.output_dir).glob("checkpoint-*.partial*"):
+            fresh = args.overwrite_output_dir and args.resume_from_checkpoint is None  # the earlier run's go too
+            for stale in Path(args.output_dir).glob("checkpoint-*" if fresh else "checkpoint-*.partial*"):
                 shutil.rmtree(stale, ignore_errors=True)
     if accelerator.num_processes > 1:
         problem = broadcast_object_list([problem])[0]

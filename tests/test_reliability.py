@@ -484,3 +484,22 @@ def test_trigger_refusals_come_before_class_images_are_generated(tiny_model, ima
                             "--class_data_dir", str(classes), "--num_class_images", "2"), check=False)
     assert proc.returncode == 2 and "[trigger] in the captions of" in proc.stderr, proc.stderr[-2000:]
     assert "generating" not in proc.stderr and not list(classes.glob("*.png"))
+
+
+def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused_and_overwrite_starts_over(tiny_model, images,
+                                                                                            tmp_path):
+    """Without --resume_from_checkpoint, a run in a folder of an earlier run's checkpoints would overwrite those of the
+    same step, rotate its own away while keeping the earlier run's, and hand `latest` the earlier run's: refused, exit
+    2, before models load. --overwrite_output_dir starts over: the earlier checkpoints are deleted."""
+    out = tmp_path / "out"
+    common = ["--max_train_steps", "2", "--checkpointing_steps", "1"]
+    for step in (1, 3):  # an earlier run killed before its end: only its checkpoints are left
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / T.TRAINER_STATE_NAME).write_text(json.dumps({"global_step": step, "run": "old"}))
+    proc = launch(base_args(tiny_model, images, out, *common), check=False)
+    assert proc.returncode == 2 and "holds an earlier run's checkpoints (newest: checkpoint-3)" in proc.stderr
+    assert "loading the" not in proc.stderr and len(_errors(proc)) == 1, proc.stderr[-2000:]
+    launch(base_args(tiny_model, images, out, *common, "--overwrite_output_dir"))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    run = json.loads((out / "checkpoint-2" / T.TRAINER_STATE_NAME).read_text())["run"]
+    assert json.loads((out / "checkpoint-1" / T.TRAINER_STATE_NAME).read_text())["run"] == run  # this run's own
