@@ -5516,12 +5516,19 @@ def paired_score(a, b):
     the base model's for the same prompt and noise (drift is 1 minus it, on DINO features)."""
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean().item()
 
+KEEP_BEST_SCORES = {"subject": ("subject",), "prompt": ("prompt",), "balanced": ("subject", "drift")}
+
+def compared(history, criterion):
+    """The validations --keep_best compares: not the base model's (step 0), and only those holding every score the
+    criterion reads (a validation none of whose prompts names the subject has no subject score)."""
+    return [e for e in history if e["tag"] != "base" and all(k in e for k in KEEP_BEST_SCORES[criterion])]
+
 def best_entry(history, criterion, max_drift=None):
     """The scored validation --keep_best keeps (None: none qualifies): the highest subject or prompt score, the
     earliest of equals; balanced: the highest subject score among validations whose drift is at most `max_drift`
-    (default: the latest validation's, the final one's at the end). The base model's scores (step 0) take no part."""
-    history = [e for e in history if e["tag"] != "base"]
-    if criterion == "balanced":
+    (default: the latest compared validation's, the final one's at the end). Only `compared` validations count."""
+    history = compared(history, criterion)
+    if criterion == "balanced" and history:
         limit = history[-1]["drift"] if max_drift is None else max_drift
         history = [e for e in history if e["drift"] <= limit]
     key = "subject" if criterion == "balanced" else criterion
@@ -5533,7 +5540,7 @@ def may_be_kept(history, criterion, max_drift=None):
     if criterion != "balanced" or max_drift is not None:
         best = best_entry(history, criterion, max_drift)
         return {best["step"]} if best else set()
-    history = [e for e in history if e["tag"] != "base"]
+    history = compared(history, criterion)
     return {e["step"] for i, e in enumerate(history)
             if not any(o["drift"] <= e["drift"] and o["subject"] >= e["subject"] for o in history[:i])
             and not any(o["drift"] <= e["drift"] and o["subject"] > e["subject"] for o in history[i + 1:])}
@@ -5637,6 +5644,10 @@ class ValidationMetrics(Option):
                               or args.keep_best == "balanced" and "drift" not in names
                               or args.keep_best == "prompt" and "prompt" not in names,
                               f"--keep_best {args.keep_best} needs the scores it compares in --validation_metrics"),
+                             (args.keep_best in ("subject", "balanced") and not self._subject_named(),
+                              f"--keep_best {args.keep_best} compares subject scores, and no validation prompt names "
+                              "the subject (holds " + (f"--trigger_word {args.trigger_word}" if vars(args).get(
+                                  "trigger_word") else "a word of --instance_prompt the drift prompts lack") + ")"),
                              (args.keep_best and fsdp_requested(), "--keep_best under FSDP: not supported (the "
                               "LoRA is sharded during validation); choose from validation/metrics.jsonl"),
                              (args.max_drift is not None and args.keep_best != "balanced",
@@ -5659,6 +5670,14 @@ class ValidationMetrics(Option):
 
     def validation_specs(self):
         return [ValidationSpec(p) for p in self._drift_prompts()] if "drift" in self.args.validation_metrics else []
+
+    def _subject_named(self):
+        """Whether a validation prompt ([trigger] filled) names the subject as _scores judges it; `others` as setup
+        reads them (with --from_manifest the instance prompt is not known yet: the judgement leans to yes)."""
+        hooks, others, args = Hooks(self.args), self._drift_prompts(), self.args
+        prompts = [hooks.chain("prompt", p) for p in (args.validation_prompt, args.final_validation_prompt) if p]
+        prompts += [s.prompt for s in option_validation_specs(hooks)]
+        return any(p not in others and self._names_subject(p, others) for p in prompts)
 
     def _names_subject(self, prompt, others):
         """Whether a validation prompt names the subject: it holds --trigger_word, or a word of the instance prompt
@@ -5751,7 +5770,10 @@ class ValidationMetrics(Option):
         best, out = best_entry(self.history, args.keep_best, args.max_drift), Path(args.output_dir, "best")
         if best is None:
             shutil.rmtree(out, ignore_errors=True)
-            return f"; no validation within --max_drift {args.max_drift}, no best LoRA"
+            missing = " and ".join(KEEP_BEST_SCORES[args.keep_best])
+            return (f"; no validation within --max_drift {args.max_drift}, no best LoRA" if compared(
+                self.history, args.keep_best) else f"; no validation has a {missing} score yet (subject: no prompt "
+                "names the subject), no best LoRA")
         if not (scored / f"step-{best['step']}").is_dir():  # a run from a later checkpoint dropped it
             return f"; best ({args.keep_best}): step {best['step']}, whose LoRA is gone from {scored}: {out} unchanged"
         with writing(out):
