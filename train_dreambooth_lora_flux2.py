@@ -4384,7 +4384,9 @@ class TriggerWords(Option):
             raise UsageError(f"{TRIGGER} in --{placed[0]}: give --trigger_word, the word it stands for")
         refuse(args.class_word and not args.output_preservation, "--class_word is the word --output_preservation "
                "puts in place of --trigger_word; add --output_preservation, or leave --class_word out")
-        if not args.output_preservation:
+        if not args.output_preservation:  # --trigger_word switches the option on, so the generic stray check is quiet
+            for name in [n for n in self._set(args) if n not in ("trigger_word", "class_word")][:1]:
+                raise UsageError(f"--{name} has no effect without --output_preservation")
             return
         refuse(not (args.trigger_word and args.class_word), "--output_preservation needs --trigger_word and "
                "--class_word (the preservation prompt is the caption with the one replaced by the other)")

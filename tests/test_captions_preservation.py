@@ -121,6 +121,10 @@ def test_trigger_word_problems_are_refused_naming_the_images_or_flag():
 @pytest.mark.parametrize("extra, message", [
     (["--instance_prompt", "a [trigger] dog"], r"\[trigger\] in --instance_prompt: give --trigger_word"),
     (["--class_word", "dog"], "--class_word is the word --output_preservation"),
+    # --trigger_word turns the option on, which kept the generic stray-flag refusal quiet: the weight was ignored
+    (["--trigger_word", "sks", "--output_preservation_weight", "0.5"],
+     "--output_preservation_weight has no effect without --output_preservation"),
+    (["--output_preservation_weight", "0.5"], "--output_preservation_weight has no effect without"),
     (["--output_preservation", "--trigger_word", "sks"], "--output_preservation needs --trigger_word and --class_word"),
     (["--output_preservation", "--trigger_word", "sks", "--class_word", "dog", "--with_prior_preservation",
       "--class_prompt", "a dog", "--class_data_dir", "c"], "two ways to the same end"),
