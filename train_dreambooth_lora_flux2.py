@@ -3631,6 +3631,10 @@ def push_to_hub(args):
 # ----------------------------------------------------------------------------------------------------------------
 # Option: the manifest (--from_manifest: train from the disk cache alone)
 
+# the data flags a manifest records, applied as one: caption dropout too (the cache holds its empty prompt, and a
+# replay without it would train another LoRA), which write_manifest records beside MANIFEST_DATA_FLAGS (Part 2)
+REPLAYED_FLAGS = tuple(dict.fromkeys((*MANIFEST_DATA_FLAGS, "caption_dropout")))
+
 @option
 class FromManifest(Option):
     """The disk cache and a dataset_manifest.json (every run writes one: the data flags, the seed, the image records)
@@ -3690,7 +3694,7 @@ def read_manifest(path):
         raise UsageError(f"--from_manifest {path}: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
         raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
-    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity",
+    expected = {"data": (*REPLAYED_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity",
                 "latent_identity"), "instances": (), "classes": (), "entries": (), "cache": ()}
     missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
                if part not in manifest or (key and key not in manifest[part])]
@@ -3715,7 +3719,7 @@ def apply_manifest(args, manifest):
     """The data flags (one given differently is overridden, with a warning) and, unless --seed is given, the seed
     become the manifest's -> (instance records, class records): without files, enough for keys and sizes."""
     data, parser = manifest["data"], build_parser()
-    for name in MANIFEST_DATA_FLAGS:
+    for name in REPLAYED_FLAGS:
         if vars(args).get(name) not in (parser.get_default(name), data[name]):
             logger.warning(f"--{name} {vars(args).get(name)} ignored: the cached data were made with {data[name]!r} "
                            "(from the manifest)")
