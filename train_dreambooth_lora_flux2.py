@@ -5232,9 +5232,11 @@ class MemoryEstimate:
     """A run's peak GPU memory at any setting the plan chooses, from shapes alone: the weight and LoRA bytes of the
     prepared model on the meta device (swapped blocks and quantised weights counted exactly), activations from one
     forward there, and validation's peak (the trained transformer resident while the pipeline samples one image and
-    the VAE decodes it, the decode in float32 as measured). Checked against H100 and H200 runs: docs/memory.md."""
+    the VAE decodes it, the decode in float32 as measured). Checked against H100 and H200 runs: docs/memory.md.
+    side: the latents' (height, width) in pixels / 8, or one side of square ones."""
 
     def __init__(self, transformer, vae, batch, image_tokens, text_tokens, side, validates=True, cached=True):
+        height, width = side if isinstance(side, tuple) else (side, side)
         self.transformer, self.blocks = transformer, transformer_blocks(transformer)
         self.outside, self.inputs, self.saved = saved_bytes(transformer, batch, image_tokens, text_tokens)
         self.vae = 0 if vae is None else sum(p.numel() for p in vae.parameters()) * 2
@@ -5246,11 +5248,11 @@ class MemoryEstimate:
                 self.sampling = sampling.peak
             if vae is not None and validates:
                 with LiveBytes() as decode:
-                    vae.decode(torch.empty(1, vae.config.latent_channels, side, side))
+                    vae.decode(torch.empty(1, vae.config.latent_channels, height, width))
                 self.decode = decode.peak
             if vae is not None and not cached:  # latents encoded at every step: the VAE stays on the GPU
                 with LiveBytes() as encode:
-                    vae.encode(torch.empty(batch, 3, side * 8, side * 8))
+                    vae.encode(torch.empty(batch, 3, height * 8, width * 8))
                 self.encode = encode.peak
         self.validates, self.cached = validates, cached
 
@@ -5421,7 +5423,9 @@ def plan_flags(row, text_choice):
 def plan_report(args, model, card, host, rows, chosen, text_rows, text_choice):
     """The plan's lines: each candidate, the choice and its flags; when nothing fits, the last line says which card
     would, and with what."""
-    lines = [f"memory plan: {model}, {args.resolution} px, batch {args.train_batch_size}, rank {args.rank}, on "
+    h, w = largest_bucket(args)
+    size = f"{h} px" if h == w == args.resolution else f"{h}x{w} px (the largest bucket)"
+    lines = [f"memory plan: {model}, {size}, batch {args.train_batch_size}, rank {args.rank}, on "
              f"{gib(card)} GiB of GPU memory and {gib(host)} GiB of host RAM (a peak fits when peak x "
              f"{PLAN_MARGIN[0]} + {gib(PLAN_MARGIN[1])} GiB does)",
              "  weights  checkpointing  swapped blocks  peak GiB  host RAM GiB  step time"]
@@ -5449,10 +5453,17 @@ def smallest_card(estimate, host_free, choices, text_rows, card):
                     f"GiB); the smallest card that fits is {size} GB, with {plan_flags(row, text) or 'these flags'}")
     return f"nothing fits {gib(card)} GiB of GPU memory, nor any card up to {CARD_SIZES[-1]} GB"
 
+def largest_bucket(args):
+    """(height, width) of the run's bucket of most pixels (the first of equals): the one whose activations peak.
+    Buckets are not all --resolution^2: --aspect_ratio_buckets may give any, and a ladder's may exceed it a little."""
+    ladders = resolve_buckets(args)
+    buckets = [b for ladder in ladders for b in ladder] if isinstance(ladders[0], list) else ladders
+    return max(buckets, key=lambda b: b[0] * b[1])
+
 def run_estimate(args, dtype):
     """MemoryEstimate of this run: the transformer as setup_training prepares it (LoRA on --lora_layers, an
-    option's adapter) at --resolution's tokens (twice with a condition image), its rows (class images and output
-    preservation each double them) and --max_sequence_length, from the checkpoint's config files alone."""
+    option's adapter) at its largest bucket's tokens (twice with a condition image), its rows (class images and
+    output preservation each double them) and --max_sequence_length, from the checkpoint's config files alone."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -5466,13 +5477,13 @@ def run_estimate(args, dtype):
     with torch.device("meta"):
         transformer = prepare_transformer(plain, meta, empty_transformer(args).to(dtype), Hooks(plain))
         vae = AutoencoderKLFlux2.from_config(read_model_json(args, "vae/config.json", "vae config"))
-    side = args.resolution // 8
-    tokens = (args.resolution // 16) ** 2 * (2 if can.get("cond_data_dir") or can.get("cond_image_column") else 1)
+    height, width = largest_bucket(args)  # [B, 3, H, W] pixels -> [B, C, H/8, W/8] latents -> H/16 x W/16 tokens
+    tokens = (height // 16) * (width // 16) * (2 if can.get("cond_data_dir") or can.get("cond_image_column") else 1)
     rows = args.train_batch_size * (2 if can.get("with_prior_preservation") else 1) * (
         2 if can.get("output_preservation") else 1)
     validates = any(can.get(n) for n in ("validation_prompt", "final_validation_prompt", "validation_prompts_file"))
-    return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, side, validates,
-                          args.cache_latents)
+    return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, (height // 8, width // 8),
+                          validates, args.cache_latents)
 
 def text_encoder_size(args, family):
     """-> (parameters, those quantisation leaves alone: the input embeddings and the output layer), from the
