@@ -5689,8 +5689,8 @@ class ValidationMetrics(Option):
         return [ValidationSpec(p) for p in self._drift_prompts()] if "drift" in self.args.validation_metrics else []
 
     def _subject_named(self):
-        """Whether a validation prompt ([trigger] filled) names the subject as _scores judges it; `others` as setup
-        reads them (with --from_manifest the instance prompt is not known yet: the judgement leans to yes)."""
+        """Whether a validation prompt ([trigger] filled) names the subject as _scores will judge it, before setup
+        (--from_manifest's instance prompt is not read yet: without --trigger_word every prompt then does)."""
         hooks, others, args = Hooks(self.args), self._drift_prompts(), self.args
         prompts = [hooks.chain("prompt", p) for p in (args.validation_prompt, args.final_validation_prompt) if p]
         prompts += [s.prompt for s in option_validation_specs(hooks)]
