@@ -3652,6 +3652,10 @@ def push_to_hub(args):
 # ----------------------------------------------------------------------------------------------------------------
 # Option: the manifest (--from_manifest: train from the disk cache alone)
 
+# the data flags a manifest records, applied as one: caption dropout too (the cache holds its empty prompt, and a
+# replay without it would train another LoRA), which write_manifest records beside MANIFEST_DATA_FLAGS (Part 2)
+REPLAYED_FLAGS = tuple(dict.fromkeys((*MANIFEST_DATA_FLAGS, "caption_dropout")))
+
 @option
 class FromManifest(Option):
     """The disk cache and a dataset_manifest.json (every run writes one: the data flags, the seed, the image records)
@@ -3711,7 +3715,7 @@ def read_manifest(path):
         raise UsageError(f"--from_manifest {path}: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
         raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
-    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity",
+    expected = {"data": (*REPLAYED_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity",
                 "latent_identity"), "instances": (), "classes": (), "entries": (), "cache": ()}
     missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
                if part not in manifest or (key and key not in manifest[part])]
@@ -3736,7 +3740,7 @@ def apply_manifest(args, manifest):
     """The data flags (one given differently is overridden, with a warning) and, unless --seed is given, the seed
     become the manifest's -> (instance records, class records): without files, enough for keys and sizes."""
     data, parser = manifest["data"], build_parser()
-    for name in MANIFEST_DATA_FLAGS:
+    for name in REPLAYED_FLAGS:
         if vars(args).get(name) not in (parser.get_default(name), data[name]):
             logger.warning(f"--{name} {vars(args).get(name)} ignored: the cached data were made with {data[name]!r} "
                            "(from the manifest)")
@@ -4405,7 +4409,9 @@ class TriggerWords(Option):
             raise UsageError(f"{TRIGGER} in --{placed[0]}: give --trigger_word, the word it stands for")
         refuse(args.class_word and not args.output_preservation, "--class_word is the word --output_preservation "
                "puts in place of --trigger_word; add --output_preservation, or leave --class_word out")
-        if not args.output_preservation:
+        if not args.output_preservation:  # --trigger_word switches the option on, so the generic stray check is quiet
+            for name in [n for n in self._set(args) if n not in ("trigger_word", "class_word")][:1]:
+                raise UsageError(f"--{name} has no effect without --output_preservation")
             return
         refuse(not (args.trigger_word and args.class_word), "--output_preservation needs --trigger_word and "
                "--class_word (the preservation prompt is the caption with the one replaced by the other)")
@@ -5247,9 +5253,11 @@ class MemoryEstimate:
     """A run's peak GPU memory at any setting the plan chooses, from shapes alone: the weight and LoRA bytes of the
     prepared model on the meta device (swapped blocks and quantised weights counted exactly), activations from one
     forward there, and validation's peak (the trained transformer resident while the pipeline samples one image and
-    the VAE decodes it, the decode in float32 as measured). Checked against H100 and H200 runs: docs/memory.md."""
+    the VAE decodes it, the decode in float32 as measured). Checked against H100 and H200 runs: docs/memory.md.
+    side: the latents' (height, width) in pixels / 8, or one side of square ones."""
 
     def __init__(self, transformer, vae, batch, image_tokens, text_tokens, side, validates=True, cached=True):
+        height, width = side if isinstance(side, tuple) else (side, side)
         self.transformer, self.blocks = transformer, transformer_blocks(transformer)
         self.outside, self.inputs, self.saved = saved_bytes(transformer, batch, image_tokens, text_tokens)
         self.vae = 0 if vae is None else sum(p.numel() for p in vae.parameters()) * 2
@@ -5261,11 +5269,11 @@ class MemoryEstimate:
                 self.sampling = sampling.peak
             if vae is not None and validates:
                 with LiveBytes() as decode:
-                    vae.decode(torch.empty(1, vae.config.latent_channels, side, side))
+                    vae.decode(torch.empty(1, vae.config.latent_channels, height, width))
                 self.decode = decode.peak
             if vae is not None and not cached:  # latents encoded at every step: the VAE stays on the GPU
                 with LiveBytes() as encode:
-                    vae.encode(torch.empty(batch, 3, side * 8, side * 8))
+                    vae.encode(torch.empty(batch, 3, height * 8, width * 8))
                 self.encode = encode.peak
         self.validates, self.cached = validates, cached
 
@@ -5436,7 +5444,9 @@ def plan_flags(row, text_choice):
 def plan_report(args, model, card, host, rows, chosen, text_rows, text_choice):
     """The plan's lines: each candidate, the choice and its flags; when nothing fits, the last line says which card
     would, and with what."""
-    lines = [f"memory plan: {model}, {args.resolution} px, batch {args.train_batch_size}, rank {args.rank}, on "
+    h, w = largest_bucket(args)
+    size = f"{h} px" if h == w == args.resolution else f"{h}x{w} px (the largest bucket)"
+    lines = [f"memory plan: {model}, {size}, batch {args.train_batch_size}, rank {args.rank}, on "
              f"{gib(card)} GiB of GPU memory and {gib(host)} GiB of host RAM (a peak fits when peak x "
              f"{PLAN_MARGIN[0]} + {gib(PLAN_MARGIN[1])} GiB does)",
              "  weights  checkpointing  swapped blocks  peak GiB  host RAM GiB  step time"]
@@ -5464,10 +5474,17 @@ def smallest_card(estimate, host_free, choices, text_rows, card):
                     f"GiB); the smallest card that fits is {size} GB, with {plan_flags(row, text) or 'these flags'}")
     return f"nothing fits {gib(card)} GiB of GPU memory, nor any card up to {CARD_SIZES[-1]} GB"
 
+def largest_bucket(args):
+    """(height, width) of the run's bucket of most pixels (the first of equals): the one whose activations peak.
+    Buckets are not all --resolution^2: --aspect_ratio_buckets may give any, and a ladder's may exceed it a little."""
+    ladders = resolve_buckets(args)
+    buckets = [b for ladder in ladders for b in ladder] if isinstance(ladders[0], list) else ladders
+    return max(buckets, key=lambda b: b[0] * b[1])
+
 def run_estimate(args, dtype):
     """MemoryEstimate of this run: the transformer as setup_training prepares it (LoRA on --lora_layers, an
-    option's adapter) at --resolution's tokens (twice with a condition image), its rows (class images and output
-    preservation each double them) and --max_sequence_length, from the checkpoint's config files alone."""
+    option's adapter) at its largest bucket's tokens (twice with a condition image), its rows (class images and
+    output preservation each double them) and --max_sequence_length, from the checkpoint's config files alone."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -5481,13 +5498,13 @@ def run_estimate(args, dtype):
     with torch.device("meta"):
         transformer = prepare_transformer(plain, meta, empty_transformer(args).to(dtype), Hooks(plain))
         vae = AutoencoderKLFlux2.from_config(read_model_json(args, "vae/config.json", "vae config"))
-    side = args.resolution // 8
-    tokens = (args.resolution // 16) ** 2 * (2 if can.get("cond_data_dir") or can.get("cond_image_column") else 1)
+    height, width = largest_bucket(args)  # [B, 3, H, W] pixels -> [B, C, H/8, W/8] latents -> H/16 x W/16 tokens
+    tokens = (height // 16) * (width // 16) * (2 if can.get("cond_data_dir") or can.get("cond_image_column") else 1)
     rows = args.train_batch_size * (2 if can.get("with_prior_preservation") else 1) * (
         2 if can.get("output_preservation") else 1)
     validates = any(can.get(n) for n in ("validation_prompt", "final_validation_prompt", "validation_prompts_file"))
-    return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, side, validates,
-                          args.cache_latents)
+    return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, (height // 8, width // 8),
+                          validates, args.cache_latents)
 
 def text_encoder_size(args, family):
     """-> (parameters, those quantisation leaves alone: the input embeddings and the output layer), from the
@@ -5537,12 +5554,19 @@ def paired_score(a, b):
     the base model's for the same prompt and noise (drift is 1 minus it, on DINO features)."""
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean().item()
 
+KEEP_BEST_SCORES = {"subject": ("subject",), "prompt": ("prompt",), "balanced": ("subject", "drift")}
+
+def compared(history, criterion):
+    """The validations --keep_best compares: not the base model's (step 0), and only those holding every score the
+    criterion reads (a validation none of whose prompts names the subject has no subject score)."""
+    return [e for e in history if e["tag"] != "base" and all(k in e for k in KEEP_BEST_SCORES[criterion])]
+
 def best_entry(history, criterion, max_drift=None):
     """The scored validation --keep_best keeps (None: none qualifies): the highest subject or prompt score, the
     earliest of equals; balanced: the highest subject score among validations whose drift is at most `max_drift`
-    (default: the latest validation's, the final one's at the end). The base model's scores (step 0) take no part."""
-    history = [e for e in history if e["tag"] != "base"]
-    if criterion == "balanced":
+    (default: the latest compared validation's, the final one's at the end). Only `compared` validations count."""
+    history = compared(history, criterion)
+    if criterion == "balanced" and history:
         limit = history[-1]["drift"] if max_drift is None else max_drift
         history = [e for e in history if e["drift"] <= limit]
     key = "subject" if criterion == "balanced" else criterion
@@ -5554,7 +5578,7 @@ def may_be_kept(history, criterion, max_drift=None):
     if criterion != "balanced" or max_drift is not None:
         best = best_entry(history, criterion, max_drift)
         return {best["step"]} if best else set()
-    history = [e for e in history if e["tag"] != "base"]
+    history = compared(history, criterion)
     return {e["step"] for i, e in enumerate(history)
             if not any(o["drift"] <= e["drift"] and o["subject"] >= e["subject"] for o in history[:i])
             and not any(o["drift"] <= e["drift"] and o["subject"] > e["subject"] for o in history[i + 1:])}
@@ -5658,6 +5682,10 @@ class ValidationMetrics(Option):
                               or args.keep_best == "balanced" and "drift" not in names
                               or args.keep_best == "prompt" and "prompt" not in names,
                               f"--keep_best {args.keep_best} needs the scores it compares in --validation_metrics"),
+                             (args.keep_best in ("subject", "balanced") and not self._subject_named(),
+                              f"--keep_best {args.keep_best} compares subject scores, and no validation prompt names "
+                              "the subject (holds " + (f"--trigger_word {args.trigger_word}" if vars(args).get(
+                                  "trigger_word") else "a word of --instance_prompt the drift prompts lack") + ")"),
                              (args.keep_best and fsdp_requested(), "--keep_best under FSDP: not supported (the "
                               "LoRA is sharded during validation); choose from validation/metrics.jsonl"),
                              (args.max_drift is not None and args.keep_best != "balanced",
@@ -5680,6 +5708,14 @@ class ValidationMetrics(Option):
 
     def validation_specs(self):
         return [ValidationSpec(p) for p in self._drift_prompts()] if "drift" in self.args.validation_metrics else []
+
+    def _subject_named(self):
+        """Whether a validation prompt ([trigger] filled) names the subject as _scores will judge it, before setup
+        (--from_manifest's instance prompt is not read yet: without --trigger_word every prompt then does)."""
+        hooks, others, args = Hooks(self.args), self._drift_prompts(), self.args
+        prompts = [hooks.chain("prompt", p) for p in (args.validation_prompt, args.final_validation_prompt) if p]
+        prompts += [s.prompt for s in option_validation_specs(hooks)]
+        return any(p not in others and self._names_subject(p, others) for p in prompts)
 
     def _names_subject(self, prompt, others):
         """Whether a validation prompt names the subject: it holds --trigger_word, or a word of the instance prompt
@@ -5772,7 +5808,10 @@ class ValidationMetrics(Option):
         best, out = best_entry(self.history, args.keep_best, args.max_drift), Path(args.output_dir, "best")
         if best is None:
             shutil.rmtree(out, ignore_errors=True)
-            return f"; no validation within --max_drift {args.max_drift}, no best LoRA"
+            missing = " and ".join(KEEP_BEST_SCORES[args.keep_best])
+            return (f"; no validation within --max_drift {args.max_drift}, no best LoRA" if compared(
+                self.history, args.keep_best) else f"; no validation has a {missing} score yet (subject: no prompt "
+                "names the subject), no best LoRA")
         if not (scored / f"step-{best['step']}").is_dir():  # a run from a later checkpoint dropped it
             return f"; best ({args.keep_best}): step {best['step']}, whose LoRA is gone from {scored}: {out} unchanged"
         with writing(out):

@@ -251,7 +251,7 @@ def test_startup_benchmark_tiny_mode_prints_cold_and_warm_rows_of_the_scan_and_o
 
 def _manifest_file(tmp_path, kind="M"):
     """A complete manifest (M), one of another format (NOT), one without data.seed, one of a run without latents."""
-    data = {**{flag: None for flag in T.MANIFEST_DATA_FLAGS}, "buckets": [[32, 32]], "seed": 0}
+    data = {**{flag: None for flag in T.REPLAYED_FLAGS}, "buckets": [[32, 32]], "seed": 0}
     model = {"family": "Flux2Pipeline", "prompt_identity": [], "latent_identity": []}
     manifest = T.build_manifest(data, model, [], [], [], [], tmp_path)
     if kind == "NOT":
@@ -286,7 +286,7 @@ def test_cache_flags_are_checked_before_anything_loads(extra, message, tmp_path)
 
 
 def test_manifest_settings_replace_the_data_flags_and_say_so(tmp_path, caplog):
-    data = {flag: None for flag in T.MANIFEST_DATA_FLAGS}
+    data = {flag: None for flag in T.REPLAYED_FLAGS}
     data.update(instance_prompt="a sks dog", repeats=2, resolution=32, random_flip=True, buckets=[[32, 48], [48, 32]], seed=7)
     image = {"name": "a.png", "size": [48, 32], "caption": None, "sha256": "ab" * 32}
     manifest = T.build_manifest(data, {}, [], [], [], [], tmp_path)
@@ -297,6 +297,24 @@ def test_manifest_settings_replace_the_data_flags_and_say_so(tmp_path, caplog):
     assert T.resolve_buckets(args) == [(32, 48), (48, 32)] and classes == []
     assert instances[0].content_hash() == "ab" * 32 and instances[0].size == (48, 32) and instances[0].path is None
     assert "--repeats 3 ignored" in caplog.text and "--resolution" not in caplog.text  # not given: no warning
+
+
+@pytest.mark.parametrize("given", [[], ["--caption_dropout", "0.1"]])
+def test_a_manifest_replays_its_caption_dropout(tmp_path, caplog, given):
+    """A manifest written with --caption_dropout 0.3 trains with it: replayed without the flag it was 0 (a different
+    LoRA, silently); given differently, the manifest's wins with a warning, as for the other data flags."""
+    data = {**{flag: None for flag in T.REPLAYED_FLAGS}, "caption_dropout": 0.3, "buckets": [[32, 32]], "seed": 7}
+    model = {"family": "Flux2Pipeline", "prompt_identity": "p", "latent_identity": "l"}
+    (tmp_path / T.MANIFEST_NAME).write_text(json.dumps(T.build_manifest(data, model, [], [], [], [], tmp_path)))
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--from_manifest", str(tmp_path / T.MANIFEST_NAME),
+                         *given])
+    T.apply_manifest(args, T.read_manifest(args.from_manifest))
+    assert args.caption_dropout == 0.3
+    assert ("--caption_dropout 0.1 ignored: the cached data were made with 0.3" in caplog.text) == bool(given)
+    del data["caption_dropout"]  # every manifest records it: one without is incomplete, not replayed as 0
+    (tmp_path / T.MANIFEST_NAME).write_text(json.dumps(T.build_manifest(data, model, [], [], [], [], tmp_path)))
+    with pytest.raises(T.UsageError, match="incomplete, data.caption_dropout missing"):
+        T.read_manifest(args.from_manifest)
 
 
 # ---------------------------------------------------------------------------------------------------- end to end
@@ -311,19 +329,20 @@ def _sourceless(args, manifest):
 
 
 def test_from_manifest_trains_the_same_lora_with_the_images_deleted(tiny_model, images, tmp_path, own_cache_folder):
-    """The sourceless run is given the training flags only: the data flags (flips, repeats, prior preservation) come
-    from the manifest. Both runs make validation images: the sourceless one loads the VAE for them, never the text
-    encoder (the validation prompt's embedding is in the cache)."""
+    """The sourceless run is given the training flags only: the data flags (flips, repeats, prior preservation, caption
+    dropout) come from the manifest. Both runs make validation images: the sourceless one loads the VAE for them,
+    never the text encoder (the validation prompt's embedding is in the cache)."""
     from PIL import Image
 
     classes = tmp_path / "class"
     classes.mkdir()
     for i, colour in enumerate([(200, 30, 30), (30, 200, 30)]):
         Image.new("RGB", (40, 40), colour).save(classes / f"class-{i:05d}.png")
-    common = ["--max_train_steps", "4", "--cache_latents", "--caption_dropout", "0.3",
+    common = ["--max_train_steps", "4", "--cache_latents",
               "--validation_prompt", "a sks dog in a bucket", "--num_validation_images", "1"]
     first = tmp_path / "with-images"
-    launch(base_args(tiny_model, images, first, *common, "--random_flip", "--repeats", "2", "--with_prior_preservation",
+    launch(base_args(tiny_model, images, first, *common, "--caption_dropout", "0.3", "--random_flip", "--repeats", "2",
+                     "--with_prior_preservation",
                      "--class_data_dir", classes, "--class_prompt", "a photo of a dog", "--num_class_images", "2"))
     manifest = json.loads((first / T.MANIFEST_NAME).read_text())
     texts = [e["text"] for e in manifest["entries"]["prompts"]]

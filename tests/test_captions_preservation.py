@@ -121,6 +121,10 @@ def test_trigger_word_problems_are_refused_naming_the_images_or_flag():
 @pytest.mark.parametrize("extra, message", [
     (["--instance_prompt", "a [trigger] dog"], r"\[trigger\] in --instance_prompt: give --trigger_word"),
     (["--class_word", "dog"], "--class_word is the word --output_preservation"),
+    # --trigger_word turns the option on, which kept the generic stray-flag refusal quiet: the weight was ignored
+    (["--trigger_word", "sks", "--output_preservation_weight", "0.5"],
+     "--output_preservation_weight has no effect without --output_preservation"),
+    (["--output_preservation_weight", "0.5"], "--output_preservation_weight has no effect without"),
     (["--output_preservation", "--trigger_word", "sks"], "--output_preservation needs --trigger_word and --class_word"),
     (["--output_preservation", "--trigger_word", "sks", "--class_word", "dog", "--with_prior_preservation",
       "--class_prompt", "a dog", "--class_data_dir", "c"], "two ways to the same end"),
@@ -353,7 +357,7 @@ def test_a_manifest_of_several_resolutions_restores_their_buckets(tmp_path):
     from accelerate import PartialState
 
     PartialState()  # apply_manifest logs through accelerate's logger
-    data = {flag: None for flag in T.MANIFEST_DATA_FLAGS}
+    data = {flag: None for flag in T.REPLAYED_FLAGS}
     data.update(instance_prompt="a sks dog", repeats=1, resolution=48, seed=7, resolutions=[32, 48],
                 buckets=[[32, 32], [48, 48]], ladders=[[[32, 32]], [[48, 48]]])
     manifest = T.build_manifest(data, {}, [], [], [], [], tmp_path)

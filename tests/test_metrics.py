@@ -108,6 +108,49 @@ def test_keep_best_chooses_by_its_criterion_and_keeps_only_what_may_still_win():
     assert T.may_be_kept(history, "balanced", max_drift=0.15) == {2}
 
 
+def test_validations_without_the_scores_keep_best_compares_take_no_part(tmp_path):
+    """A validation none of whose prompts names the subject has no subject score: --keep_best subject or balanced
+    passes it over (it crashed with KeyError 'subject' mid-training), and with none scored the log says why."""
+    history = [{"step": 0, "tag": "base", "prompt": 0.9, "drift": 0.0},
+               {"step": 2, "tag": "a", "prompt": 0.3, "drift": 0.1},
+               {"step": 4, "tag": "b", "subject": 0.6, "prompt": 0.2, "drift": 0.3},
+               {"step": 6, "tag": "c", "prompt": 0.4, "drift": 0.2}]
+    assert T.best_entry(history, "subject")["step"] == 4 and T.may_be_kept(history, "subject") == {4}
+    assert T.best_entry(history, "balanced")["step"] == 4  # the latest compared validation's drift is the limit
+    assert T.may_be_kept(history, "balanced") == {4} and T.best_entry(history, "balanced", max_drift=0.2) is None
+    unscored = [e for e in history if "subject" not in e]
+    assert T.best_entry(unscored, "subject") is None and T.may_be_kept(unscored, "balanced") == set()
+    args = argparse.Namespace(keep_best="balanced", max_drift=None, output_dir=str(tmp_path))
+    option = T.ValidationMetrics(args)
+    option.history = unscored
+    assert option._keep(None, tmp_path / "validation", unscored[-1]) == (
+        "; no validation has a subject and drift score yet (subject: no prompt names the subject), no best LoRA")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--trigger_word", "sks", "--validation_prompt", "a photo of a dog"], False),
+    (["--trigger_word", "sks", "--validation_prompt", "a photo of [trigger] dog"], True),
+    (["--validation_prompt", "a photo of a dog"], False),  # sks, the instance prompt's word the drift prompt lacks
+    (["--validation_prompt", "a photo of a dog", "--validation_prompts_file", "PROMPTS"], True),
+])
+def test_keep_best_by_subject_without_a_prompt_naming_the_subject_is_refused(tmp_path, flags, named):
+    """Known before anything loads: no validation prompt names the subject, so no validation has a subject score."""
+    make_images(str(tmp_path / "images"))
+    (tmp_path / "drift.txt").write_text("a photo of dog\n")
+    (tmp_path / "prompts.txt").write_text("sks dog on a beach\n")
+    flags = [str(tmp_path / "prompts.txt") if f == "PROMPTS" else f for f in flags]
+    for keep in ("subject", "balanced"):
+        args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", str(tmp_path / "images"),
+                             "--instance_prompt", "a photo of sks dog", "--validation_metrics", "dino,drift",
+                             "--metrics_drift_prompts", str(tmp_path / "drift.txt"), "--keep_best", keep, *flags])
+        if named:
+            T.validate_args(args)
+        else:
+            with pytest.raises(T.UsageError, match=f"--keep_best {keep} compares subject scores, and no validation "
+                                                   "prompt names the subject"):
+                T.validate_args(args)
+
+
 @pytest.fixture(scope="module")
 def kept(tiny_model, scorers, tmp_path_factory):
     """One run of two processes scoring every validation and keeping the best LoRA by subject (checkpoints where it

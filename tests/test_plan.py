@@ -199,3 +199,22 @@ def test_a_planned_tiny_run_trains_the_lora_of_the_flags_it_printed(tiny_model, 
     _, plain = run("plain")
     assert planned.keys() == given.keys() and all(torch.equal(planned[k], given[k]) for k in given)
     assert any(not torch.equal(plain[k], given[k]) for k in given)  # int8 embeddings: another LoRA
+
+
+def test_the_estimate_is_sized_by_the_largest_bucket_the_run_trains(tiny_model, tmp_path):
+    """Activations, sampling and the VAE's shapes follow the run's largest bucket, not --resolution^2: --resolution
+    512 with 1024x1024 buckets was planned at a quarter of the tokens it trains; the report names the bucket."""
+    def estimate(*extra):
+        args = T.parse_args(base_args(tiny_model, tmp_path, tmp_path / "out", "--memory_plan", "auto",
+                                      "--validation_prompt", "a sks dog", *extra))
+        found = T.run_estimate(args, torch.bfloat16)
+        return found.peak(False), found.decode, T.plan_report(args, "tiny", 24 * GIB, 64 * GIB, [], None, [], None)[0]
+
+    square, decode, report = estimate("--resolution", "512", "--aspect_ratio_buckets", "1024,1024")
+    assert (square, decode) == estimate("--resolution", "1024")[:2] and "1024x1024 px (the largest bucket)" in report
+    assert "1024 px, batch" in estimate("--resolution", "1024")[2]  # the usual square: as before
+    wide, wide_decode, report = estimate("--resolution", "512", "--aspect_ratio_buckets", "512,512;512,1024")
+    assert (wide, wide_decode) == estimate("--resolution", "512", "--aspect_ratio_buckets", "512,1024")[:2]
+    small, small_decode, _ = estimate("--resolution", "512")
+    assert small["activations"] < wide["activations"] < square["activations"] and small_decode < wide_decode < decode
+    assert "512x1024 px (the largest bucket)" in report
