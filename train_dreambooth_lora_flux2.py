@@ -3272,10 +3272,11 @@ def report_memory_copies(caches, processes):
 
 MANIFEST_NAME = "dataset_manifest.json"
 MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
-# the flags that shaped a manifest's cache entries (--from_manifest takes them from it); an option's may be absent
+# the flags that shaped a manifest's cache entries or the samples drawn from them (--from_manifest takes them from it:
+# a replay with another caption dropout trains another LoRA); an option's may be absent
 MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution",
                        "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers",
-                       "latent_sampling")
+                       "latent_sampling", "caption_dropout")
 
 def manifest_record(record):
     row = {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
@@ -3298,7 +3299,7 @@ def write_manifest(args, accelerator, data, disk):
         return
     dataset = data.dataset
     settings = {name: vars(args).get(name) for name in MANIFEST_DATA_FLAGS}  # an option's flag may be absent
-    settings.update(buckets=[list(b) for b in dataset.buckets], seed=dataset.seed, caption_dropout=args.caption_dropout,
+    settings.update(buckets=[list(b) for b in dataset.buckets], seed=dataset.seed,
                     validation_prompts=validation_prompts(args, data), resolutions=list(args.resolutions),
                     ladders=[[list(b) for b in ladder] for ladder in dataset.ladders])
     model = {"pretrained_model_name_or_path": args.pretrained_model_name_or_path, "revision": args.revision,
@@ -3652,10 +3653,6 @@ def push_to_hub(args):
 # ----------------------------------------------------------------------------------------------------------------
 # Option: the manifest (--from_manifest: train from the disk cache alone)
 
-# the data flags a manifest records, applied as one: caption dropout too (the cache holds its empty prompt, and a
-# replay without it would train another LoRA), which write_manifest records beside MANIFEST_DATA_FLAGS (Part 2)
-REPLAYED_FLAGS = tuple(dict.fromkeys((*MANIFEST_DATA_FLAGS, "caption_dropout")))
-
 @option
 class FromManifest(Option):
     """The disk cache and a dataset_manifest.json (every run writes one: the data flags, the seed, the image records)
@@ -3715,7 +3712,7 @@ def read_manifest(path):
         raise UsageError(f"--from_manifest {path}: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != 1:
         raise UsageError(f"--from_manifest {path}: not a {MANIFEST_NAME} of this trainer (format version 1)")
-    expected = {"data": (*REPLAYED_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity",
+    expected = {"data": (*MANIFEST_DATA_FLAGS, "buckets", "seed"), "model": ("family", "prompt_identity",
                 "latent_identity"), "instances": (), "classes": (), "entries": (), "cache": ()}
     missing = [f"{part}.{key}" if key else part for part, keys in expected.items() for key in (keys or [None])
                if part not in manifest or (key and key not in manifest[part])]
@@ -3740,7 +3737,7 @@ def apply_manifest(args, manifest):
     """The data flags (one given differently is overridden, with a warning) and, unless --seed is given, the seed
     become the manifest's -> (instance records, class records): without files, enough for keys and sizes."""
     data, parser = manifest["data"], build_parser()
-    for name in REPLAYED_FLAGS:
+    for name in MANIFEST_DATA_FLAGS:
         if vars(args).get(name) not in (parser.get_default(name), data[name]):
             logger.warning(f"--{name} {vars(args).get(name)} ignored: the cached data were made with {data[name]!r} "
                            "(from the manifest)")

@@ -251,7 +251,7 @@ def test_startup_benchmark_tiny_mode_prints_cold_and_warm_rows_of_the_scan_and_o
 
 def _manifest_file(tmp_path, kind="M"):
     """A complete manifest (M), one of another format (NOT), one without data.seed, one of a run without latents."""
-    data = {**{flag: None for flag in T.REPLAYED_FLAGS}, "buckets": [[32, 32]], "seed": 0}
+    data = {**{flag: None for flag in T.MANIFEST_DATA_FLAGS}, "buckets": [[32, 32]], "seed": 0}
     model = {"family": "Flux2Pipeline", "prompt_identity": [], "latent_identity": []}
     manifest = T.build_manifest(data, model, [], [], [], [], tmp_path)
     if kind == "NOT":
@@ -286,7 +286,7 @@ def test_cache_flags_are_checked_before_anything_loads(extra, message, tmp_path)
 
 
 def test_manifest_settings_replace_the_data_flags_and_say_so(tmp_path, caplog):
-    data = {flag: None for flag in T.REPLAYED_FLAGS}
+    data = {flag: None for flag in T.MANIFEST_DATA_FLAGS}
     data.update(instance_prompt="a sks dog", repeats=2, resolution=32, random_flip=True, buckets=[[32, 48], [48, 32]], seed=7)
     image = {"name": "a.png", "size": [48, 32], "caption": None, "sha256": "ab" * 32}
     manifest = T.build_manifest(data, {}, [], [], [], [], tmp_path)
@@ -303,7 +303,7 @@ def test_manifest_settings_replace_the_data_flags_and_say_so(tmp_path, caplog):
 def test_a_manifest_replays_its_caption_dropout(tmp_path, caplog, given):
     """A manifest written with --caption_dropout 0.3 trains with it: replayed without the flag it was 0 (a different
     LoRA, silently); given differently, the manifest's wins with a warning, as for the other data flags."""
-    data = {**{flag: None for flag in T.REPLAYED_FLAGS}, "caption_dropout": 0.3, "buckets": [[32, 32]], "seed": 7}
+    data = {**{flag: None for flag in T.MANIFEST_DATA_FLAGS}, "caption_dropout": 0.3, "buckets": [[32, 32]], "seed": 7}
     model = {"family": "Flux2Pipeline", "prompt_identity": "p", "latent_identity": "l"}
     (tmp_path / T.MANIFEST_NAME).write_text(json.dumps(T.build_manifest(data, model, [], [], [], [], tmp_path)))
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--from_manifest", str(tmp_path / T.MANIFEST_NAME),

@@ -357,7 +357,7 @@ def test_a_manifest_of_several_resolutions_restores_their_buckets(tmp_path):
     from accelerate import PartialState
 
     PartialState()  # apply_manifest logs through accelerate's logger
-    data = {flag: None for flag in T.REPLAYED_FLAGS}
+    data = {flag: None for flag in T.MANIFEST_DATA_FLAGS}
     data.update(instance_prompt="a sks dog", repeats=1, resolution=48, seed=7, resolutions=[32, 48],
                 buckets=[[32, 32], [48, 48]], ladders=[[[32, 32]], [[48, 48]]])
     manifest = T.build_manifest(data, {}, [], [], [], [], tmp_path)
