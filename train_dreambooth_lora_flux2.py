@@ -2639,9 +2639,12 @@ def to_rgb(image):
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (*NEUTRAL_GREY, 255)), rgba).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
 
-def oriented_size(image):
-    """(width, height) as displayed: EXIF orientations 5-8 rotate by 90 degrees. Reads the header only."""
-    w, h = image.size
+def oriented_size(image, size=None):
+    """(width, height) of ImageOps.exif_transpose(image), ImageRecord.load's pixels: it loads `image` and reads the
+    orientation then, as exif_transpose does, since a TIFF turns its size at open and its pixels in load() (dropping
+    the tag) while other formats leave orientations 5-8 to exif_transpose. `size`: the size before a JPEG's draft."""
+    image.load()
+    w, h = size or image.size
     return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
 
 def inspect_image(path):
@@ -2653,11 +2656,11 @@ def inspect_image(path):
     if not data:
         raise ValueError("empty file")
     with Image.open(io.BytesIO(data)) as im:  # over MAX_IMAGE_PIXELS: raises (scan_image_folder's filter)
-        size = oriented_size(im)
+        size = None
         if im.format == "JPEG":
+            size = im.size  # before the draft shrinks it
             im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
-        im.load()
-    return size, hashlib.sha256(data).hexdigest()
+        return oriented_size(im, size), hashlib.sha256(data).hexdigest()
 
 def scan_image_folder(folder, read_captions=True, index=None, progress=False):
     """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
@@ -2713,8 +2716,15 @@ class ScanIndex:
     time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
     `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
 
+    VERSION = 2  # 2: EXIF-rotated TIFFs' sizes as load() gives them (unversioned indexes hold them transposed)
+
     def __init__(self, files=None):
         self.files, self.hits, self.decoded = dict(files or {}), 0, 0
+
+    @classmethod
+    def read(cls, document):
+        """An index read back from the disk cache; one another version wrote is empty: its sizes may be wrong."""
+        return cls(document["files"] if document.get("version") == cls.VERSION else None)
 
     def lookup(self, name, stat):
         entry = self.files.get(name)
@@ -3079,11 +3089,12 @@ class DiskCache:
         with accelerator.local_main_process_first():
             index = ScanIndex()
             with contextlib.suppress(OSError, ValueError, TypeError):
-                index = ScanIndex(json.loads(path.read_text())["files"])
+                index = ScanIndex.read(json.loads(path.read_text()))
             yield index
             if self.write_error is None:
                 try:
-                    write_json_atomic(path, {"folder": str(Path(folder).resolve()), "files": index.files})
+                    write_json_atomic(path, {"version": ScanIndex.VERSION, "folder": str(Path(folder).resolve()),
+                                             "files": index.files})
                 except OSError as e:
                     self.unwritable(e)
 

@@ -1,8 +1,10 @@
 """Hostile inputs and failure safety: what is handled, what is refused (exit 2, one message), what survives."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -88,6 +90,39 @@ def test_handled_input_is_loaded_as_the_user_sees_it(kind, tmp_path):
     rgb = np.asarray(record.load())
     assert record.load().mode == "RGB" and record.size == (rgb.shape[1], rgb.shape[0])
     assert check(rgb), rgb[::8, ::8]
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".png", ".webp", ".tif"])
+def test_record_size_is_the_size_of_the_loaded_pixels_in_every_orientation(suffix, tmp_path):
+    """A TIFF reports its displayed size at open and turns its pixels in load(); the other formats leave both to
+    exif_transpose: either way the bucket is chosen by the size the pixels have (a TIFF's was transposed)."""
+    for orientation in range(1, 9):
+        image = Image.fromarray(_quadrants(40, 24))
+        exif = image.getexif()
+        exif[0x0112] = orientation
+        image.save(tmp_path / f"o{orientation}{suffix}", exif=exif)
+    records = T.scan_image_folder(tmp_path)
+    assert [(r.name, r.size) for r in records] == [(r.name, r.load().size) for r in records]
+    assert [r.size for r in records] == [(40, 24)] * 4 + [(24, 40)] * 4
+
+
+def test_scan_index_of_an_older_version_is_scanned_again(tmp_path):
+    """Indexes written before the TIFF fix hold a turned TIFF's size transposed: an unversioned one is not trusted."""
+    folder, cache = tmp_path / "images", T.DiskCache(tmp_path / "cache")
+    folder.mkdir()
+    image = Image.fromarray(_quadrants(40, 24))
+    exif = image.getexif()
+    exif[0x0112] = 6
+    image.save(folder / "turned.tif", exif=exif)
+    os.utime(folder / "turned.tif", (time.time() - 60,) * 2)  # not racy: indexed
+    T.scan_folder(folder, cache, PartialState())
+    (path,) = (tmp_path / "cache" / "scans").iterdir()
+    document = json.loads(path.read_text())
+    assert document.pop("version") == T.ScanIndex.VERSION and document["files"]["turned.tif"][2:4] == [24, 40]
+    document["files"]["turned.tif"][2:4] = [40, 24]  # what the unversioned scan wrote
+    path.write_text(json.dumps(document))
+    (record,) = T.scan_folder(folder, cache, PartialState())
+    assert record.size == record.load().size == (24, 40)
 
 
 def test_small_images_are_upscaled_to_their_bucket_with_one_warning(tmp_path, caplog):
