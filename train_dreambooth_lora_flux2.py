@@ -2760,7 +2760,8 @@ def load_instance_images(args, cache, accelerator, cond_column=None):
 
 def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
     """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
-    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references)."""
+    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references). Rows are
+    decoded one at a time, so a bad one is named: every bad row in one message, as the folder scan lists bad files."""
     try:
         from datasets import load_dataset
     except ImportError:
@@ -2770,26 +2771,48 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
                               ("--cond_image_column", cond_column)):
         refuse(column is not None and column not in split.column_names,
                f"{flag_name} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
-    captions = split[caption_column] if caption_column else [None] * len(split)
-    conditions = split[cond_column] if cond_column else [()] * len(split)
-    records, empty = [], []
-    for i, (image, caption, cond) in enumerate(zip(split[image_column], captions, conditions)):
+    split = split.select_columns(list(dict.fromkeys(c for c in (image_column, caption_column, cond_column) if c)))
+    records, empty, bad = [], [], []
+    for i in range(len(split)):
+        try:
+            row = split[i]  # decodes the row's images (a file that cannot be read raises here), not other columns'
+        except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
+            bad.append(f"row {i}{''.join(f' ({f})' for f in row_files(split, i))}: {e}")
+            continue
+        cond = row[cond_column] if cond_column else ()
         cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
         if cond_column and not cond:
             empty.append(str(i))
-        if not all(isinstance(c, Image.Image) for c in cond):
-            raise UsageError(f"--cond_image_column {cond_column!r}: row {i} holds {type(cond[0]).__name__}, not images "
-                             f"(feature {split.features[cond_column]}); cast the column to datasets.Image() (in a "
-                             "metadata.jsonl, name it <something>_file_name)")
-        refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
-                     for j, c in enumerate(cond))
+        for flag_name, column, cells in (("--image_column", image_column, [row[image_column]]),
+                                         ("--cond_image_column", cond_column, cond)):
+            wrong = [c for c in cells if not isinstance(c, Image.Image)]
+            if wrong:  # a text column, or one `datasets` was not told holds images
+                raise UsageError(f"{flag_name} {column!r}: row {i} holds {type(wrong[0]).__name__}, not images "
+                                 f"(feature {split.features[column]}); cast the column to datasets.Image() (in a "
+                                 "metadata.jsonl, name it <something>_file_name)")
+        refs = tuple(row_record(f"{name}[{i}].{cond_column}[{j}]", c) for j, c in enumerate(cond))
+        caption = row[caption_column] if caption_column else None
         if isinstance(caption, (list, tuple)):  # a list of captions: alternatives, as the lines of a caption file
             caption = "\n".join(c for c in caption if c)
-        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), image=image, conditions=refs,
-                                   caption=(caption or "").strip() or None))
+        records.append(row_record(f"{name}[{i}]", row[image_column], conditions=refs,
+                                  caption=(caption or "").strip() or None))
+    refuse(bad, f"--dataset_name {name}: cannot use {len(bad)} row(s); fix or remove them:\n  " + "\n  ".join(bad))
     refuse(empty, f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
                   f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
     return records
+
+def row_record(name, image, **fields):
+    """The record of an image a `datasets` row holds, decoded once: its size and content hash are those of
+    ImageRecord.load's pixels (a record without a hash would decode and hash them at every cache lookup)."""
+    record = ImageRecord(name=name, size=None, image=image, **fields)
+    pixels = record.load()
+    return dataclasses.replace(record, size=pixels.size, sha256=hashlib.sha256(pixels.tobytes()).hexdigest())
+
+def row_files(split, i):
+    """The files row i's images were read from, where `datasets` knows them (its decoders' errors seldom say)."""
+    cells = split.with_format("arrow")[i].to_pylist()[0].values()
+    return [c["path"] for cell in cells for c in (cell if isinstance(cell, list) else [cell])
+            if isinstance(c, dict) and c.get("path")]
 
 def load_mask(record):
     """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
