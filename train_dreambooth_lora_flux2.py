@@ -2662,8 +2662,10 @@ def inspect_image(path):
             im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
         return oriented_size(im, size), hashlib.sha256(data).hexdigest()
 
-def scan_image_folder(folder, read_captions=True, index=None, progress=False):
-    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
+def scan_image_folder(folder, read_captions=True, index=None, progress=False, with_masks=False):
+    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption,
+    `stem_mask.*` the loss mask (read only `with_masks`, for --masked_loss: then decoded like the images and refused
+    unless of its image's displayed shape, which training would stretch it to).
 
     Every image is decoded and hashed once, on as many threads as cores, so a corrupt, truncated, empty or oversized
     (decompression-bomb) file is reported now, all of them in one message; files `index` (a ScanIndex, updated in
@@ -2678,38 +2680,47 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False):
     stems = {p.stem for p in candidates}
     masks = {p.stem[:-5]: p for p in candidates if p.stem.endswith("_mask") and p.stem[:-5] in stems}  # x_mask: x's
     images = [p for p in candidates if p not in set(masks.values())]  # x_mask.png beside x.png is x's mask
-    stats = {p: p.stat() for p in images}
-    known = {p: index.lookup(p.name, stats[p]) for p in images}
-    todo = [p for p in images if known[p] is None]
-    index.hits, index.decoded = len(images) - len(todo), len(todo)
+    files = images + ([masks[p.stem] for p in images if p.stem in masks] if with_masks else [])
+    stats = {p: p.stat() for p in files}
+    known = {p: index.lookup(p.name, stats[p]) for p in files}
+    todo = [p for p in files if known[p] is None]
+    index.hits, index.decoded = len(files) - len(todo), len(todo)
     # the filter is process-wide, so the threads see it; only this thread enters and leaves it
     with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(cpu_cores()) as pool:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         jobs = {p: pool.submit(inspect_image, p) for p in todo}
-        for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
+        for path in tqdm(files, desc="Scanning images", unit="image", disable=not (progress and todo)):
             try:
-                size, sha = known[path] or jobs[path].result()
+                found[path.name] = (stats[path], *(known[path] or jobs[path].result()))  # (stat, size, sha256)
             except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
                 bad.append(f"{path}: {e}")
-                continue
-            found[path.name] = (stats[path], size, sha)
-            caption, txt = None, path.with_suffix(".txt")
-            if read_captions and txt.is_file():
-                try:
-                    caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
-                except UnicodeDecodeError as e:
-                    bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
-                if caption is None:  # an undecodable one is refused below, before this list is shown
-                    empty_captions.append(txt.name)
-            mask = masks.get(path.stem)
-            records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
-                                       mask_path=str(mask) if mask else None, sha256=sha))
+    for path in (p for p in images if p.name in found):
+        _, size, sha = found[path.name]
+        caption, txt, mask = None, path.with_suffix(".txt"), masks.get(path.stem)
+        if with_masks and mask is not None and mask.name in found and not mask_fits(found[mask.name][1], size):
+            bad.append(f"{mask}: the mask is {'x'.join(map(str, found[mask.name][1]))}, its image {path.name} "
+                       f"{'x'.join(map(str, size))} (as displayed): training would stretch it; save it in that shape")
+        if read_captions and txt.is_file():
+            try:
+                caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
+            except UnicodeDecodeError as e:
+                bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
+            if caption is None:  # an undecodable one is refused below, before this list is shown
+                empty_captions.append(txt.name)
+        records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
+                                   mask_path=str(mask) if mask else None, sha256=sha))
     index.keep(found, scanned_at)
     refuse(bad, f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
     if empty_captions:
         warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
                       "those images use --instance_prompt", stacklevel=2)
     return records
+
+def mask_fits(mask_size, image_size):
+    """Whether a mask of `mask_size` (width, height) has the shape of an image of `image_size`, up to a pixel of
+    rounding on either side: a mask saved at another scale is fine, one of another aspect ratio would be stretched."""
+    (mw, mh), (w, h) = mask_size, image_size
+    return abs(mw * h - mh * w) <= max(w, h)  # |mh - h * mw / w| <= 1 or |mw - w * mh / h| <= 1
 
 class ScanIndex:
     """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
@@ -2738,12 +2749,13 @@ class ScanIndex:
         self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
                       if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
 
-def scan_folder(folder, cache, accelerator, read_captions=True):
+def scan_folder(folder, cache, accelerator, read_captions=True, with_masks=False):
     """scan_image_folder with what earlier scans learnt (the disk cache's index: unchanged files are not decoded)."""
     tic = time.perf_counter()
     with cache.scan_index(folder, accelerator) as index:
-        records = scan_image_folder(folder, read_captions, index, progress=accelerator.is_local_main_process)
-    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
+        records = scan_image_folder(folder, read_captions, index, accelerator.is_local_main_process, with_masks)
+    masks = f" with {sum(r.mask_path is not None for r in records)} masks" if with_masks else ""
+    logger.info(f"scanned {folder}: {len(records)} images{masks}, {index.hits} unchanged since the last scan, "
                 f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
     return records
 
@@ -2753,7 +2765,7 @@ def load_instance_images(args, cache, accelerator, cond_column=None):
     if args.dataset_name:
         return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
                                args.cache_dir, cond_column)
-    records = scan_folder(args.instance_data_dir, cache, accelerator)
+    records = scan_folder(args.instance_data_dir, cache, accelerator, with_masks=args.masked_loss)
     refuse(not records, f"--instance_data_dir {args.instance_data_dir}: no images found "
                         f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
     return records

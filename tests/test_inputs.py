@@ -268,6 +268,43 @@ def test_bad_dataset_rows_or_column_exit_2_naming_them(case, tmp_path):
         assert f"row 2 ({folder / 'c.png'}): cannot identify image file" in proc.stderr
 
 
+def _masked_folder(folder):
+    """Four 64x40 images: a mask at half scale, one a pixel off, one corrupt, one of the transposed shape."""
+    folder.mkdir()
+    for stem, mask in (("half", (32, 20)), ("rounded", (32, 21)), ("corrupt", None), ("turned", (40, 64))):
+        Image.new("RGB", (64, 40)).save(folder / f"{stem}.png")
+        if mask is None:
+            (folder / f"{stem}_mask.png").write_bytes(b"\x89PNG not a mask")
+        else:
+            Image.new("L", mask, 255).save(folder / f"{stem}_mask.png")
+    return folder
+
+
+def test_masks_are_checked_by_the_scan_only_for_masked_loss(tmp_path, monkeypatch):
+    folder = _masked_folder(tmp_path / "images")
+    real, decoded = T.inspect_image, []
+    monkeypatch.setattr(T, "inspect_image", lambda path: decoded.append(path.name) or real(path))
+    assert [r.mask_path is not None for r in T.scan_image_folder(folder)] == [True] * 4
+    assert "corrupt_mask.png" not in decoded  # without --masked_loss no mask is read: the scan costs what it did
+    with pytest.raises(T.UsageError) as error:
+        T.scan_image_folder(folder, with_masks=True)
+    message = str(error.value)
+    assert "cannot use 2 file(s)" in message and f"{folder / 'corrupt_mask.png'}: cannot identify image file" in message
+    assert f"{folder / 'turned_mask.png'}: the mask is 40x64, its image turned.png 64x40 (as displayed)" in message
+    assert "half" not in message and "rounded" not in message  # another scale, a pixel of rounding: no stretch
+    (folder / "corrupt_mask.png").unlink()
+    (folder / "turned_mask.png").unlink()
+    assert len(T.scan_image_folder(folder, with_masks=True)) == 4
+
+
+def test_a_bad_mask_exits_2_before_any_model_loads(tmp_path):
+    folder = _masked_folder(tmp_path / "images")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args("nobody/no-such-model", folder, tmp_path / "out"),
+                           "--masked_loss"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "corrupt_mask.png" in proc.stderr and "the mask is 40x64, its image turned.png 64x40" in proc.stderr
+
+
 @pytest.mark.parametrize("folder_state", ["missing", "empty", "only_text"])
 def test_missing_or_empty_folder_is_refused(folder_state, tmp_path):
     folder = tmp_path / "images"
