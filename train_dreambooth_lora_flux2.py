@@ -2640,9 +2640,9 @@ def to_rgb(image):
     return image if image.mode == "RGB" else image.convert("RGB")
 
 def oriented_size(image, size=None):
-    """(width, height) of ImageOps.exif_transpose(image), ImageRecord.load's pixels: it loads `image` and reads the
-    orientation then, as exif_transpose does, since a TIFF turns its size at open and its pixels in load() (dropping
-    the tag) while other formats leave orientations 5-8 to exif_transpose. `size`: the size before a JPEG's draft."""
+    """(width, height) of ImageOps.exif_transpose(image), ImageRecord.load's pixels. Loads `image`, then reads its
+    orientation as exif_transpose does: a TIFF turns its size at open and its pixels in load() (dropping the tag), the
+    other formats leave orientations 5-8 to exif_transpose. `size`: the size before a JPEG's draft shrank it."""
     image.load()
     w, h = size or image.size
     return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
@@ -2735,7 +2735,7 @@ class ScanIndex:
     @classmethod
     def read(cls, document):
         """An index read back from the disk cache; one another version wrote is empty: its sizes may be wrong."""
-        return cls(document["files"] if document.get("version") == cls.VERSION else None)
+        return cls(document["files"] if isinstance(document, dict) and document.get("version") == cls.VERSION else None)
 
     def lookup(self, name, stat):
         entry = self.files.get(name)
