@@ -2659,9 +2659,12 @@ def to_rgb(image):
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (*NEUTRAL_GREY, 255)), rgba).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
 
-def oriented_size(image):
-    """(width, height) as displayed: EXIF orientations 5-8 rotate by 90 degrees. Reads the header only."""
-    w, h = image.size
+def oriented_size(image, size=None):
+    """(width, height) of ImageOps.exif_transpose(image), ImageRecord.load's pixels. Loads `image`, then reads its
+    orientation as exif_transpose does: a TIFF turns its size at open and its pixels in load() (dropping the tag), the
+    other formats leave orientations 5-8 to exif_transpose. `size`: the size before a JPEG's draft shrank it."""
+    image.load()
+    w, h = size or image.size
     return (h, w) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (w, h)
 
 def inspect_image(path):
@@ -2673,14 +2676,16 @@ def inspect_image(path):
     if not data:
         raise ValueError("empty file")
     with Image.open(io.BytesIO(data)) as im:  # over MAX_IMAGE_PIXELS: raises (scan_image_folder's filter)
-        size = oriented_size(im)
+        size = None
         if im.format == "JPEG":
+            size = im.size  # before the draft shrinks it
             im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
-        im.load()
-    return size, hashlib.sha256(data).hexdigest()
+        return oriented_size(im, size), hashlib.sha256(data).hexdigest()
 
-def scan_image_folder(folder, read_captions=True, index=None, progress=False):
-    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption.
+def scan_image_folder(folder, read_captions=True, index=None, progress=False, with_masks=False):
+    """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption,
+    `stem_mask.*` the loss mask (read only `with_masks`, for --masked_loss: then decoded like the images and refused
+    unless of its image's displayed shape, which training would stretch it to).
 
     Every image is decoded and hashed once, on as many threads as cores, so a corrupt, truncated, empty or oversized
     (decompression-bomb) file is reported now, all of them in one message; files `index` (a ScanIndex, updated in
@@ -2695,32 +2700,35 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False):
     stems = {p.stem for p in candidates}
     masks = {p.stem[:-5]: p for p in candidates if p.stem.endswith("_mask") and p.stem[:-5] in stems}  # x_mask: x's
     images = [p for p in candidates if p not in set(masks.values())]  # x_mask.png beside x.png is x's mask
-    stats = {p: p.stat() for p in images}
-    known = {p: index.lookup(p.name, stats[p]) for p in images}
-    todo = [p for p in images if known[p] is None]
-    index.hits, index.decoded = len(images) - len(todo), len(todo)
+    files = images + ([masks[p.stem] for p in images if p.stem in masks] if with_masks else [])
+    stats = {p: p.stat() for p in files}
+    known = {p: index.lookup(p.name, stats[p]) for p in files}
+    todo = [p for p in files if known[p] is None]
+    index.hits, index.decoded = len(files) - len(todo), len(todo)
     # the filter is process-wide, so the threads see it; only this thread enters and leaves it
     with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(cpu_cores()) as pool:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         jobs = {p: pool.submit(inspect_image, p) for p in todo}
-        for path in tqdm(images, desc="Scanning images", unit="image", disable=not (progress and todo)):
+        for path in tqdm(files, desc="Scanning images", unit="image", disable=not (progress and todo)):
             try:
-                size, sha = known[path] or jobs[path].result()
+                found[path.name] = (stats[path], *(known[path] or jobs[path].result()))  # (stat, size, sha256)
             except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
                 bad.append(f"{path}: {e}")
-                continue
-            found[path.name] = (stats[path], size, sha)
-            caption, txt = None, path.with_suffix(".txt")
-            if read_captions and txt.is_file():
-                try:
-                    caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
-                except UnicodeDecodeError as e:
-                    bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
-                if caption is None:  # an undecodable one is refused below, before this list is shown
-                    empty_captions.append(txt.name)
-            mask = masks.get(path.stem)
-            records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
-                                       mask_path=str(mask) if mask else None, sha256=sha))
+    for path in (p for p in images if p.name in found):
+        _, size, sha = found[path.name]
+        caption, txt, mask = None, path.with_suffix(".txt"), masks.get(path.stem)
+        if with_masks and mask is not None and mask.name in found and not mask_fits(found[mask.name][1], size):
+            bad.append(f"{mask}: the mask is {'x'.join(map(str, found[mask.name][1]))}, its image {path.name} "
+                       f"{'x'.join(map(str, size))} (as displayed): training would stretch it; save it in that shape")
+        if read_captions and txt.is_file():
+            try:
+                caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
+            except UnicodeDecodeError as e:
+                bad.append(f"{txt}: caption is not UTF-8 ({e.reason} at byte {e.start}); re-save it as UTF-8")
+            if caption is None:  # an undecodable one is refused below, before this list is shown
+                empty_captions.append(txt.name)
+        records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
+                                   mask_path=str(mask) if mask else None, sha256=sha))
     index.keep(found, scanned_at)
     refuse(bad, f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
     if empty_captions:
@@ -2728,13 +2736,26 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False):
                       "those images use --instance_prompt", stacklevel=2)
     return records
 
+def mask_fits(mask_size, image_size):
+    """Whether a mask of `mask_size` (width, height) has the shape of an image of `image_size`, up to a pixel of
+    rounding on either side: a mask saved at another scale is fine, one of another aspect ratio would be stretched."""
+    (mw, mh), (w, h) = mask_size, image_size
+    return abs(mw * h - mh * w) <= max(w, h)  # |mh - h * mw / w| <= 1 or |mw - w * mh / h| <= 1
+
 class ScanIndex:
     """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
     time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
     `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
 
+    VERSION = 2  # 2: EXIF-rotated TIFFs' sizes as load() gives them (unversioned indexes hold them transposed)
+
     def __init__(self, files=None):
         self.files, self.hits, self.decoded = dict(files or {}), 0, 0
+
+    @classmethod
+    def read(cls, document):
+        """An index read back from the disk cache; one another version wrote is empty: its sizes may be wrong."""
+        return cls(document["files"] if isinstance(document, dict) and document.get("version") == cls.VERSION else None)
 
     def lookup(self, name, stat):
         entry = self.files.get(name)
@@ -2748,12 +2769,13 @@ class ScanIndex:
         self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
                       if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
 
-def scan_folder(folder, cache, accelerator, read_captions=True):
+def scan_folder(folder, cache, accelerator, read_captions=True, with_masks=False):
     """scan_image_folder with what earlier scans learnt (the disk cache's index: unchanged files are not decoded)."""
     tic = time.perf_counter()
     with cache.scan_index(folder, accelerator) as index:
-        records = scan_image_folder(folder, read_captions, index, progress=accelerator.is_local_main_process)
-    logger.info(f"scanned {folder}: {len(records)} images, {index.hits} unchanged since the last scan, "
+        records = scan_image_folder(folder, read_captions, index, accelerator.is_local_main_process, with_masks)
+    masks = f" with {sum(r.mask_path is not None for r in records)} masks" if with_masks else ""
+    logger.info(f"scanned {folder}: {len(records)} images{masks}, {index.hits} unchanged since the last scan, "
                 f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
     return records
 
@@ -2763,14 +2785,15 @@ def load_instance_images(args, cache, accelerator, cond_column=None):
     if args.dataset_name:
         return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
                                args.cache_dir, cond_column)
-    records = scan_folder(args.instance_data_dir, cache, accelerator)
+    records = scan_folder(args.instance_data_dir, cache, accelerator, with_masks=args.masked_loss)
     refuse(not records, f"--instance_data_dir {args.instance_data_dir}: no images found "
                         f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
     return records
 
 def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
     """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
-    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references)."""
+    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references). Rows are
+    decoded one at a time, so a bad one is named: every bad row in one message, as the folder scan lists bad files."""
     try:
         from datasets import load_dataset
     except ImportError:
@@ -2780,26 +2803,48 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
                               ("--cond_image_column", cond_column)):
         refuse(column is not None and column not in split.column_names,
                f"{flag_name} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
-    captions = split[caption_column] if caption_column else [None] * len(split)
-    conditions = split[cond_column] if cond_column else [()] * len(split)
-    records, empty = [], []
-    for i, (image, caption, cond) in enumerate(zip(split[image_column], captions, conditions)):
+    split = split.select_columns(list(dict.fromkeys(c for c in (image_column, caption_column, cond_column) if c)))
+    records, empty, bad = [], [], []
+    for i in range(len(split)):
+        try:
+            row = split[i]  # decodes the row's images (a file that cannot be read raises here), not other columns'
+        except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
+            bad.append(f"row {i}{''.join(f' ({f})' for f in row_files(split, i))}: {e}")
+            continue
+        cond = row[cond_column] if cond_column else ()
         cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
         if cond_column and not cond:
             empty.append(str(i))
-        if not all(isinstance(c, Image.Image) for c in cond):
-            raise UsageError(f"--cond_image_column {cond_column!r}: row {i} holds {type(cond[0]).__name__}, not images "
-                             f"(feature {split.features[cond_column]}); cast the column to datasets.Image() (in a "
-                             "metadata.jsonl, name it <something>_file_name)")
-        refs = tuple(ImageRecord(name=f"{name}[{i}].{cond_column}[{j}]", size=oriented_size(c), image=c)
-                     for j, c in enumerate(cond))
+        for flag_name, column, cells in (("--image_column", image_column, [row[image_column]]),
+                                         ("--cond_image_column", cond_column, cond)):
+            wrong = [c for c in cells if not isinstance(c, Image.Image)]
+            if wrong:  # a text column, or one `datasets` was not told holds images
+                raise UsageError(f"{flag_name} {column!r}: row {i} holds {type(wrong[0]).__name__}, not images "
+                                 f"(feature {split.features[column]}); cast the column to datasets.Image() (in a "
+                                 "metadata.jsonl, name it <something>_file_name)")
+        refs = tuple(row_record(f"{name}[{i}].{cond_column}[{j}]", c) for j, c in enumerate(cond))
+        caption = row[caption_column] if caption_column else None
         if isinstance(caption, (list, tuple)):  # a list of captions: alternatives, as the lines of a caption file
             caption = "\n".join(c for c in caption if c)
-        records.append(ImageRecord(name=f"{name}[{i}]", size=oriented_size(image), image=image, conditions=refs,
-                                   caption=(caption or "").strip() or None))
+        records.append(row_record(f"{name}[{i}]", row[image_column], conditions=refs,
+                                  caption=(caption or "").strip() or None))
+    refuse(bad, f"--dataset_name {name}: cannot use {len(bad)} row(s); fix or remove them:\n  " + "\n  ".join(bad))
     refuse(empty, f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
                   f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
     return records
+
+def row_record(name, image, **fields):
+    """The record of an image a `datasets` row holds, decoded once: its size and content hash are those of
+    ImageRecord.load's pixels (a record without a hash would decode and hash them at every cache lookup)."""
+    record = ImageRecord(name=name, size=None, image=image, **fields)
+    pixels = record.load()
+    return dataclasses.replace(record, size=pixels.size, sha256=hashlib.sha256(pixels.tobytes()).hexdigest())
+
+def row_files(split, i):
+    """The files row i's images were read from, where `datasets` knows them (its decoders' errors seldom say)."""
+    cells = split.with_format("arrow")[i].to_pylist()[0].values()
+    return [c["path"] for cell in cells for c in (cell if isinstance(cell, list) else [cell])
+            if isinstance(c, dict) and c.get("path")]
 
 def load_mask(record):
     """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
@@ -3099,11 +3144,12 @@ class DiskCache:
         with accelerator.local_main_process_first():
             index = ScanIndex()
             with contextlib.suppress(OSError, ValueError, TypeError):
-                index = ScanIndex(json.loads(path.read_text())["files"])
+                index = ScanIndex.read(json.loads(path.read_text()))
             yield index
             if self.write_error is None:
                 try:
-                    write_json_atomic(path, {"folder": str(Path(folder).resolve()), "files": index.files})
+                    write_json_atomic(path, {"version": ScanIndex.VERSION, "folder": str(Path(folder).resolve()),
+                                             "files": index.files})
                 except OSError as e:
                     self.unwritable(e)
 

@@ -1,8 +1,10 @@
 """Hostile inputs and failure safety: what is handled, what is refused (exit 2, one message), what survives."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +92,68 @@ def test_handled_input_is_loaded_as_the_user_sees_it(kind, tmp_path):
     assert check(rgb), rgb[::8, ::8]
 
 
+@pytest.mark.parametrize("suffix", [".jpg", ".png", ".webp", ".tif"])
+def test_record_size_is_the_size_of_the_loaded_pixels_in_every_orientation(suffix, tmp_path):
+    """A TIFF reports its displayed size at open and turns its pixels in load(); the other formats leave both to
+    exif_transpose: either way the bucket is chosen by the size the pixels have (a TIFF's was transposed)."""
+    for orientation in range(1, 9):
+        image = Image.fromarray(_quadrants(40, 24))
+        exif = image.getexif()
+        exif[0x0112] = orientation
+        image.save(tmp_path / f"o{orientation}{suffix}", exif=exif)
+    records = T.scan_image_folder(tmp_path)
+    assert [(r.name, r.size) for r in records] == [(r.name, r.load().size) for r in records]
+    assert [r.size for r in records] == [(40, 24)] * 4 + [(24, 40)] * 4
+
+
+def test_scan_index_of_an_older_version_is_scanned_again(tmp_path):
+    """Indexes written before the TIFF fix hold a turned TIFF's size transposed: an unversioned one is not trusted."""
+    folder, cache = tmp_path / "images", T.DiskCache(tmp_path / "cache")
+    folder.mkdir()
+    image = Image.fromarray(_quadrants(40, 24))
+    exif = image.getexif()
+    exif[0x0112] = 6
+    image.save(folder / "turned.tif", exif=exif)
+    os.utime(folder / "turned.tif", (time.time() - 60,) * 2)  # not racy: indexed
+    T.scan_folder(folder, cache, PartialState())
+    (path,) = (tmp_path / "cache" / "scans").iterdir()
+    document = json.loads(path.read_text())
+    assert document.pop("version") == T.ScanIndex.VERSION and document["files"]["turned.tif"][2:4] == [24, 40]
+    document["files"]["turned.tif"][2:4] = [40, 24]  # what the unversioned scan wrote
+    path.write_text(json.dumps(document))
+    (record,) = T.scan_folder(folder, cache, PartialState())
+    assert record.size == record.load().size == (24, 40)
+
+
+def test_dataset_rows_are_decoded_and_hashed_once_at_load_with_the_keys_of_before(tmp_path, monkeypatch):
+    """A row's hash was its pixels' (content_hash decoded and hashed them at every cache lookup, 0.2 s for 12 MP);
+    now made once at load, the same value, so the disk cache's entries keep their names."""
+    pytest.importorskip("datasets")
+    import hashlib
+    import io
+
+    import datasets
+
+    turned = io.BytesIO()
+    image = Image.fromarray(_quadrants(40, 24))
+    exif = image.getexif()
+    exif[0x0112] = 6
+    image.save(turned, "JPEG", exif=exif)
+    plain, square = Image.fromarray(_quadrants(40, 24)), Image.new("RGB", (16, 16), (7, 8, 9))
+    datasets.Dataset.from_dict({"image": [plain, {"bytes": turned.getvalue(), "path": None}], "text": ["a", "b"],
+                                "refs": [[square], [square, plain]]}).save_to_disk(str(tmp_path / "ds"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, cache_dir=None: {
+        "train": datasets.load_from_disk(name)})
+    records = T.load_hf_dataset(str(tmp_path / "ds"), None, "image", "text", None, "refs")
+    images = [*records, *(c for r in records for c in r.conditions)]
+    assert [r.size for r in images] == [r.load().size for r in images] == [(40, 24), (24, 40), (16, 16), (16, 16),
+                                                                            (40, 24)]
+    before = [hashlib.sha256(r.load().tobytes()).hexdigest() for r in images]  # what content_hash computed
+    assert before[0] == hashlib.sha256(_quadrants(40, 24).tobytes()).hexdigest() == before[4]
+    monkeypatch.setattr(T.ImageRecord, "load", lambda self: pytest.fail(f"{self.name} decoded again"))
+    assert [r.content_hash() for r in images] == before
+
+
 def test_small_images_are_upscaled_to_their_bucket_with_one_warning(tmp_path, caplog):
     from accelerate import Accelerator
 
@@ -170,6 +234,75 @@ def test_every_bad_file_is_listed_in_one_message_exit_2(tmp_path):
     assert "cannot use 4 file(s)" in proc.stderr
     for _, message in REFUSED.values():
         assert message in proc.stderr
+
+
+def _dataset_folder(folder, rows):
+    """A folder `datasets` reads as images plus metadata.jsonl; rows: (file name, bytes or None to leave it good)."""
+    folder.mkdir()
+    for k, (file_name, data) in enumerate(rows):
+        Image.new("RGB", (24, 16), (40 * k, 0, 0)).save(folder / file_name)
+        if data is not None:
+            (folder / file_name).write_bytes(data((folder / file_name).read_bytes()))
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps({"file_name": n, "text": f"dog {n}"}) for n, _ in rows))
+    return folder
+
+
+@pytest.mark.parametrize("case", ["bad_rows", "text_column"])
+def test_bad_dataset_rows_or_column_exit_2_naming_them(case, tmp_path):
+    pytest.importorskip("datasets")
+    folder = _dataset_folder(tmp_path / "ds", [("a.png", None), ("b.png", lambda data: data[: len(data) // 2]),
+                                               ("c.png", lambda data: b"junk"), ("d.png", None)])
+    args = [*base_args("nobody/no-such-model", folder, tmp_path / "out"), "--caption_column", "text"]
+    args[args.index("--instance_data_dir")] = "--dataset_name"
+    if case == "text_column":
+        args += ["--image_column", "text"]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if case == "text_column":
+        assert "--image_column 'text': row 0 holds str, not images" in proc.stderr
+    else:  # both, in one message, each by its row and file
+        assert "cannot use 2 row(s)" in proc.stderr and "a.png" not in proc.stderr and "d.png" not in proc.stderr
+        assert f"row 1 ({folder / 'b.png'}): image file is truncated" in proc.stderr
+        assert f"row 2 ({folder / 'c.png'}): cannot identify image file" in proc.stderr
+
+
+def _masked_folder(folder):
+    """Four 64x40 images: a mask at half scale, one a pixel off, one corrupt, one of the transposed shape."""
+    folder.mkdir()
+    for stem, mask in (("half", (32, 20)), ("rounded", (32, 21)), ("corrupt", None), ("turned", (40, 64))):
+        Image.new("RGB", (64, 40)).save(folder / f"{stem}.png")
+        if mask is None:
+            (folder / f"{stem}_mask.png").write_bytes(b"\x89PNG not a mask")
+        else:
+            Image.new("L", mask, 255).save(folder / f"{stem}_mask.png")
+    return folder
+
+
+def test_masks_are_checked_by_the_scan_only_for_masked_loss(tmp_path, monkeypatch):
+    folder = _masked_folder(tmp_path / "images")
+    real, decoded = T.inspect_image, []
+    monkeypatch.setattr(T, "inspect_image", lambda path: decoded.append(path.name) or real(path))
+    assert [r.mask_path is not None for r in T.scan_image_folder(folder)] == [True] * 4
+    assert "corrupt_mask.png" not in decoded  # without --masked_loss no mask is read: the scan costs what it did
+    with pytest.raises(T.UsageError) as error:
+        T.scan_image_folder(folder, with_masks=True)
+    message = str(error.value)
+    assert "cannot use 2 file(s)" in message and f"{folder / 'corrupt_mask.png'}: cannot identify image file" in message
+    assert f"{folder / 'turned_mask.png'}: the mask is 40x64, its image turned.png 64x40 (as displayed)" in message
+    assert "half" not in message and "rounded" not in message  # another scale, a pixel of rounding: no stretch
+    (folder / "corrupt_mask.png").unlink()
+    (folder / "turned_mask.png").unlink()
+    assert len(T.scan_image_folder(folder, with_masks=True)) == 4
+
+
+def test_a_bad_mask_exits_2_before_any_model_loads(tmp_path):
+    folder = _masked_folder(tmp_path / "images")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args("nobody/no-such-model", folder, tmp_path / "out"),
+                           "--masked_loss"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "corrupt_mask.png" in proc.stderr and "the mask is 40x64, its image turned.png 64x40" in proc.stderr
 
 
 @pytest.mark.parametrize("folder_state", ["missing", "empty", "only_text"])
