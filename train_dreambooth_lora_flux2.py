@@ -2784,13 +2784,13 @@ def load_instance_images(args, cache, accelerator, cond_column=None):
     carries its row's condition images: edit training)."""
     if args.dataset_name:
         return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
-                               args.cache_dir, cond_column)
+                               args.cache_dir, cond_column, progress=accelerator.is_local_main_process)
     records = scan_folder(args.instance_data_dir, cache, accelerator, with_masks=args.masked_loss)
     refuse(not records, f"--instance_data_dir {args.instance_data_dir}: no images found "
                         f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
     return records
 
-def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None):
+def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None, progress=False):
     """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
     `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references). Rows are
     decoded one at a time, so a bad one is named: every bad row in one message, as the folder scan lists bad files."""
@@ -2805,7 +2805,7 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
                f"{flag_name} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
     split = split.select_columns(list(dict.fromkeys(c for c in (image_column, caption_column, cond_column) if c)))
     records, empty, bad = [], [], []
-    for i in range(len(split)):
+    for i in tqdm(range(len(split)), desc="Reading dataset rows", unit="row", disable=not progress):
         try:
             row = split[i]  # decodes the row's images (a file that cannot be read raises here), not other columns'
         except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
