@@ -1531,7 +1531,7 @@ class StopRequest:
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} during the final validation; the LoRA "
                                   "is saved and the model card written without its images", 128 + signum)
         if self.signum and time.monotonic() - self.since >= self.SAME_STOP_SECONDS:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(128 + signum)  # not an Exception: no `except Exception` on the way catches it
         if self.signum:
             return  # the same request, delivered twice
         self.signum, self.since = signum, time.monotonic()
@@ -5884,3 +5884,6 @@ if __name__ == "__main__":
     except TrainingStopped as stopped:
         print(f"error: {stopped}" if stopped.code < 128 else str(stopped), file=sys.stderr)
         sys.exit(stopped.code)
+    except KeyboardInterrupt as interrupt:  # a second stop signal, or Ctrl-C before training: at once, no traceback
+        print("stopped at once; --resume_from_checkpoint latest continues from the last checkpoint", file=sys.stderr)
+        sys.exit(interrupt.args[0] if interrupt.args and isinstance(interrupt.args[0], int) else 130)

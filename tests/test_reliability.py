@@ -503,3 +503,23 @@ def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused_and_overwrite_
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     run = json.loads((out / "checkpoint-2" / T.TRAINER_STATE_NAME).read_text())["run"]
     assert json.loads((out / "checkpoint-1" / T.TRAINER_STATE_NAME).read_text())["run"] == run  # this run's own
+
+
+def test_a_second_stop_signal_stops_at_once_with_the_signals_exit_code_and_no_traceback(tmp_path):
+    """A second SIGTERM 2 s or more after the first (docs/failures.md: 'stops at once') exits 143, as SIGTERM does,
+    with one line; it used to end in a KeyboardInterrupt traceback and exit 130, SIGINT's code."""
+    stop = T.StopRequest("after this step")
+    with stop:
+        stop._handle(signal.SIGTERM, None)
+        stop._handle(signal.SIGTERM, None)  # the same request (torchrun forwards a copy): ignored
+        stop.since -= stop.SAME_STOP_SECONDS
+        with pytest.raises(KeyboardInterrupt) as interrupt:
+            stop._handle(signal.SIGTERM, None)
+    assert interrupt.value.args == (128 + signal.SIGTERM,)
+    (tmp_path / "sitecustomize.py").write_text(  # the script's first step raises what the handler raises
+        "import argparse\ndef stop(*a, **k):\n    raise KeyboardInterrupt(143)\nargparse.ArgumentParser.parse_args = stop\n")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=300)
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("stopped at once; --resume_from_checkpoint latest continues from "
+                                                    "the last checkpoint")
