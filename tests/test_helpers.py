@@ -456,3 +456,22 @@ def test_a_folder_copy_that_fails_halfway_leaves_the_old_folder_whole(tmp_path, 
     T.copy_folder(source, best)
     assert {p.name: p.read_text() for p in best.iterdir()} == {"a.safetensors": "new a", "b.safetensors": "new b"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step-4"]
+
+
+@pytest.mark.parametrize("change", ["image", "caption", "condition"])
+def test_processes_that_see_another_caption_or_condition_are_refused(change, monkeypatch):
+    """Machines with a folder each: a caption or a condition image that differs on one machine used to pass the check
+    and then train each machine's own sample (or crash on a cache key nobody encoded)."""
+    from types import SimpleNamespace
+    cond = ImageRecord("c.png", (8, 8), sha256="c" * 64)
+    records = [ImageRecord("a.png", (8, 8), caption="a photo of sks dog", sha256="a" * 64, conditions=(cond,))]
+    other = {"image": dict(sha256="b" * 64), "caption": dict(caption="a photo of sks cat"),
+             "condition": dict(conditions=(ImageRecord("c.png", (8, 8), sha256="d" * 64),))}[change]
+    elsewhere = [ImageRecord(**{**vars(records[0]), **other})]
+    accelerator, seen = SimpleNamespace(num_processes=2), []
+    monkeypatch.setattr(T, "gather_object", lambda mine: seen.append(mine[0]) or [mine[0], mine[0]])
+    T.check_same_images(accelerator, records, [])  # the same on both: passes
+    T.check_same_images(accelerator, elsewhere, [])
+    monkeypatch.setattr(T, "gather_object", lambda mine: [seen[0], mine[0]])
+    with pytest.raises(UsageError, match="the processes see different images, captions or condition images"):
+        T.check_same_images(accelerator, elsewhere, [])
