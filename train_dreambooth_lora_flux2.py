@@ -1030,7 +1030,7 @@ def prepare_data(args, accelerator, cache, hooks=None):
     check_same_images(accelerator, instances, classes)
     dataset, sampler, loader = build_data(args, instances, classes, seed, accelerator)
     if args.max_train_steps is None:
-        args.max_train_steps = args.num_train_epochs * math.ceil(len(sampler) / args.gradient_accumulation_steps)
+        args.max_train_steps = optimizer_steps(args.num_train_epochs, len(sampler), args.gradient_accumulation_steps)
     condition = hooks.first("condition", dataset, bool(args.validation_prompt or args.final_validation_prompt or specs))
     images = {f"{kind}/{r.name}": r.content_hash() for kind in ("instance", "class") for r in dataset.record_list(kind)}
     warn_changed_images(checkpoint, images)
@@ -2001,7 +2001,7 @@ def write_config(args, data, folder, accelerator, run_id=None):
 def print_config(args, seed, batches, accelerator):
     """--print_config: the resolved config (the step count as the images found give it), then exit 0."""
     import yaml
-    steps = args.max_train_steps or args.num_train_epochs * math.ceil(batches / args.gradient_accumulation_steps)
+    steps = args.max_train_steps or optimizer_steps(args.num_train_epochs, batches, args.gradient_accumulation_steps)
     if accelerator.is_main_process:
         print(yaml.safe_dump(resolved_config(args, seed, steps), sort_keys=False, allow_unicode=True), end="")
     raise SystemExit(0)
@@ -3372,6 +3372,11 @@ def file_digest(path):
 
 def json_digest(*parts):
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+def optimizer_steps(epochs, batches, accumulation):
+    """The optimizer steps of `epochs` epochs of `batches` batches: accumulation windows run on across epochs (the
+    loop is one stream of micro-batches), so not epochs x ceil(batches / accumulation), which trains extra epochs."""
+    return math.ceil(epochs * batches / accumulation)
 
 def human_bytes(n):
     for unit in ("B", "kB", "MB", "GB"):

@@ -523,3 +523,14 @@ def test_a_second_stop_signal_stops_at_once_with_the_signals_exit_code_and_no_tr
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == ("stopped at once; --resume_from_checkpoint latest continues from "
                                                     "the last checkpoint")
+
+
+def test_num_train_epochs_with_accumulation_trains_that_many_epochs(tiny_model, images, tmp_path):
+    """Accumulation windows run on across epochs, so 2 epochs of 6 batches at 4 per step are ceil(12 / 4) = 3 steps;
+    the example's 2 x ceil(6 / 4) = 4 steps trained 16 batches, 2.7 epochs."""
+    assert [T.optimizer_steps(e, b, a) for e, b, a in ((2, 6, 4), (10, 5, 4), (3, 7, 1), (1, 1, 8))] == [3, 13, 21, 1]
+    out = tmp_path / "out"
+    launch(base_args(tiny_model, images, out, "--num_train_epochs", "2", "--gradient_accumulation_steps", "4",
+                     "--checkpointing_steps", "100"))
+    rows = [json.loads(line) for line in (out / "logs" / "samples-0.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and {r["epoch"] for r in rows} == {0, 1}
