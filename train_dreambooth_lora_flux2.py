@@ -5424,8 +5424,9 @@ class MemoryPlan(Option):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"), torch.float32)
         text_size = text_encoder_size(args, family) if text_encoder_choices(args) else (0, 0)
-        report, chosen, text_choice = make_plan(args, family.name, card, args.host_memory or available_host_memory(),
-                                                run_estimate(args, dtype), text_size, dtype.itemsize)
+        host = args.host_memory or agreed_minimum(available_host_memory())  # each machine's free RAM: one plan
+        report, chosen, text_choice = make_plan(args, family.name, card, host, run_estimate(args, dtype), text_size,
+                                                dtype.itemsize)
         if chosen is None:
             raise UsageError(f"--memory_plan auto: {report[-1]}")
         if args.plan_only:  # what the plan is, for a card of --gpu_memory, and nothing else

@@ -218,3 +218,16 @@ def test_the_estimate_is_sized_by_the_largest_bucket_the_run_trains(tiny_model, 
     small, small_decode, _ = estimate("--resolution", "512")
     assert small["activations"] < wide["activations"] < square["activations"] and small_decode < wide_decode < decode
     assert "512x1024 px (the largest bucket)" in report
+
+
+def test_every_process_plans_with_the_least_free_host_ram_of_them_all(planned, monkeypatch, capsys, fresh_accelerate):
+    """Host RAM decides swapping and the text encoder's precision: a process that read more free RAM than another
+    would choose another plan (other frozen shapes: DDP's broadcast of them fails or hangs), so it is agreed like the
+    GPU's."""
+    _, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(T, "available_host_memory", lambda: 512 * 2**30)
+    monkeypatch.setattr(T, "agreed_minimum", lambda value: min(value, 20 * 2**30))  # another process's: 20 GiB
+    with pytest.raises(SystemExit):
+        T.main(_command(work, "dev", "--gpu_memory", "24GB", "--plan_only"))
+    assert "on 24.0 GiB of GPU memory and 20.0 GiB of host RAM" in capsys.readouterr().out
