@@ -4184,9 +4184,10 @@ class Adapters(Option):
         not_hub_id = init and (init.endswith(".safetensors") or not re.fullmatch(r"[\w.-]+/[\w.-]+", init))
         refuse(not_hub_id and not Path(init).exists(), f"--init_lora {init}: no such file or folder (expected a "
                f".safetensors file, a folder holding {LORA_WEIGHTS_NAME}, or a Hub id owner/name)")
-        refuse(args.use_dora and args.lora_format != "diffusers", "--use_dora with --lora_format comfyui/both: "
-               "ComfyUI scales DoRA against the base weights' norms, PEFT against the adapted weights' (and ComfyUI's "
-               "convention is changing), so no ComfyUI file is exact; keep --lora_format diffusers")
+        refuse(args.use_dora and args.lora_format != "diffusers", "DoRA (--use_dora, or a DoRA --init_lora) with "
+               "--lora_format comfyui/both: ComfyUI scales DoRA against the base weights' norms, PEFT against the "
+               "adapted weights' (and ComfyUI's convention is changing), so no ComfyUI file is exact; keep "
+               "--lora_format diffusers")
 
     def resolve(self, family):
         """--init_lora: its rank, targets and DoRA become the run's; a conflicting --rank, --lora_layers or
@@ -4218,6 +4219,7 @@ class Adapters(Option):
                f"--use_dora conflicts with --init_lora {args.init_lora}, a plain LoRA")
         args.rank, args.use_dora = init.rank, init.use_dora
         self.kind = "DoRA" if init.use_dora else self.kind
+        self.check()  # again, now that the file decided DoRA: its refusals (ComfyUI's file, unverified paths) apply
 
     def check_model(self, model):
         """--lora_format comfyui/both: every adapted layer needs a ComfyUI (BFL) name."""

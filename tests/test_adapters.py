@@ -372,3 +372,15 @@ def test_validation_shows_each_prompt_at_each_strength_beside_the_base_model(tin
     assert sheet.height > 6 * 32  # a row per prompt and strength
     card = (out / "README.md").read_text()
     assert "validation/final-5.png" in card
+
+
+def test_a_dora_init_lora_meets_doras_refusals(tiny_model, accelerator, tmp_path):
+    """--init_lora of a DoRA file makes the run DoRA after the flags were checked: ComfyUI's file (whose DoRA
+    convention is not PEFT's) and DoRA's unverified paths are refused then too, not written as a plain LoRA."""
+    args, transformer = _adapted(tiny_model, accelerator, "--use_dora", "--rank", "3")
+    _write(args, transformer, tmp_path)
+    for extra, message in ((["--lora_format", "both"], "no ComfyUI file is exact"),
+                           (["--blocks_to_swap", "1"], "DoRA .--use_dora, --adapter. is not verified with")):
+        args = _args(tiny_model, "--init_lora", tmp_path / T.LORA_WEIGHTS_NAME, *extra)
+        with pytest.raises(T.UsageError, match=message):
+            T.resolve_model_flags(args, T.Hooks(args))
