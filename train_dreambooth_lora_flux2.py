@@ -320,7 +320,7 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "adapter_config", "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra",
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
-    "save_final", "write_lora", "plan_memory", "validated", "card"}
+    "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -1292,7 +1292,8 @@ def save_checkpoint(args, accelerator, run, global_step):
         if accelerator.is_main_process:
             for rank, state in enumerate(rngs):
                 write_state(partial, f"rng-{rank}", state, run_id)
-            save_lora(accelerator, run.transformer, lora, partial, run_id=run_id)
+            run.hooks.first("checkpoint_lora", accelerator, run, partial, default=lambda: save_lora(
+                accelerator, run.transformer, lora, partial, run_id=run_id))  # the file a user picks from the sheet
             scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
             training = {"lora": lora, "optimizer": optimizer, "lr_scheduler": run.lr_scheduler.state_dict(),
                         "scaler": scaler}  # the raw adapter: resumes bit for bit
@@ -4075,6 +4076,14 @@ class EMA(Option):
 
     def validation_weights(self):
         return self.ema.applied(self.run.named_params)
+
+    def checkpoint_lora(self, accelerator, run, folder):
+        """A checkpoint's portable LoRA is the average too: the weights its column of the progress sheet shows (the
+        raw ones, for resuming, are in its training state)."""
+        with self.ema.applied(run.named_params):  # saved inside: on the CPU the state's tensors are the parameters
+            save_lora(accelerator, run.transformer, lora_state_dict(accelerator, run.transformer, run.hooks), folder,
+                      run_id=run.data.run_id)
+        return True
 
     def save_final(self, accelerator, run, raw, folder, dtype):
         """The average is the LoRA; the last raw weights go beside it."""

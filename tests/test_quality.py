@@ -70,8 +70,9 @@ def test_ema_lora_matches_a_reference_ema_of_the_checkpointed_raw_weights(tiny_m
     launch(base_args(tiny_model, images, out, "--max_train_steps", "5", "--checkpointing_steps", "1", "--use_ema",
                      "--ema_decay", "0.8", "--validation_prompt", "a dog", "--validation_steps", "2",
                      "--num_validation_images", "1"))
-    # alpha = rank (scale 1): the checkpoints' portable LoRA files hold the raw weights
-    raws = [load_file(str(out / f"checkpoint-{s}" / LORA)) for s in range(1, 6)]
+    # alpha = rank (scale 1): the checkpoints' training states hold the raw weights (their portable files the EMA)
+    raws = [{f"transformer.{k}": v for k, v in T.read_state(out / f"checkpoint-{s}", "training")["lora"].items()}
+            for s in range(1, 6)]
     reference = dict(raws[0])
     for step, raw in enumerate(raws[1:], start=2):
         decay = min(0.8, (1 + step) / (10 + step))
@@ -81,6 +82,9 @@ def test_ema_lora_matches_a_reference_ema_of_the_checkpointed_raw_weights(tiny_m
     assert all(torch.allclose(final[k], reference[k], rtol=1e-5, atol=1e-7) for k in final)
     assert all(torch.equal(final_raw[k], raws[-1][k]) for k in final_raw)
     assert any(not torch.equal(final[k], final_raw[k]) for k in final)
+    # the file a user picks from the progress sheet holds the weights its column shows: the average
+    last = load_file(str(out / "checkpoint-5" / LORA))
+    assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in final)
     names = sorted(p.name for p in (out / "validation").iterdir())
     assert names == ["base-0.png", "final-0.png", "progress-0.json", "progress-0.png", "step-000002-0.png",
                      "step-000004-0.png"]  # tagged with the step
