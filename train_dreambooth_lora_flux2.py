@@ -3494,12 +3494,13 @@ class Progress:
             logger.warning(message, main_process_only=False)
             raise TrainingStopped(message, 128 + signum)
 
-SHARE_PER_ROUND = 16  # entries a process sends per collective: no process pickles the whole cache into one buffer
+SHARE_PER_ROUND = 16  # entries per collective, over all processes: each receives all (16 [dev] prompts: 250 MB)
 
 def share_entries(cache, keys, accelerator):
     """Give every process the entries of `keys` that each process computed for its share (keys[rank::world]): on a
     disk every process sees, once everyone has written; otherwise (in memory, a folder per machine, or one that could
-    not be written) SHARE_PER_ROUND entries per round."""
+    not be written) SHARE_PER_ROUND entries per round, so what each process holds at once does not grow with the
+    process count."""
     if accelerator.num_processes == 1:
         return
     accelerator.wait_for_everyone()
@@ -3508,9 +3509,9 @@ def share_entries(cache, keys, accelerator):
     if not any(gather_object([len(unseen)])):
         return
     shares = [keys[r::accelerator.num_processes] for r in range(accelerator.num_processes)]
-    mine = shares[accelerator.process_index]
-    for start in range(0, max(map(len, shares)), SHARE_PER_ROUND):
-        for key, value in gather_object([(k, cache[k]) for k in mine[start:start + SHARE_PER_ROUND]]):
+    mine, per_process = shares[accelerator.process_index], max(1, SHARE_PER_ROUND // accelerator.num_processes)
+    for start in range(0, max(map(len, shares)), per_process):
+        for key, value in gather_object([(k, cache[k]) for k in mine[start:start + per_process]]):
             if key in unseen:
                 cache.put(key, value)
 

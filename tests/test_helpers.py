@@ -475,3 +475,25 @@ def test_processes_that_see_another_caption_or_condition_are_refused(change, mon
     monkeypatch.setattr(T, "gather_object", lambda mine: [seen[0], mine[0]])
     with pytest.raises(UsageError, match="the processes see different images, captions or condition images"):
         T.check_same_images(accelerator, elsewhere, [])
+
+
+def test_sharing_entries_gathers_a_bounded_number_per_round_whatever_the_process_count(monkeypatch):
+    """Every process receives every round's entries: at 16 per process, 64 GPUs would each hold 1,024 [dev] prompt
+    embeddings (16 GB) at once. The round is bounded over all processes instead."""
+    from types import SimpleNamespace
+    for world in (2, 8, 64):
+        cache, rounds = SampleCache(), []
+        keys = [f"prompt {i}" for i in range(200)]
+        for k in keys[0::world]:
+            cache.put(k, torch.zeros(1))
+        accelerator = SimpleNamespace(num_processes=world, process_index=0, wait_for_everyone=lambda: None)
+
+        def gather(mine, world=world):
+            if mine and isinstance(mine[0], int):  # the count of unseen entries
+                return mine * world
+            rounds.append(len(mine) * world)  # what every process receives in this round
+            return mine
+
+        monkeypatch.setattr(T, "gather_object", gather)
+        T.share_entries(cache, keys, accelerator)
+        assert rounds and max(rounds) <= max(T.SHARE_PER_ROUND, world), (world, max(rounds))
