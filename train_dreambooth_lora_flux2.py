@@ -3966,8 +3966,10 @@ class EditTraining(Option):
 
     def notes(self):
         args = self.args
-        return [] if args.validation_image is None or args.validation_prompt or args.final_validation_prompt else [
-            "--validation_image without --validation_prompt or --final_validation_prompt: nothing is validated"]
+        prompts = args.validation_prompt or args.final_validation_prompt or vars(args).get("validation_prompts_file")
+        return [] if args.validation_image is None or prompts else [
+            "--validation_image without --validation_prompt, --final_validation_prompt or a prompts file: nothing is "
+            "validated"]
 
     def load_images(self, cache, accelerator):
         """The targets with their conditions: a row's condition column, or x.* of --cond_data_dir for target x.*."""

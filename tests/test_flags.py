@@ -436,3 +436,13 @@ def test_an_incomplete_checkpoint_is_refused_by_path_and_passed_over_by_latest(c
     with caplog.at_level(logging.WARNING):
         assert T.find_resume_checkpoint(args) == out / "checkpoint-2"
     assert f"{out / 'checkpoint-4'} is incomplete" in caplog.text and f"{out / 'checkpoint-6.partial'} is incomplete" in caplog.text
+
+
+def test_a_validation_image_with_a_prompts_file_is_not_called_unvalidated(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "x.png")
+    (tmp_path / "prompts.txt").write_text("a photo of sks dog\n")
+    base = ["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
+            "--validation_image", str(tmp_path / "x.png")]
+    assert T.surprising_values(T.parse_args([*base, "--validation_prompts_file", str(tmp_path / "prompts.txt")])) == []
