@@ -116,8 +116,8 @@ def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp
                      "--validation_epochs", "1", "--num_validation_images", "2", "--report_to", "tensorboard"),
            via_accelerate=True)
     names = sorted(p.name for p in (out / "validation").iterdir())
-    assert names == ["base-0.png", "base-1.png", "epoch-0001-0.png", "epoch-0001-1.png", "final-0.png", "final-1.png",
-                     "progress-0.json", "progress-0.png"]  # epoch 2's are the final
+    assert names == ["base-0.png", "base-1.png", "base.json", "epoch-0001-0.png", "epoch-0001-1.png", "final-0.png",
+                     "final-1.png", "progress-0.json", "progress-0.png"]  # epoch 2's are the final; base.json: what made base-*
     from PIL import Image
 
     with Image.open(out / "validation" / "final-0.png") as im:

@@ -82,7 +82,7 @@ def test_ema_lora_matches_a_reference_ema_of_the_checkpointed_raw_weights(tiny_m
     assert all(torch.equal(final_raw[k], raws[-1][k]) for k in final_raw)
     assert any(not torch.equal(final[k], final_raw[k]) for k in final)
     names = sorted(p.name for p in (out / "validation").iterdir())
-    assert names == ["base-0.png", "final-0.png", "progress-0.json", "progress-0.png", "step-000002-0.png",
+    assert names == ["base-0.png", "base.json", "final-0.png", "progress-0.json", "progress-0.png", "step-000002-0.png",
                      "step-000004-0.png"]  # tagged with the step
 
 
