@@ -3659,18 +3659,23 @@ def write_model_card(args, image_paths, prompt, run):
     dataset, family = run.data.dataset, run.data.family
     edit = bool(dataset.conditions)
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
-    widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
-    gallery = "\n".join(f"![{prompt}]({p})" for p in images)
+    specs = validation_specs(args, run.data, prompt)  # the final images' rows, as run_validation made them
+    scales = run.hooks.first("validation_scales", default=lambda: [1.0])
+    rows = list(zip(images, validation_rows(specs, scales, len(images) // (len(specs) * len(scales) or 1))))
+    widget = "".join(f"- text: {json.dumps(s.prompt)}\n  output:\n    url: {p}\n" for p, (s, x) in rows if x == 1)
+    gallery = "\n\n".join(f"![{markdown_text(s.prompt)}]({p})\n{markdown_text(s.prompt)} (LoRA strength {x:g})"
+                          for p, (s, x) in rows)
     if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
         gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
                     "![progress](validation/progress-0.png)")
-    shown = prompt or args.instance_prompt or "..."
+    shown = prompt or args.instance_prompt or (specs[0].prompt if specs else "...")
     kind = run.hooks.first("adapter_name", default=lambda: "LoRA")
     notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
-    use = f'image = pipe("{shown}").images[0]'
+    use = f"image = pipe({shown!r}).images[0]"  # a Python literal: quotes in the prompt stay valid code
     if edit:
         use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
-               f'image = pipe(image=condition, prompt="{shown}").images[0]')
+               f"image = pipe(image=condition, prompt={shown!r}).images[0]")
+    load = lora_loading(args, kind)
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
 library_name: diffusers
@@ -3701,9 +3706,9 @@ DreamBooth on {f"the prompt `{args.instance_prompt}`" if args.instance_prompt el
 import torch
 from diffusers import {family.pipeline}
 
-pipe = {family.pipeline}.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
+pipe = {family.pipeline}.from_pretrained({args.pretrained_model_name_or_path!r}, torch_dtype=torch.bfloat16)
 pipe.enable_model_cpu_offload()  # moves each model to the GPU only while it runs
-pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
+{load}
 {use}
 ```
 
@@ -3712,6 +3717,33 @@ pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{L
 License: the base model's license applies.
 """
     Path(args.output_dir, "README.md").write_text(text, encoding="utf-8")
+
+def markdown_text(text):
+    """`text` shown as written in Markdown (alt text, captions): one line, its markup characters escaped."""
+    return re.sub(r"([\\`*_\[\]<>|#!])", r"\\\1", " ".join(text.split()))
+
+def lora_loading(args, kind):
+    """The model card's lines that load the LoRA into `pipe`: diffusers' load_lora_weights, or for a LoHa, which it
+    cannot read (README: adapters and files), PEFT with the settings the file's metadata holds."""
+    source = args.hub_model_id or args.output_dir
+    if kind != "LoHa":
+        return f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"
+    if vars(args).get("lora_format") == "comfyui":
+        return (f"# {LORA_WEIGHTS_NAME} is a LoHa in ComfyUI's (LyCORIS) layout: ComfyUI's LoRA loader reads it; "
+                "diffusers cannot")
+    path, hub = (f"hf_hub_download({source!r}, {LORA_WEIGHTS_NAME!r})", "from huggingface_hub import hf_hub_download\n"
+                 ) if args.hub_model_id else (repr(str(Path(source, LORA_WEIGHTS_NAME))), "")
+    return f"""# a LoHa: diffusers' load_lora_weights cannot read it; PEFT can, with the settings in the file's metadata
+import json
+{hub}from peft import LoHaConfig, set_peft_model_state_dict
+from safetensors import safe_open
+
+with safe_open({path}, "pt") as f:
+    state = {{k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}}
+    config = {{k.removeprefix("transformer."): v for k, v in json.loads(f.metadata()["lora_adapter_metadata"]).items()}}
+fields = ("r", "alpha", "target_modules", "rank_pattern", "alpha_pattern")
+pipe.transformer.add_adapter(LoHaConfig(**{{k: config[k] for k in fields}}))
+set_peft_model_state_dict(pipe.transformer, state)"""
 
 def push_to_hub(args):
     from huggingface_hub import create_repo, upload_folder

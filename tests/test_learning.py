@@ -354,6 +354,49 @@ def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
     assert not (tmp_path / "progress-0.json").exists()  # its columns hold the other prompt's rows
 
 
+def _card(tmp_path, *extra, images=4):
+    args, run = _validation_run("--output_dir", tmp_path, *extra)
+    folder = tmp_path / "validation"
+    folder.mkdir(exist_ok=True)
+    T.write_model_card(args, [folder / f"final-{i}.png" for i in range(images)], args.validation_prompt, run)
+    return (tmp_path / "README.md").read_text()
+
+
+def test_model_card_captions_each_final_image_with_its_prompt_and_strength(tmp_path):
+    """Rows are prompts times strengths: each image is captioned with its own; the widget lists strength 1 only; a
+    prompts file alone (no prompt from finish) shows its prompts, never None; the usage snippet is valid Python with
+    quotes in the prompt."""
+    import ast
+    import yaml
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a sks dog on a beach\na [sks] dog's *toy*\n")
+    card = _card(tmp_path, "--validation_prompt", "", "--validation_prompts_file", prompts, "--validation_lora_scales",
+                 "0,1", "--instance_prompt", 'a photo of "sks" dog')
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["widget"] == [{"text": "a sks dog on a beach", "output": {"url": "validation/final-1.png"}},
+                               {"text": "a [sks] dog's *toy*", "output": {"url": "validation/final-3.png"}}]
+    assert "None" not in card and "null" not in card
+    assert "![a sks dog on a beach](validation/final-0.png)\na sks dog on a beach (LoRA strength 0)" in card
+    assert "![a sks dog on a beach](validation/final-1.png)\na sks dog on a beach (LoRA strength 1)" in card
+    assert "\\[sks\\] dog's \\*toy\\* (LoRA strength 1)" in card  # markup escaped: shown as written
+    code = card.split("```py\n")[1].split("```")[0]
+    ast.parse(code)
+    assert "pipe('a photo of \"sks\" dog')" in code and "pipe.load_lora_weights(" in code
+
+
+def test_model_card_of_a_loha_loads_it_with_peft(tmp_path):
+    """diffusers' load_lora_weights cannot read a LoHa (README: adapters and files): the card loads it with PEFT
+    (a run's LoHa file loads this way: test_e2e), or for ComfyUI's layout says that ComfyUI's loader reads it."""
+    import ast
+
+    code = _card(tmp_path, "--adapter", "loha", images=1).split("```py\n")[1].split("```")[0]
+    ast.parse(code)
+    assert "pipe.load_lora_weights(" not in code and "LoHaConfig" in code and "set_peft_model_state_dict" in code
+    code = _card(tmp_path, "--adapter", "loha", "--lora_format", "comfyui", images=1).split("```py\n")[1]
+    assert "pipe.load_lora_weights(" not in code.split("```")[0] and "ComfyUI's LoRA loader reads it" in code
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A default run: what it adapts, what it prints, the modes of its files
 
