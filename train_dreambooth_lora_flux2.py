@@ -1703,8 +1703,8 @@ def run_validation(args, accelerator, run, prompt, tag, step):
     condition = run.data.condition[0] if run.data.condition is not None else None
     folder, specs = Path(args.output_dir, "validation"), validation_specs(args, run.data, prompt)
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
-    stale = condition_changed(folder, condition)  # the base images were made for another condition (or none)
-    make_base = base_images_missing(accelerator, folder, len(specs) * len(scales) * args.num_validation_images, stale)
+    made_from = base_record(args, run, specs, scales, condition)  # what makes base-i.png: a change remakes them
+    make_base = base_images_missing(accelerator, folder, made_from)
     base, images = [], []
     with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
         for spec in specs:
@@ -1723,7 +1723,7 @@ def run_validation(args, accelerator, run, prompt, tag, step):
         for name, batch in (("base", base), (tag, images)):
             for i, image in enumerate(batch):
                 image.save(folder / f"{name}-{i}.png")
-    show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale)
+    show_validation(accelerator, folder, tag, step, specs, scales, images, condition, made_from if make_base else None)
     run.hooks.each("validated", accelerator, folder, tag, step, specs, scales, images)  # scores (and keeps) them
     return [folder / f"{tag}-{i}.png" for i in range(len(images))]
 
@@ -3519,12 +3519,13 @@ def share_entries(cache, keys, accelerator):
 # ----------------------------------------------------------------------------------------------------------------
 # Outputs: the progress sheet, trackers, the model card, the upload
 
-def show_validation(accelerator, folder, tag, step, specs, scales, images, condition, stale):
-    """After a validation: the condition image (edit mode), the progress sheet, the trackers, a log line."""
+def show_validation(accelerator, folder, tag, step, specs, scales, images, condition, made_from=None):
+    """After a validation: the condition image (edit mode), what the base images were made from (`made_from` when
+    they were made now), the progress sheet, the trackers, a log line."""
     if condition is not None:
         condition.save(folder / "condition.png")
-    elif stale:
-        (folder / "condition.png").unlink()
+    if made_from is not None:
+        record_base_images(folder, made_from, condition)
     count = len(images) // (len(specs) * len(scales))
     labels = [f"prompt {k + 1}, x{scale:g}" for k in range(len(specs)) for scale in scales for _ in range(count)]
     sheet = update_progress_sheet(folder, tag, step, len(images), labels if len(labels) > count else None)
@@ -3542,37 +3543,70 @@ def show_validation(accelerator, folder, tag, step, specs, scales, images, condi
     logger.info(f"validation images ({', '.join(repr(s.prompt) for s in specs)}) in {folder}: {tag}-*.png; progress "
                 f"sheet {sheet}")
 
-def condition_changed(folder, condition):
-    """Whether validation/condition.png (the condition the base images were made for) is not `condition` (a PIL
-    image, or None for text-to-image validation)."""
-    path = Path(folder, "condition.png")
-    if not path.is_file():
-        return condition is not None
-    with Image.open(path) as old:
-        return condition is None or not np.array_equal(np.asarray(old.convert("RGB")), np.asarray(condition))
+def validation_rows(specs, scales, count):
+    """(spec, LoRA strength) of each row of a validation's images, in the order they are made and numbered."""
+    return [(spec, scale) for spec in specs for scale in scales for _ in range(count)]
 
-def base_images_missing(accelerator, folder, count, stale=False):
-    """Whether the base model's validation images are still to be made (once per output folder, so resumes skip
-    them, unless `stale`: made for another condition image); agreed with the main process under FSDP, where every
+def base_record(args, run, specs, scales, condition):
+    """What the base model's validation images are made from, as validation/base.json holds it: the rows (prompts
+    with their overrides, strengths, images each), the model, the seed, size, steps and guidance, the condition."""
+    return json.loads(json.dumps({  # as read back: lists, not tuples
+        "specs": [dataclasses.asdict(s) for s in specs], "scales": list(scales), "count": args.num_validation_images,
+        "model": [args.pretrained_model_name_or_path, args.revision, args.variant, str(run.weight_dtype)],
+        "seed": run.data.seed, "resolution": args.resolution, "steps": args.validation_inference_steps,
+        "guidance": [args.validation_guidance_scale, args.guidance_scale],
+        "condition": None if condition is None else [condition.mode, list(condition.size),
+                                                     hashlib.sha256(condition.tobytes()).hexdigest()]}))
+
+def read_base_record(folder):
+    """validation/base.json, or None (none yet, or an older version's base images, which recorded nothing)."""
+    try:
+        return json.loads(Path(folder, "base.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+def base_images_missing(accelerator, folder, made_from):
+    """Whether the base model's validation images are to be made: once per output folder, so a resume with the same
+    flags skips them, and again when what makes them changed (`made_from`, a base_record; a new prompt, seed, size,
+    model, condition... would be compared with another image). Agreed with the main process under FSDP, where every
     process generates."""
-    missing = [stale or not all(Path(folder, f"base-{i}.png").is_file() for i in range(count))]
+    count = len(made_from["specs"]) * len(made_from["scales"]) * made_from["count"]
+    missing = [read_base_record(folder) != made_from or not all(Path(folder, f"base-{i}.png").is_file()
+                                                                for i in range(count))]
     if is_fsdp(accelerator):
         broadcast_object_list(missing)
     return missing[0]
 
+def record_base_images(folder, made_from, condition):
+    """After new base images: write what made them (validation/base.json, last: an interrupted write remakes them).
+    Made from something else than before, the progress sheet starts again (its earlier columns hold other rows), and
+    text-to-image validation drops an earlier run's condition image."""
+    if read_base_record(folder) != made_from:
+        Path(folder, "progress-0.json").unlink(missing_ok=True)
+        if condition is None:
+            Path(folder, "condition.png").unlink(missing_ok=True)
+    with writing(Path(folder, "base.json")):
+        write_json_atomic(Path(folder, "base.json"), made_from)
+
+def has_images(folder, tag, count):
+    return all(Path(folder, f"{tag}-{i}.png").is_file() for i in range(count))
+
 def update_progress_sheet(folder, tag, step, count, labels=None):
     """Add the column of validation `tag` (at optimizer `step`) to validation/progress-0.png, after the condition
     image (edit mode), the base model and the validations before it. A column of a later step is dropped first:
-    after a resume the run goes on from an earlier step. The columns are listed in progress-0.json; their images are
-    the PNGs of the folder."""
+    after a resume the run goes on from an earlier step; so is one lacking some of the `count` rows (made with fewer
+    prompts, strengths or images). The columns are listed in progress-0.json; their images are the PNGs of the
+    folder."""
     record = Path(folder, "progress-0.json")
     columns = json.loads(record.read_text())["columns"] if record.is_file() else []
     columns = [c for c in columns if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
+    columns = [c for c in columns if has_images(folder, c["tag"], count)]
     write_json_atomic(record, {"columns": columns})
     condition = Path(folder, "condition.png")
     sheet = progress_sheet(([("", [label_image(text) for text in labels])] if labels else []) +
                            ([("condition", [Image.open(condition)])] if condition.is_file() else []) +
-                           [("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])] +
+                           ([("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])]
+                            if has_images(folder, "base", count) else []) +
                            [(f"step {c['step']}", [Image.open(Path(folder, f"{c['tag']}-{i}.png"))
                                                    for i in range(count)]) for c in columns])
     path = Path(folder, "progress-0.png")
@@ -3594,7 +3628,7 @@ def progress_sheet(columns):
     from PIL import ImageDraw, ImageFont
     font, pad, text_h = ImageFont.load_default(), 4, 14
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    rows = max(len(images) for _, images in columns)
+    rows = max((len(images) for _, images in columns), default=0)
     widths = [max([im.width for im in images] + [int(measure.textlength(caption, font=font))])
               for caption, images in columns]
     heights = [max(images[r].height for _, images in columns if r < len(images)) for r in range(rows)]
@@ -3635,18 +3669,23 @@ def write_model_card(args, image_paths, prompt, run):
     dataset, family = run.data.dataset, run.data.family
     edit = bool(dataset.conditions)
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
-    widget = "".join(f"- text: {json.dumps(prompt)}\n  output:\n    url: {p}\n" for p in images)
-    gallery = "\n".join(f"![{prompt}]({p})" for p in images)
+    specs = validation_specs(args, run.data, prompt)  # the final images' rows, as run_validation made them
+    scales = run.hooks.first("validation_scales", default=lambda: [1.0])
+    rows = list(zip(images, validation_rows(specs, scales, len(images) // (len(specs) * len(scales) or 1))))
+    widget = "".join(f"- text: {json.dumps(s.prompt)}\n  output:\n    url: {p}\n" for p, (s, x) in rows if x == 1)
+    gallery = "\n\n".join(f"![{markdown_text(s.prompt)}]({p})\n{markdown_text(s.prompt)} (LoRA strength {x:g})"
+                          for p, (s, x) in rows)
     if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
         gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
                     "![progress](validation/progress-0.png)")
-    shown = prompt or args.instance_prompt or "..."
+    shown = prompt or args.instance_prompt or (specs[0].prompt if specs else "...")
     kind = run.hooks.first("adapter_name", default=lambda: "LoRA")
     notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
-    use = f'image = pipe("{shown}").images[0]'
+    use = f"image = pipe({shown!r}).images[0]"  # a Python literal: quotes in the prompt stay valid code
     if edit:
         use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
-               f'image = pipe(image=condition, prompt="{shown}").images[0]')
+               f"image = pipe(image=condition, prompt={shown!r}).images[0]")
+    load = lora_loading(args, kind)
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
 library_name: diffusers
@@ -3677,9 +3716,9 @@ DreamBooth on {f"the prompt `{args.instance_prompt}`" if args.instance_prompt el
 import torch
 from diffusers import {family.pipeline}
 
-pipe = {family.pipeline}.from_pretrained("{args.pretrained_model_name_or_path}", torch_dtype=torch.bfloat16)
+pipe = {family.pipeline}.from_pretrained({args.pretrained_model_name_or_path!r}, torch_dtype=torch.bfloat16)
 pipe.enable_model_cpu_offload()  # moves each model to the GPU only while it runs
-pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{LORA_WEIGHTS_NAME}")
+{load}
 {use}
 ```
 
@@ -3688,6 +3727,33 @@ pipe.load_lora_weights("{args.hub_model_id or args.output_dir}", weight_name="{L
 License: the base model's license applies.
 """
     Path(args.output_dir, "README.md").write_text(text, encoding="utf-8")
+
+def markdown_text(text):
+    """`text` shown as written in Markdown (alt text, captions): one line, its markup characters escaped."""
+    return re.sub(r"([\\`*_\[\]<>|#!])", r"\\\1", " ".join(text.split()))
+
+def lora_loading(args, kind):
+    """The model card's lines that load the LoRA into `pipe`: diffusers' load_lora_weights, or for a LoHa, which it
+    cannot read (README: adapters and files), PEFT with the settings the file's metadata holds."""
+    source = args.hub_model_id or args.output_dir
+    if kind != "LoHa":
+        return f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"
+    if vars(args).get("lora_format") == "comfyui":
+        return (f"# {LORA_WEIGHTS_NAME} is a LoHa in ComfyUI's (LyCORIS) layout: ComfyUI's LoRA loader reads it; "
+                "diffusers cannot")
+    path, hub = (f"hf_hub_download({source!r}, {LORA_WEIGHTS_NAME!r})", "from huggingface_hub import hf_hub_download\n"
+                 ) if args.hub_model_id else (repr(str(Path(source, LORA_WEIGHTS_NAME))), "")
+    return f"""# a LoHa: diffusers' load_lora_weights cannot read it; PEFT can, with the settings in the file's metadata
+import json
+{hub}from peft import LoHaConfig, set_peft_model_state_dict
+from safetensors import safe_open
+
+with safe_open({path}, "pt") as f:
+    state = {{k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}}
+    config = {{k.removeprefix("transformer."): v for k, v in json.loads(f.metadata()["lora_adapter_metadata"]).items()}}
+fields = ("r", "alpha", "target_modules", "rank_pattern", "alpha_pattern")
+pipe.transformer.add_adapter(LoHaConfig(**{{k: config[k] for k in fields}}))
+set_peft_model_state_dict(pipe.transformer, state)"""
 
 def push_to_hub(args):
     from huggingface_hub import create_repo, upload_folder

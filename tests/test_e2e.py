@@ -116,8 +116,8 @@ def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp
                      "--validation_epochs", "1", "--num_validation_images", "2", "--report_to", "tensorboard"),
            via_accelerate=True)
     names = sorted(p.name for p in (out / "validation").iterdir())
-    assert names == ["base-0.png", "base-1.png", "epoch-0001-0.png", "epoch-0001-1.png", "final-0.png", "final-1.png",
-                     "progress-0.json", "progress-0.png"]  # epoch 2's are the final
+    assert names == ["base-0.png", "base-1.png", "base.json", "epoch-0001-0.png", "epoch-0001-1.png", "final-0.png",
+                     "final-1.png", "progress-0.json", "progress-0.png"]  # epoch 2's are the final; base.json: what made base-*
     from PIL import Image
 
     with Image.open(out / "validation" / "final-0.png") as im:
@@ -142,6 +142,41 @@ def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp
     card = (out / "README.md").read_text()
     assert "validation/final-0.png" in card and "validation/final-1.png" in card and "a photo of sks dog" in card
     assert "![progress](validation/progress-0.png)" in card
+
+
+def test_a_prompts_file_and_a_final_prompt_make_a_sheet_and_a_card_that_work(tiny_model, images, tmp_path):
+    """--validation_prompts_file alone during training, the final validation one row more (--final_validation_prompt):
+    the base images are remade for the final rows and the sheet starts again (it failed on the missing rows); the card
+    captions each image with its prompt and strength, lists strength 1 in the widget, and its snippet loads the LoHa
+    (diffusers' load_lora_weights cannot) with a quoted prompt as valid Python."""
+    import yaml
+    from diffusers import Flux2Pipeline
+    from PIL import Image
+
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "out"
+    prompts.write_text('a "sks" dog on a beach\n')
+    launch(base_args(tiny_model, images, out, "--max_train_steps", "2", "--validation_steps", "1", "--num_validation_images",
+                     "1", "--validation_prompts_file", prompts, "--final_validation_prompt", "a sks dog in snow",
+                     "--validation_lora_scales", "0,1", "--adapter", "loha"))
+    folder = out / "validation"
+    assert [s["prompt"] for s in json.loads((folder / "base.json").read_text())["specs"]] == [
+        "a sks dog in snow", 'a "sks" dog on a beach']
+    assert json.loads((folder / "progress-0.json").read_text())["columns"] == [{"tag": "final", "step": 2}]
+    with Image.open(folder / "progress-0.png") as sheet:  # labels, base, final: four rows
+        assert sheet.height == 14 + 4 * 32 + 4 * 6
+    card = (out / "README.md").read_text()
+    widget = yaml.safe_load(card.split("---")[1])["widget"]  # strength 1: rows 1 and 3
+    assert [(w["text"], w["output"]["url"]) for w in widget] == [("a sks dog in snow", "validation/final-1.png"),
+                                                                 ('a "sks" dog on a beach', "validation/final-3.png")]
+    assert "(validation/final-2.png)\na \"sks\" dog on a beach (LoRA strength 0)" in card
+    code = card.split("```py\n")[1].split("```")[0]
+    pipe = Flux2Pipeline.from_pretrained(tiny_model, tokenizer=None, text_encoder=None)
+    exec(code.split("enable_model_cpu_offload()")[1].split("\nimage = pipe(")[0].split("\n", 1)[1], {"pipe": pipe})
+    written = load_file(str(out / LORA))
+    key = next(k for k in written if k.endswith(".hada_w1_a"))
+    module = pipe.transformer.get_submodule(key.removeprefix("transformer.").removesuffix(".hada_w1_a"))
+    assert torch.equal(module.hada_w1_a["default"].data, written[key])
+    assert "image = pipe('a sks dog in snow')" in code
 
 
 def test_dataset_name_accepts_a_local_folder(tiny_model, tmp_path):

@@ -8,6 +8,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -107,12 +108,18 @@ def test_conditions_are_used_at_the_size_the_pipelines_give_references(bucket):
 
 
 def test_base_validation_images_are_redone_when_the_condition_changes(tmp_path):
+    """validation/base.json holds the condition's hash: the same pixels keep the base images, others (or none,
+    text-to-image validation) remake them."""
+    args = SimpleNamespace(num_validation_images=1, pretrained_model_name_or_path="m", revision=None, variant=None,
+                           resolution=32, validation_inference_steps=2, validation_guidance_scale=4.0, guidance_scale=3.5)
+    run = SimpleNamespace(data=SimpleNamespace(seed=0), weight_dtype=torch.float32)
+    plain = SimpleNamespace(distributed_type=None)  # no FSDP
+    made = lambda condition: T.base_record(args, run, [T.ValidationSpec("p")], [1.0], condition)  # noqa: E731
     one, other = _picture(64, 64, 1), _picture(64, 64, 2)
-    assert not T.condition_changed(tmp_path, None)  # text-to-image, as before
-    assert T.condition_changed(tmp_path, one)
-    one.save(tmp_path / "condition.png")
-    assert not T.condition_changed(tmp_path, one)
-    assert T.condition_changed(tmp_path, other) and T.condition_changed(tmp_path, None)
+    Image.new("RGB", (8, 8)).save(tmp_path / "base-0.png")
+    T.record_base_images(tmp_path, made(one), one)
+    assert not T.base_images_missing(plain, tmp_path, made(one.copy()))
+    assert T.base_images_missing(plain, tmp_path, made(other)) and T.base_images_missing(plain, tmp_path, made(None))
 
 
 def _condition_keys(dataset):

@@ -287,6 +287,116 @@ def test_progress_sheet_drops_columns_of_a_timeline_a_resume_left(tmp_path):
     assert Image.open(tmp_path / "progress-0.png").size[1] == 14 + 2 * 8 + 4 * 4
 
 
+def test_progress_sheet_drops_a_column_with_fewer_rows_than_now(tmp_path):
+    """A column made with fewer prompts, strengths or images (a prompts file, then a final prompt added as a row;
+    an older run's) lacks rows: the sheet leaves it out instead of failing on its missing files."""
+    for tag, rows in (("base", 4), ("step-10", 2), ("step-20", 4)):
+        for i in range(rows):
+            Image.new("RGB", (8, 8), (i * 60, 0, 0)).save(tmp_path / f"{tag}-{i}.png")
+    T.update_progress_sheet(tmp_path, "step-10", 10, 2)
+    T.update_progress_sheet(tmp_path, "step-20", 20, 4)
+    assert [c["tag"] for c in json.loads((tmp_path / "progress-0.json").read_text())["columns"]] == ["step-20"]
+    assert Image.open(tmp_path / "progress-0.png").size[1] == 14 + 4 * 8 + 4 * 6  # base and step 20: four rows
+
+
+def _validation_run(*extra):
+    """args and run of a text-to-image run with --validation_prompt (and `extra` flags), for the output functions."""
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--output_dir", "out",
+                         "--validation_prompt", "a sks dog", "--validation_inference_steps", "2",
+                         "--num_validation_images", "1", "--max_train_steps", "10",
+                         *map(str, extra)])
+    hooks = T.Hooks(args)
+    dataset = SimpleNamespace(conditions=None, instances=[])
+    data = SimpleNamespace(seed=0, specs=tuple(T.option_validation_specs(hooks)), dataset=dataset, hooks=hooks,
+                           family=T.Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration"))
+    return args, SimpleNamespace(data=data, hooks=hooks, weight_dtype=torch.float32)
+
+
+def _base_record(*extra, seed=0, condition=None):
+    args, run = _validation_run(*extra)
+    run.data.seed = seed
+    scales = run.hooks.first("validation_scales", default=lambda: [1.0])
+    return T.base_record(args, run, T.validation_specs(args, run.data, args.validation_prompt), scales, condition)
+
+
+def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
+    """validation/base.json records what the base model's images were made from: the same flags skip them (a
+    resume), another prompt, strength list, image count, seed, size, steps, guidance, model or condition remakes
+    them and starts the progress sheet again; base images without the record (an older version's) are remade."""
+    plain = SimpleNamespace(distributed_type=None)
+    made = _base_record()
+    assert T.base_images_missing(plain, tmp_path, made)  # none yet
+    Image.new("RGB", (8, 8)).save(tmp_path / "base-0.png")
+    assert T.base_images_missing(plain, tmp_path, made)  # no record: an older version made them
+    (tmp_path / "progress-0.json").write_text('{"columns": [{"tag": "step-10", "step": 10}]}')
+    Image.new("RGB", (8, 8)).save(tmp_path / "condition.png")
+    T.record_base_images(tmp_path, made, None)
+    assert not (tmp_path / "progress-0.json").exists() and not (tmp_path / "condition.png").exists()
+    assert not T.base_images_missing(plain, tmp_path, _base_record())  # the same flags: kept
+    (tmp_path / "progress-0.json").write_text('{"columns": [{"tag": "step-10", "step": 10}]}')
+    T.record_base_images(tmp_path, made, None)  # remade (a file was missing) from the same: the sheet goes on
+    assert (tmp_path / "progress-0.json").exists()
+    with_prompts = tmp_path / "prompts.txt"
+    with_prompts.write_text("a sks dog on a beach --seed 3\n")
+    condition = Image.new("RGB", (16, 16), (9, 9, 9))
+    for other in (_base_record("--validation_prompt", "a sks cat"), _base_record("--num_validation_images", "2"),
+                  _base_record("--validation_lora_scales", "0,1"),
+                  _base_record("--validation_prompts_file", with_prompts),
+                  _base_record(seed=1), _base_record("--resolution", "64"),
+                  _base_record("--validation_inference_steps", "3"),
+                  _base_record("--validation_guidance_scale", "2"), _base_record("--guidance_scale", "2"),
+                  _base_record("--pretrained_model_name_or_path", "other"), _base_record("--revision", "v2"),
+                  _base_record(condition=condition)):
+        assert other != made and T.base_images_missing(plain, tmp_path, other), other
+    assert _base_record(condition=condition) == _base_record(condition=condition.copy())  # the pixels, not the object
+    assert _base_record(condition=condition) != _base_record(condition=Image.new("RGB", (16, 16), (9, 9, 8)))
+    T.record_base_images(tmp_path, _base_record("--validation_prompt", "a sks cat"), None)
+    assert not (tmp_path / "progress-0.json").exists()  # its columns hold the other prompt's rows
+
+
+def _card(tmp_path, *extra, images=4):
+    args, run = _validation_run("--output_dir", tmp_path, *extra)
+    folder = tmp_path / "validation"
+    folder.mkdir(exist_ok=True)
+    T.write_model_card(args, [folder / f"final-{i}.png" for i in range(images)], args.validation_prompt, run)
+    return (tmp_path / "README.md").read_text()
+
+
+def test_model_card_captions_each_final_image_with_its_prompt_and_strength(tmp_path):
+    """Rows are prompts times strengths: each image is captioned with its own; the widget lists strength 1 only; a
+    prompts file alone (no prompt from finish) shows its prompts, never None; the usage snippet is valid Python with
+    quotes in the prompt."""
+    import ast
+    import yaml
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a sks dog on a beach\na [sks] dog's *toy*\n")
+    card = _card(tmp_path, "--validation_prompt", "", "--validation_prompts_file", prompts, "--validation_lora_scales",
+                 "0,1", "--instance_prompt", 'a photo of "sks" dog')
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["widget"] == [{"text": "a sks dog on a beach", "output": {"url": "validation/final-1.png"}},
+                               {"text": "a [sks] dog's *toy*", "output": {"url": "validation/final-3.png"}}]
+    assert "None" not in card and "null" not in card
+    assert "![a sks dog on a beach](validation/final-0.png)\na sks dog on a beach (LoRA strength 0)" in card
+    assert "![a sks dog on a beach](validation/final-1.png)\na sks dog on a beach (LoRA strength 1)" in card
+    assert "\\[sks\\] dog's \\*toy\\* (LoRA strength 1)" in card  # markup escaped: shown as written
+    code = card.split("```py\n")[1].split("```")[0]
+    ast.parse(code)
+    assert "pipe('a photo of \"sks\" dog')" in code and "pipe.load_lora_weights(" in code
+
+
+def test_model_card_of_a_loha_loads_it_with_peft(tmp_path):
+    """diffusers' load_lora_weights cannot read a LoHa (README: adapters and files): the card loads it with PEFT
+    (a run's LoHa file loads this way: test_e2e), or for ComfyUI's layout says that ComfyUI's loader reads it."""
+    import ast
+
+    code = _card(tmp_path, "--adapter", "loha", images=1).split("```py\n")[1].split("```")[0]
+    ast.parse(code)
+    assert "pipe.load_lora_weights(" not in code and "LoHaConfig" in code and "set_peft_model_state_dict" in code
+    code = _card(tmp_path, "--adapter", "loha", "--lora_format", "comfyui", images=1).split("```py\n")[1]
+    assert "pipe.load_lora_weights(" not in code.split("```")[0] and "ComfyUI's LoRA loader reads it" in code
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A default run: what it adapts, what it prints, the modes of its files
 

@@ -86,7 +86,7 @@ def test_ema_lora_matches_a_reference_ema_of_the_checkpointed_raw_weights(tiny_m
     last = load_file(str(out / "checkpoint-5" / LORA))
     assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in final)
     names = sorted(p.name for p in (out / "validation").iterdir())
-    assert names == ["base-0.png", "final-0.png", "progress-0.json", "progress-0.png", "step-000002-0.png",
+    assert names == ["base-0.png", "base.json", "final-0.png", "progress-0.json", "progress-0.png", "step-000002-0.png",
                      "step-000004-0.png"]  # tagged with the step
 
 
