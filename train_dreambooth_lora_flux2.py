@@ -5872,17 +5872,19 @@ class ValidationMetrics(Option):
             self.others = self._drift_prompts()  # a file, or the options' prompts: read once
 
     def validated(self, accelerator, folder, tag, step, specs, scales, images):
-        """Score a validation's images (main process; at scale 1 among --validation_lora_scales) and, the first time,
-        the base model's (step 0, the curves' start); record, plot and log them; --keep_best keeps the LoRA."""
+        """Score a validation's images (main process; at scale 1 among --validation_lora_scales) and, the first time
+        or when the base images were remade (another prompt, seed, model...: the history restarts), the base model's
+        (step 0, the curves' start); record, plot and log them; --keep_best keeps the LoRA."""
         count, scale = len(images) // (len(specs) * len(scales)), 1.0 if 1.0 in scales else max(scales)
         rows = [(spec.prompt, (k * len(scales) + scales.index(scale)) * count + i)
                 for k, spec in enumerate(specs) for i in range(count)]
         base = {r: Image.open(Path(folder, f"base-{r}.png")).convert("RGB") for _, r in rows}  # the same noise
         path = Path(folder, "metrics.jsonl")
         self.history = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-        if not self.history or self.history[0]["tag"] != "base":
+        made = json_digest("base", read_base_record(folder))  # what the base images are of (validation/base.json)
+        if not self.history or self.history[0]["tag"] != "base" or self.history[0].get("made") != made:
             self._record(accelerator, folder, {"step": 0, "tag": "base", **self._scores(accelerator, rows, base, base),
-                                               "images": [f"base-{r}.png" for _, r in rows]})
+                                               "images": [f"base-{r}.png" for _, r in rows], "made": made})
         self._record(accelerator, folder, {"step": step, "tag": tag, **self._scores(
             accelerator, rows, dict(enumerate(images)), base), "images": [f"{tag}-{r}.png" for _, r in rows]})
 

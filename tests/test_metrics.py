@@ -262,3 +262,25 @@ def test_reference_photos_are_read_as_training_reads_images(scorers, tmp_path):
     option = T.ValidationMetrics(args)
     option.setup(types.SimpleNamespace(data=None))
     assert [r.name for r in option.photos] == ["phone.jpg"] and option.photos[0].load().size == (40, 56)
+
+
+def test_the_history_restarts_when_the_base_images_are_remade(tmp_path, monkeypatch):
+    """Base images remade for another prompt, seed or model (validation/base.json changed): the step-0 entry and the
+    scores measured against the old ones no longer describe this run's curves, so the history starts again."""
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt",
+                         "a photo of sks dog", "--validation_prompt", "a photo of sks dog", "--validation_metrics",
+                         "dino"])
+    option = T.ValidationMetrics(args)
+    monkeypatch.setattr(T, "logger", types.SimpleNamespace(info=lambda *a, **k: None))
+    monkeypatch.setattr(option, "_scores", lambda accelerator, rows, images, base: {"subject": 0.5})
+    accelerator, spec = types.SimpleNamespace(log=lambda *a, **k: None), T.ValidationSpec("a photo of sks dog")
+    Image.new("RGB", (16, 16)).save(tmp_path / "base-0.png")
+    history = lambda: [(e["step"], e["tag"]) for e in map(json.loads,  # noqa: E731
+                                                          (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    T.write_json_atomic(tmp_path / "base.json", {"specs": ["a photo of sks dog"], "seed": 1})
+    for step in (1, 2):
+        option.validated(accelerator, tmp_path, f"step-{step}", step, [spec], [1.0], [Image.new("RGB", (16, 16))])
+    assert history() == [(0, "base"), (1, "step-1"), (2, "step-2")]  # the same base images: scored once
+    T.write_json_atomic(tmp_path / "base.json", {"specs": ["a photo of sks dog"], "seed": 2})
+    option.validated(accelerator, tmp_path, "step-3", 3, [spec], [1.0], [Image.new("RGB", (16, 16))])
+    assert history() == [(0, "base"), (3, "step-3")]
