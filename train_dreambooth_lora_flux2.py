@@ -1004,8 +1004,8 @@ def prepare_data(args, accelerator, cache, hooks=None):
     """Everything that can fail on the user's input, before any weights load: images, resume point, seed, the flags
     the family resolves; then class images and the data. Resolves, then freezes `args`. hooks: default `args`'s."""
     hooks = hooks or Hooks(args)
-    instances = hooks.first("load_images", cache, accelerator, default=lambda: load_instance_images(
-        args, cache, accelerator))
+    instances = agreed_refusal(accelerator, lambda: hooks.first("load_images", cache, accelerator, default=lambda: (
+        load_instance_images(args, cache, accelerator))))  # a machine's own folder refused: every process says why
     hooks.wake(args, [r.caption for r in instances] + [s.prompt for s in hooks.collect("validation_specs")])
     uncaptioned = [r.name for r in instances if not r.caption]
     if uncaptioned and not args.instance_prompt:
@@ -3458,6 +3458,21 @@ def agreed_todo(cache, keys, accelerator):
         return todo
     lacking = {k for keys_of_one in gather_object([todo]) for k in keys_of_one}
     return [k for k in dict.fromkeys(keys) if k in lacking]
+
+def agreed_refusal(accelerator, load):
+    """`load()`, whose refusal (UsageError) every process raises: the images a machine finds are its own, and a
+    process that stopped alone would leave the others a collective error instead of the reason."""
+    error = None
+    try:
+        value = load()
+    except UsageError as e:
+        error = str(e)
+    errors = gather_object([error]) if accelerator.num_processes > 1 else [error]
+    refused = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if refused:  # named by process unless every process found the same
+        same = len(refused) == len(errors) and len({e for _, e in refused}) == 1
+        raise UsageError(refused[0][1] if same else f"process {refused[0][0]}: {refused[0][1]}")
+    return value
 
 def check_same_images(accelerator, instances, classes):
     """Every process must train on the same images, captions and condition images. Folders of each machine's own can

@@ -497,3 +497,21 @@ def test_sharing_entries_gathers_a_bounded_number_per_round_whatever_the_process
         monkeypatch.setattr(T, "gather_object", gather)
         T.share_entries(cache, keys, accelerator)
         assert rounds and max(rounds) <= max(T.SHARE_PER_ROUND, world), (world, max(rounds))
+
+
+def test_a_refusal_of_one_machines_images_is_every_processs(monkeypatch):
+    """A machine with its own folder that refuses (a missing condition partner, no images) used to exit 2 alone while
+    the others died in their next collective with a connection error, never seeing why."""
+    from types import SimpleNamespace
+    accelerator = SimpleNamespace(num_processes=2)
+
+    def refuse():
+        raise UsageError("--cond_data_dir: 1 image(s) without a partner")
+
+    monkeypatch.setattr(T, "gather_object", lambda mine: [None, "--cond_data_dir: 1 image(s) without a partner"])
+    with pytest.raises(UsageError, match=r"^process 1: --cond_data_dir: 1 image\(s\) without a partner$"):
+        T.agreed_refusal(accelerator, lambda: ["records"])  # this process found its images; process 1 did not
+    monkeypatch.setattr(T, "gather_object", lambda mine: mine * 2)  # every process found the same problem
+    with pytest.raises(UsageError, match=r"^--cond_data_dir: 1 image\(s\) without a partner$"):
+        T.agreed_refusal(accelerator, refuse)
+    assert T.agreed_refusal(accelerator, lambda: ["records"]) == ["records"]
