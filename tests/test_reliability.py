@@ -464,6 +464,8 @@ def test_a_stop_signal_at_the_last_step_saves_the_lora_and_card_and_a_resume_onl
 def test_latest_without_a_checkpoint_never_retrains_over_a_finished_lora(tmp_path):
     """`--resume_from_checkpoint latest` on every (re)launch is the documented pattern; in a folder whose run
     finished without writing a checkpoint it would start again from scratch, overwriting the LoRA and its seed."""
+    from accelerate import PartialState
+    PartialState()  # the logger's state: a fresh start warns
     (tmp_path / LORA).write_bytes(b"a finished run's")
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_prompt", "p", "--instance_data_dir", ".",
                          "--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
