@@ -10,6 +10,9 @@ In order, each started only while its usual time fits what is left of the budget
   readme    the README's first command, as written (--memory_plan auto plans for this whole GPU), on that folder: 30
             steps at 1024 px, batch 1, one final validation of 8 inference steps (whole-process seconds, precompute
             seconds, s/step, peak GPU memory, the plan's estimated peak and flags)
+  nf4       the README command without the plan, with --gradient_checkpointing --bnb_quantization_config_path nf4
+            --text_encoder_quantization nf4 (QLoRA as the script loads it)
+  build_klein9b, klein9b  the same build and README command for [klein] 9B (9 B transformer + Qwen3 8B, 35 GB)
   step      gpu_step.py rows for [klein] 4B at the default LoRA targets: checkpointing on/off x bf16/fp8, eager
   readme_24gb  the README command on this GPU made a 24 GB card (torch.cuda.set_per_process_memory_fraction), with
             --gpu_memory 24GB: the plan for that card must run there, its peak near the plan's estimate
@@ -95,6 +98,12 @@ def plan(args, work, out, cuda_gib):
     py = sys.executable
     model, images = work / ("tiny-klein" if args.tiny else "klein4b"), work / "images"
     build = [py, str(ROOT / "benchmarks/real_shapes.py"), "klein4b", str(model)] + ["--tiny"] * args.tiny
+    model9 = work / ("tiny-klein9b" if args.tiny else "klein9b")
+    build9 = [py, str(ROOT / "benchmarks/real_shapes.py"), "klein9b", str(model9)] + ["--tiny"] * args.tiny
+    # QLoRA through the script's own loading: NF4 transformer and text encoder (bitsandbytes needs CUDA: int8 text
+    # encoder alone on the CPU)
+    nf4 = dict(text_encoder_quantization="int8") if args.tiny else dict(bnb_quantization_config_path="nf4",
+                                                                         text_encoder_quantization="nf4")
     launch = [py, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
               "--dynamo_backend", "no", "--mixed_precision", "bf16", str(Path(__file__).resolve()), "--measure"]
     flags = set_flags(readme_command(), pretrained_model_name_or_path=str(model), instance_data_dir=str(images),
@@ -113,9 +122,15 @@ def plan(args, work, out, cuda_gib):
     runs = [
         ("build", build, 90),
         ("readme", script("readme"), 110),
+        ("nf4", script("nf4", memory_plan=False, gradient_checkpointing=True, **nf4), 100),
+        ("build_klein9b", build9, 80),
+        ("klein9b", script("klein9b", pretrained_model_name_or_path=str(model9)), 150),
+        ("klein9b_24gb", script("klein9b_24gb", pretrained_model_name_or_path=str(model9), gpu_memory="24GB"), 170,
+         {CARD: "24"}),
         ("step", step + ["--models", klein, "--modes", "eager", "--gc", "on,off", "--precision", "bf16,fp8"], 90),
         ("readme_24gb", script("readme_24gb", gpu_memory="24GB"), 100, {CARD: "24"}),
         ("readme_48gb", script("readme_48gb", gpu_memory="48GB"), 90, {CARD: "48"}),
+        ("readme_16gb", script("readme_16gb", gpu_memory="16GB"), 110, {CARD: "16"}),
         ("no_gc", script("no_gc", memory_plan=False, gradient_checkpointing=False), 90),
         ("compile", script("compile", memory_plan=False, gradient_checkpointing=True, compile=True), 170),
         ("dev", step + ["--models", "tiny" if args.tiny else "dev", "--modes", "eager", "--gc", "on", "--precision",

@@ -110,11 +110,12 @@ def test_figures_read_the_median_after_warm_up_precompute_and_peaks(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_check(tmp_path_factory):
     """benchmarks/gpu_check.sh --tiny, once: every run of the plan but the compiled ones (test_speed.py compiles) and
-    the 48 GB one (the 24 GB one runs the same code)."""
+    the 48 and 16 GB ones and the [klein] 9B ones (on the CPU the tiny 9B is the tiny 4B, and the 24 GB one runs the
+    same code)."""
     tmp = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ, OUT=str(tmp / "out"), PYTHON=sys.executable)
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--tiny", "--work", str(tmp / "work"), "--skip",
-                           "compile,step_compile,readme_48gb"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+                           "compile,step_compile,readme_48gb,readme_16gb,build_klein9b,klein9b,klein9b_24gb"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     return proc, tmp
 
 
@@ -124,12 +125,14 @@ def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
     proc, tmp = tiny_check
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["name"]: r for r in map(json.loads, (tmp / "out" / "gpu_check.jsonl").read_text().splitlines())}
-    assert list(results) == ["build", "readme", "step", "readme_24gb", "no_gc", "dev", "dev_nf4"]
+    assert list(results) == ["build", "readme", "nf4", "step", "readme_24gb", "no_gc", "dev", "dev_nf4"]
     readme = results["readme"]
     assert readme["rc"] == 0 and readme["steps"] == 3 and readme["s_per_step"] > 0 and readme["precompute_s"] >= 0
     assert readme["lora_mb"] > 0 and readme["validation_pngs"] >= 1
     assert "--memory_plan auto" in readme["command"] and "--gradient_checkpointing" not in results["no_gc"]["command"]
     assert "--memory_plan" not in results["no_gc"]["command"]
+    nf4 = results["nf4"]  # the QLoRA run's CPU stand-in: the int8 text encoder through the script's loading
+    assert nf4["rc"] == 0 and nf4["steps"] == 3 and "--text_encoder_quantization int8" in nf4["command"]
     # the card the GPU pretends to be is the card planned for: the plan's estimate and flags are its figures
     planned = results["readme_24gb"]
     assert "--gpu_memory 24GB" in planned["command"] and planned["plan_gib"] >= 0 and planned["plan_flags"]
@@ -165,7 +168,11 @@ def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("# ")]
-    assert names[:9] == ["build", "readme", "step", "readme_24gb", "readme_48gb", "no_gc", "compile", "dev", "dev_nf4"]
+    assert names[:13] == ["build", "readme", "nf4", "build_klein9b", "klein9b", "klein9b_24gb", "step", "readme_24gb",
+                          "readme_48gb", "readme_16gb", "no_gc", "compile", "dev"]
+    for run, flags in (("nf4", "--bnb_quantization_config_path nf4 --text_encoder_quantization nf4"),
+                       ("klein9b_24gb", "klein9b --gpu_memory 24GB")):
+        assert proc.stdout.split(f"# {run} ")[1].splitlines()[1].endswith(flags)
     assert names[-1] == "step_compile" and "{'GPU_CHECK_CARD_GB': '24'}" in proc.stdout.split("# readme_24gb")[1]
     readme = proc.stdout.split("# readme")[1].splitlines()[1]
     for flag in ("--resolution 1024", "--max_train_steps 30", "--validation_inference_steps 8",
@@ -190,6 +197,13 @@ def test_the_whole_run_estimate_is_within_10_percent_of_the_h200_gpu_check():
         assert estimate["estimate_gib"] == pytest.approx(step, rel=0.1)
         assert estimate["run_gib"] == pytest.approx(whole, rel=0.1)
     assert estimate["validation_gib"] < estimate["run_gib"]  # without checkpointing, training is the peak
+    # the same command's later rows (H200, 2026-11-26): [klein] 9B with the plan on the whole card (no checkpointing)
+    # and on 24 GB (checkpointing), and [klein] 4B with --bnb_quantization_config_path nf4 (whole process peaks)
+    for model, gc, precision, whole in (("klein9b", "off", "bf16", 42.92), ("klein9b", "on", "bf16", 20.66),
+                                        ("klein4b", "on", "nf4", 5.73)):
+        row = dict(model=model, mode="eager", attention="native", gc=gc, resolution=1024, batch=1,
+                   precision=precision, swap="0", references=0, baseline=False)
+        assert gpu_step.estimate(row, gpu_step.MODELS[model], 4, 512)["run_gib"] == pytest.approx(whole, rel=0.1)
     # gpu_step.py --memory on the same H200 (rank 16, checkpointing): swapping half the blocks, and NF4 (whose
     # unexplained excess the estimate allows for: NF4_ACTIVATIONS)
     # That run quantised the blocks' linear layers only, and PEFT made the other linear weights float32: counted here
