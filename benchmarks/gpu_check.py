@@ -12,11 +12,13 @@ In order, each started only while its usual time fits what is left of the budget
             seconds, s/step, peak GPU memory, the plan's estimated peak and flags)
   nf4       the README command without the plan, with --gradient_checkpointing --bnb_quantization_config_path nf4
             --text_encoder_quantization nf4 (QLoRA as the script loads it)
-  build_klein9b, klein9b  the same build and README command for [klein] 9B (9 B transformer + Qwen3 8B, 35 GB)
+  build_klein9b, klein9b  the same build and README command for [klein] 9B (9 B transformer + Qwen3 8B, 35 GB: 58 s
+            to write, 120 s to run on an H200, 2026-11-26)
+  klein9b_24gb  the [klein] 9B README command on this GPU made a 24 GB card
   step      gpu_step.py rows for [klein] 4B at the default LoRA targets: checkpointing on/off x bf16/fp8, eager
   readme_24gb  the README command on this GPU made a 24 GB card (torch.cuda.set_per_process_memory_fraction), with
             --gpu_memory 24GB: the plan for that card must run there, its peak near the plan's estimate
-  readme_48gb  the same at 48 GB
+  readme_48gb, readme_16gb  the same at 48 and at 16 GB
   no_gc     the README command without the plan, without --gradient_checkpointing
   compile   the README command without the plan, with --gradient_checkpointing --compile
   dev       gpu_step.py: [dev] at 1024 px, bf16, checkpointing (with --blocks_to_swap half under 100 GiB)
