@@ -1759,11 +1759,12 @@ def finish(args, accelerator, run, signum=0):
         except TrainingStopped as e:
             stopped = e
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process:  # the repository first: the card's snippet loads the LoRA from it
+        repo_id = hub_repository(args) if args.push_to_hub and stopped is None else None
         with writing(Path(args.output_dir, "README.md")):
-            write_model_card(args, paths, prompt, run)
-        if args.push_to_hub and stopped is None:
-            push_to_hub(args)
+            write_model_card(args, paths, prompt, run, repo_id)
+        if repo_id:
+            push_to_hub(args, repo_id)
     if stopped is not None:
         raise stopped
 
@@ -3678,9 +3679,10 @@ def tracker_config(args):
     return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
             if k != "hub_token" and v is not None}
 
-def write_model_card(args, image_paths, prompt, run):
+def write_model_card(args, image_paths, prompt, run, repo_id=None):
     """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub. An edit dataset makes an
-    image-to-image LoRA, used with a condition image."""
+    image-to-image LoRA, used with a condition image. Its snippet samples with the run's validation guidance and loads
+    the LoRA from repo_id (the Hub repository pushed to), else --hub_model_id, else --output_dir."""
     dataset, family = run.data.dataset, run.data.family
     edit = bool(dataset.conditions)
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
@@ -3696,11 +3698,12 @@ def write_model_card(args, image_paths, prompt, run):
     shown = prompt or args.instance_prompt or (specs[0].prompt if specs else "...")
     kind = run.hooks.first("adapter_name", default=lambda: "LoRA")
     notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
-    use = f"image = pipe({shown!r}).images[0]"  # a Python literal: quotes in the prompt stay valid code
+    guidance = f"guidance_scale={guidance_scale(args, family):g}"  # the pipeline's default is not the run's
+    use = f"image = pipe({shown!r}, {guidance}).images[0]"  # a Python literal: quotes in the prompt stay valid code
     if edit:
         use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
-               f"image = pipe(image=condition, prompt={shown!r}).images[0]")
-    load = lora_loading(args, kind)
+               f"image = pipe(image=condition, prompt={shown!r}, {guidance}).images[0]")
+    load = lora_loading(args, kind, repo_id or args.hub_model_id)
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
 library_name: diffusers
@@ -3747,17 +3750,18 @@ def markdown_text(text):
     """`text` shown as written in Markdown (alt text, captions): one line, its markup characters escaped."""
     return re.sub(r"([\\`*_\[\]<>|#!])", r"\\\1", " ".join(text.split()))
 
-def lora_loading(args, kind):
-    """The model card's lines that load the LoRA into `pipe`: diffusers' load_lora_weights, or for a LoHa, which it
-    cannot read (README: adapters and files), PEFT with the settings the file's metadata holds."""
-    source = args.hub_model_id or args.output_dir
+def lora_loading(args, kind, hub_id):
+    """The model card's lines that load the LoRA into `pipe` from the Hub repository `hub_id` (None: --output_dir):
+    diffusers' load_lora_weights, or for a LoHa, which it cannot read (README: adapters and files), PEFT with the
+    settings the file's metadata holds."""
+    source = hub_id or args.output_dir
     if kind != "LoHa":
         return f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"
     if vars(args).get("lora_format") == "comfyui":
         return (f"# {LORA_WEIGHTS_NAME} is a LoHa in ComfyUI's (LyCORIS) layout: ComfyUI's LoRA loader reads it; "
                 "diffusers cannot")
     path, hub = (f"hf_hub_download({source!r}, {LORA_WEIGHTS_NAME!r})", "from huggingface_hub import hf_hub_download\n"
-                 ) if args.hub_model_id else (repr(str(Path(source, LORA_WEIGHTS_NAME))), "")
+                 ) if hub_id else (repr(str(Path(source, LORA_WEIGHTS_NAME))), "")
     return f"""# a LoHa: diffusers' load_lora_weights cannot read it; PEFT can, with the settings in the file's metadata
 import json
 {hub}from peft import LoHaConfig, set_peft_model_state_dict
@@ -3770,9 +3774,14 @@ fields = ("r", "alpha", "target_modules", "rank_pattern", "alpha_pattern")
 pipe.transformer.add_adapter(LoHaConfig(**{{k: config[k] for k in fields}}))
 set_peft_model_state_dict(pipe.transformer, state)"""
 
-def push_to_hub(args):
-    from huggingface_hub import create_repo, upload_folder
-    repo_id = create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
+def hub_repository(args):
+    """The Hub repository --push_to_hub uploads to, made if missing: --hub_model_id, else the output folder's name
+    under the token's account -> its full id."""
+    from huggingface_hub import create_repo
+    return create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
+
+def push_to_hub(args, repo_id):
+    from huggingface_hub import upload_folder
     upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
                   commit_message="DreamBooth LoRA",  # what names local paths or this machine stays, as checkpoints do
                   ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", MANIFEST_NAME,

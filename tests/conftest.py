@@ -86,6 +86,17 @@ def tiny_klein(request, tmp_path_factory):
 
 
 @pytest.fixture
+def fresh_accelerate():
+    """main() in this process (with --mixed_precision bf16, say): accelerate's state (a singleton) is reset before and after,
+    since another test of this worker may have made it with another precision."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
 def images(tmp_path):
     """Six mixed-aspect images, five with a .txt caption, plus a non-image file."""
     folder = tmp_path / "images"

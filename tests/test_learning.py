@@ -382,7 +382,15 @@ def test_model_card_captions_each_final_image_with_its_prompt_and_strength(tmp_p
     assert "\\[sks\\] dog's \\*toy\\* (LoRA strength 1)" in card  # markup escaped: shown as written
     code = card.split("```py\n")[1].split("```")[0]
     ast.parse(code)
-    assert "pipe('a photo of \"sks\" dog')" in code and "pipe.load_lora_weights(" in code
+    assert "pipe('a photo of \"sks\" dog', guidance_scale=3.5)" in code
+    assert f"pipe.load_lora_weights({str(tmp_path)!r}," in code
+    # the snippet samples as validation did ([dev]: --guidance_scale, not the pipeline's 4) and loads from the Hub
+    # repository pushed to, with or without --hub_model_id
+    args, run = _validation_run("--output_dir", tmp_path, "--guidance_scale", "2.5")
+    T.write_model_card(args, [], "a sks dog", run, "someone/my-dog-lora")
+    code = (tmp_path / "README.md").read_text().split("```py\n")[1].split("```")[0]
+    assert "pipe('a sks dog', guidance_scale=2.5)" in code
+    assert "pipe.load_lora_weights('someone/my-dog-lora', weight_name='pytorch_lora_weights.safetensors')" in code
 
 
 def test_model_card_of_a_loha_loads_it_with_peft(tmp_path):

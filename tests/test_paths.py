@@ -84,13 +84,33 @@ def test_push_to_hub_uploads_the_lora_card_images_and_best_never_checkpoints_log
         create=(repo_id, exist_ok, token)) or SimpleNamespace(repo_id=f"someone/{repo_id}"))
     monkeypatch.setattr(huggingface_hub, "upload_folder", lambda **kw: calls.update(upload=kw))
     monkeypatch.setattr(T, "logger", logging.getLogger("test"))
-    T.push_to_hub(_args("--output_dir", str(out), "--push_to_hub", "--hub_token", "hf_x"))
+    args = _args("--output_dir", str(out), "--push_to_hub", "--hub_token", "hf_x")
+    assert T.hub_repository(args) == "someone/my-dog-lora"
     assert calls["create"] == ("my-dog-lora", True, "hf_x")
+    T.push_to_hub(args, "someone/my-dog-lora")
     upload = calls["upload"]
     assert upload["repo_id"] == "someone/my-dog-lora" and upload["folder_path"] == str(out) and upload["token"] == "hf_x"
     sent = set(filter_repo_objects(files, ignore_patterns=upload["ignore_patterns"]))
     assert sent == {"pytorch_lora_weights.safetensors", "README.md", "validation/final-0.png", "validation/progress-0.png",
                     "best/pytorch_lora_weights.safetensors"}  # config.yaml names local paths, .run.lock this machine
+
+
+def test_a_pushed_runs_card_loads_the_lora_from_the_repository_it_was_pushed_to(tiny_model, images, tmp_path,
+                                                                                   monkeypatch, fresh_accelerate):
+    """Without --hub_model_id the repository is the output folder's name under the token's account, known only once
+    it is made: the card uploaded with the LoRA must load it from there, never from this machine's folder."""
+    import huggingface_hub
+    from tests.conftest import base_args
+
+    out, uploaded = tmp_path / "my-dog-lora", []
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, exist_ok, token: SimpleNamespace(
+        repo_id=f"someone/{repo_id}"))
+    monkeypatch.setattr(huggingface_hub, "upload_folder", lambda **kw: uploaded.append(
+        (kw["repo_id"], (out / "README.md").read_text())))
+    T.main(base_args(tiny_model, images, out, "--max_train_steps", "1", "--push_to_hub"))
+    (repo, card), = uploaded
+    assert repo == "someone/my-dog-lora" and "pipe.load_lora_weights('someone/my-dog-lora'," in card
+    assert str(out) not in card
 
 
 @pytest.mark.parametrize("report_to, kept", [("wandb", []), ("all", ["tensorboard"]), ("tensorboard", ["tensorboard"])])

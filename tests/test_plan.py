@@ -34,17 +34,6 @@ def planned(tmp_path_factory):
     return plan_table.plans(work), work
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """main() in this process with --mixed_precision bf16: accelerate's state (a singleton) is reset before and after,
-    since another test of this worker may have made it with another precision."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 def _command(work, model, *extra):
     """The README's first command on a config-only folder, with --memory_plan auto (as written) and `extra`."""
     return plan_table.set_flags(plan_table.readme_command(), pretrained_model_name_or_path=str(work / model),
