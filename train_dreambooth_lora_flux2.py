@@ -1736,9 +1736,8 @@ def finish(args, accelerator, run, signum=0):
     """Save the LoRA (or the options' files: the EMA, ComfyUI's), the final validation images (none after a stop
     signal: `signum`) and the model card. The main process writes; gathering (FSDP) and the fingerprint need all."""
     state = lora_state_dict(accelerator, run.transformer, run.hooks)
-    # processes must agree bit for bit; the fingerprint makes that checkable from the logs
     fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items())))
-    logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)
+    logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)  # all must agree
     dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
     if accelerator.is_main_process:
         with writing(Path(args.output_dir, LORA_WEIGHTS_NAME)):
@@ -3680,9 +3679,8 @@ def tracker_config(args):
             if k != "hub_token" and v is not None}
 
 def write_model_card(args, image_paths, prompt, run, repo_id=None):
-    """A local README.md for the LoRA; nothing leaves the machine unless --push_to_hub. An edit dataset makes an
-    image-to-image LoRA, used with a condition image. Its snippet samples with the run's validation guidance and loads
-    the LoRA from repo_id (the Hub repository pushed to), else --hub_model_id, else --output_dir."""
+    """A local README.md for the LoRA (its snippet loads it from repo_id, pushed to, else --hub_model_id, else here).
+    An edit dataset makes an image-to-image LoRA, used with a condition image."""
     dataset, family = run.data.dataset, run.data.family
     edit = bool(dataset.conditions)
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
@@ -3751,9 +3749,8 @@ def markdown_text(text):
     return re.sub(r"([\\`*_\[\]<>|#!])", r"\\\1", " ".join(text.split()))
 
 def lora_loading(args, kind, hub_id):
-    """The model card's lines that load the LoRA into `pipe` from the Hub repository `hub_id` (None: --output_dir):
-    diffusers' load_lora_weights, or for a LoHa, which it cannot read (README: adapters and files), PEFT with the
-    settings the file's metadata holds."""
+    """The model card's lines that load the LoRA into `pipe` from `hub_id` (None: --output_dir): load_lora_weights, or
+    for a LoHa, which diffusers cannot read (README: adapters and files), PEFT with its metadata's settings."""
     source = hub_id or args.output_dir
     if kind != "LoHa":
         return f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"
@@ -3775,8 +3772,7 @@ pipe.transformer.add_adapter(LoHaConfig(**{{k: config[k] for k in fields}}))
 set_peft_model_state_dict(pipe.transformer, state)"""
 
 def hub_repository(args):
-    """The Hub repository --push_to_hub uploads to, made if missing: --hub_model_id, else the output folder's name
-    under the token's account -> its full id."""
+    """--push_to_hub's repository, made if missing (default: the output folder's name in the token's account)."""
     from huggingface_hub import create_repo
     return create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
 
