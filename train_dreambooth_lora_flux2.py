@@ -1052,14 +1052,15 @@ def option_validation_specs(hooks):
     return tuple(dataclasses.replace(s, prompt=hooks.chain("prompt", s.prompt))
                  for s in hooks.collect("validation_specs"))
 
-def validation_specs(args, data, prompt):
-    """What a validation generates: `prompt` (if any), then the options' prompts (--validation_prompts_file)."""
+def validation_specs(args, data):
+    """What every validation generates (the sheet's columns and the scores compare the same rows): --validation_prompt,
+    else --final_validation_prompt (the diffusers example's rule), then the options' prompts."""
+    prompt = args.validation_prompt or args.final_validation_prompt
     return ([ValidationSpec(prompt)] if prompt else []) + list(data.specs)
 
 def validation_prompts(args, data):
     """Prompts whose embeddings the run needs after the text encoder is gone."""
-    listed = [args.validation_prompt, args.final_validation_prompt, *(s.prompt for s in data.specs)]
-    return [p for p in dict.fromkeys(listed) if p]
+    return list(dict.fromkeys(s.prompt for s in validation_specs(args, data)))
 
 def needed_prompts(args, data):
     """Every text whose embedding the run reads: training slots, the options' (output preservation's), validation
@@ -1266,11 +1267,11 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
 
 def lora_state_dict(accelerator, transformer, hooks):
     """The adapter's tensors, complete and on the CPU, keyed as diffusers' FLUX.2 LoRA loader expects (before its
-    "transformer." prefix); an option may gather them (FSDP: a collective)."""
+    "transformer." prefix); an option may gather them (FSDP: a collective). Copies, never the parameters (EMA swaps)."""
     from peft.utils import get_peft_model_state_dict
     state = hooks.first("lora_state", accelerator, transformer, default=lambda: get_peft_model_state_dict(
         accelerator.unwrap_model(transformer)))
-    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
 def save_checkpoint(args, accelerator, run, global_step):
     """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part. Holds the
@@ -1619,7 +1620,7 @@ def after_optimizer_step(args, accelerator, run, global_step, signum):
         save_checkpoint(args, accelerator, run, global_step)
     if (args.validation_steps and global_step % args.validation_steps == 0
             and validates_in_training(args, accelerator, run, global_step)):
-        run_validation(args, accelerator, run, args.validation_prompt, f"step-{global_step:06d}", global_step)
+        run_validation(args, accelerator, run, f"step-{global_step:06d}", global_step)
     if signum and global_step < args.max_train_steps:  # at the last step, `finish` saves the LoRA first
         raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at step {global_step}; continue "
                               "with the same command plus --resume_from_checkpoint latest", 128 + signum)
@@ -1629,7 +1630,7 @@ def after_epoch(args, accelerator, run, global_step, epoch):
     just_validated = args.validation_steps and global_step % args.validation_steps == 0
     if ((epoch + 1) % args.validation_epochs == 0 and not just_validated
             and validates_in_training(args, accelerator, run, global_step)):
-        run_validation(args, accelerator, run, args.validation_prompt, f"epoch-{epoch + 1:04d}", global_step)
+        run_validation(args, accelerator, run, f"epoch-{epoch + 1:04d}", global_step)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1683,11 +1684,11 @@ def generate_images(pipeline, call, count):
     return [pipeline(**call, generator=generator).images[0] for _ in range(count)]
 
 @torch.no_grad()
-def run_validation(args, accelerator, run, prompt, tag, step):
+def run_validation(args, accelerator, run, tag, step):
     """Generate validation images with the transformer being trained, without moving, casting or hooking it, for
-    `prompt` and the options' prompts at each of the options' strengths (default: 1); the first time, also the base
-    model's (adapters off, same noise). Saves them in <output_dir>/validation/ (<tag>-<row>.png, a row per prompt,
-    strength and image) and shows them (progress sheet, trackers) -> their paths."""
+    each of validation_specs at each of the options' strengths (default: 1); the first time, also the base model's
+    (adapters off, same noise). Saves them in <output_dir>/validation/ (<tag>-<row>.png, a row per prompt, strength
+    and image) and shows them (progress sheet, trackers) -> their paths."""
     import diffusers
     # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
     model, unwrapped = (run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer),
@@ -1701,7 +1702,7 @@ def run_validation(args, accelerator, run, prompt, tag, step):
         text_encoder=None, tokenizer=None, transformer=model, **extra)
     pipeline.set_progress_bar_config(disable=True)
     condition = run.data.condition[0] if run.data.condition is not None else None
-    folder, specs = Path(args.output_dir, "validation"), validation_specs(args, run.data, prompt)
+    folder, specs = Path(args.output_dir, "validation"), validation_specs(args, run.data)
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
     made_from = base_record(args, run, specs, scales, condition)  # what makes base-i.png: a change remakes them
     make_base = base_images_missing(accelerator, folder, made_from)
@@ -1745,23 +1746,22 @@ def finish(args, accelerator, run, signum=0):
                             default=lambda: write_lora_files(accelerator, run.transformer, state, args.output_dir,
                                                              dtype, run.hooks))
         logger.info(f"LoRA weights: {Path(args.output_dir, LORA_WEIGHTS_NAME)}")
-    prompt = args.validation_prompt or args.final_validation_prompt
     paths, stopped = [], None
     if signum:
         stopped = TrainingStopped(f"stopped by {signal.Signals(signum).name} at the last step: the LoRA is saved and "
                                   "the model card written without the final images", 128 + signum)
-    elif ((prompt or run.data.specs) and not args.skip_final_inference and args.num_validation_images > 0
+    elif (validation_specs(args, run.data) and not args.skip_final_inference and args.num_validation_images > 0
             and validates_here(accelerator)):
         try:  # a signal here stops the images, not the model card: the LoRA is saved already
             with StopRequest("", interrupt=True):
-                paths = run_validation(args, accelerator, run, prompt, "final", args.max_train_steps)
+                paths = run_validation(args, accelerator, run, "final", args.max_train_steps)
         except TrainingStopped as e:
             stopped = e
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:  # the repository first: the card's snippet loads the LoRA from it
         repo_id = hub_repository(args) if args.push_to_hub and stopped is None else None
         with writing(Path(args.output_dir, "README.md")):
-            write_model_card(args, paths, prompt, run, repo_id)
+            write_model_card(args, paths, run, repo_id)
         if repo_id:
             push_to_hub(args, repo_id)
     if stopped is not None:
@@ -2210,6 +2210,8 @@ def surprising_values(args, hooks=None):
          f"--max_train_steps {args.max_train_steps}: the learning rate never reaches its peak"),
         (args.validation_prompt is not None and args.num_validation_images == 0,
          "--validation_prompt with --num_validation_images 0: no validation images are made"),
+        (args.validation_prompt and args.final_validation_prompt, "--final_validation_prompt is ignored with "
+         "--validation_prompt (as in the diffusers example): every validation, the final one too, uses the latter"),
         (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
     ]
     return [note for surprising, note in notes if surprising] + hooks.collect("notes")
@@ -2500,6 +2502,9 @@ def hold_output_dir(args, accelerator):
             fresh = args.overwrite_output_dir and args.resume_from_checkpoint is None  # the earlier run's go too
             for stale in Path(args.output_dir).glob("checkpoint-*" if fresh else "checkpoint-*.partial*"):
                 shutil.rmtree(stale, ignore_errors=True)
+            if fresh:  # and its validation history (images, progress sheet, scores), which would mix with this run's
+                shutil.rmtree(Path(args.output_dir, "validation"), ignore_errors=True)
+                shutil.rmtree(Path(args.output_dir, "best"), ignore_errors=True)  # option: validation metrics
     if accelerator.num_processes > 1:
         problem = broadcast_object_list([problem])[0]
     if problem:
@@ -3678,13 +3683,13 @@ def tracker_config(args):
     return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()
             if k != "hub_token" and v is not None}
 
-def write_model_card(args, image_paths, prompt, run, repo_id=None):
+def write_model_card(args, image_paths, run, repo_id=None):
     """A local README.md for the LoRA (its snippet loads it from repo_id, pushed to, else --hub_model_id, else here).
     An edit dataset makes an image-to-image LoRA, used with a condition image."""
     dataset, family = run.data.dataset, run.data.family
     edit = bool(dataset.conditions)
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
-    specs = validation_specs(args, run.data, prompt)  # the final images' rows, as run_validation made them
+    specs = validation_specs(args, run.data)  # the final images' rows, as run_validation made them
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
     rows = list(zip(images, validation_rows(specs, scales, len(images) // (len(specs) * len(scales) or 1))))
     widget = "".join(f"- text: {json.dumps(s.prompt)}\n  output:\n    url: {p}\n" for p, (s, x) in rows if x == 1)
@@ -3693,7 +3698,8 @@ def write_model_card(args, image_paths, prompt, run, repo_id=None):
     if images and Path(args.output_dir, "validation", "progress-0.png").is_file():
         gallery += ("\n\nProgress (the base model, then each validation; same noise in every column):\n\n"
                     "![progress](validation/progress-0.png)")
-    shown = prompt or args.instance_prompt or (specs[0].prompt if specs else "...")
+    shown = args.validation_prompt or args.final_validation_prompt or args.instance_prompt or (
+        specs[0].prompt if specs else "...")
     kind = run.hooks.first("adapter_name", default=lambda: "LoRA")
     notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
     guidance = f"guidance_scale={guidance_scale(args, family):g}"  # the pipeline's default is not the run's
@@ -4169,7 +4175,7 @@ class EMA(Option):
     def checkpoint_lora(self, accelerator, run, folder):
         """A checkpoint's portable LoRA is the average too: the weights its column of the progress sheet shows (the
         raw ones, for resuming, are in its training state)."""
-        with self.ema.applied(run.named_params):  # saved inside: on the CPU the state's tensors are the parameters
+        with self.ema.applied(run.named_params):
             save_lora(accelerator, run.transformer, lora_state_dict(accelerator, run.transformer, run.hooks), folder,
                       run_id=run.data.run_id)
         return True
@@ -5865,7 +5871,7 @@ class ValidationMetrics(Option):
         """Whether a validation prompt ([trigger] filled) names the subject as _scores will judge it, before setup
         (--from_manifest's instance prompt is not read yet: without --trigger_word every prompt then does)."""
         hooks, others, args = Hooks(self.args), self._drift_prompts(), self.args
-        prompts = [hooks.chain("prompt", p) for p in (args.validation_prompt, args.final_validation_prompt) if p]
+        prompts = [hooks.chain("prompt", p) for p in [args.validation_prompt or args.final_validation_prompt] if p]
         prompts += [s.prompt for s in option_validation_specs(hooks)]
         return any(p not in others and self._names_subject(p, others) for p in prompts)
 

@@ -154,7 +154,7 @@ def test_trigger_fills_validation_prompts_and_the_file(tmp_path):
     assert args.instance_prompt == "a sks dog"
     data = SimpleNamespace(specs=T.option_validation_specs(hooks))
     assert T.validation_prompts(args, data) == ["a sks dog, oil", "sks at the beach", "a plain prompt"]
-    assert [s.prompt for s in T.validation_specs(args, data, args.validation_prompt)] == T.validation_prompts(args, data)
+    assert [s.prompt for s in T.validation_specs(args, data)] == T.validation_prompts(args, data)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -145,8 +145,9 @@ def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp
 
 
 def test_a_prompts_file_and_a_final_prompt_make_a_sheet_and_a_card_that_work(tiny_model, images, tmp_path):
-    """--validation_prompts_file alone during training, the final validation one row more (--final_validation_prompt):
-    the base images are remade for the final rows and the sheet starts again (it failed on the missing rows); the card
+    """--validation_prompts_file and --final_validation_prompt: the final prompt is a row of every validation (it was
+    the final's alone, whose extra row remade the base images and restarted the sheet), so the sheet keeps the
+    training's columns; the card
     captions each image with its prompt and strength, lists strength 1 in the widget, and its snippet loads the LoHa
     (diffusers' load_lora_weights cannot) with a quoted prompt as valid Python."""
     import yaml
@@ -161,8 +162,9 @@ def test_a_prompts_file_and_a_final_prompt_make_a_sheet_and_a_card_that_work(tin
     folder = out / "validation"
     assert [s["prompt"] for s in json.loads((folder / "base.json").read_text())["specs"]] == [
         "a sks dog in snow", 'a "sks" dog on a beach']
-    assert json.loads((folder / "progress-0.json").read_text())["columns"] == [{"tag": "final", "step": 2}]
-    with Image.open(folder / "progress-0.png") as sheet:  # labels, base, final: four rows
+    assert json.loads((folder / "progress-0.json").read_text())["columns"] == [{"tag": "step-000001", "step": 1},
+                                                                               {"tag": "final", "step": 2}]
+    with Image.open(folder / "progress-0.png") as sheet:  # labels, base, step 1, final: four rows
         assert sheet.height == 14 + 4 * 32 + 4 * 6
     card = (out / "README.md").read_text()
     widget = yaml.safe_load(card.split("---")[1])["widget"]  # strength 1: rows 1 and 3
@@ -176,7 +178,7 @@ def test_a_prompts_file_and_a_final_prompt_make_a_sheet_and_a_card_that_work(tin
     key = next(k for k in written if k.endswith(".hada_w1_a"))
     module = pipe.transformer.get_submodule(key.removeprefix("transformer.").removesuffix(".hada_w1_a"))
     assert torch.equal(module.hada_w1_a["default"].data, written[key])
-    assert "image = pipe('a sks dog in snow')" in code
+    assert "image = pipe('a sks dog in snow', guidance_scale=3.5)" in code
 
 
 def test_dataset_name_accepts_a_local_folder(tiny_model, tmp_path):

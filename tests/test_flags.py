@@ -283,6 +283,7 @@ def test_a_sourceless_run_needs_no_text_encoder_not_even_its_config(tiny_model, 
      "never reaches its peak"),
     (["--validation_prompt", "v", "--num_validation_images", "0"], "no validation images are made"),
     (["--rank", "512"], "trains like a full fine-tune"),
+    (["--validation_prompt", "v", "--final_validation_prompt", "f"], "--final_validation_prompt is ignored"),
     (["--validation_image", "IMAGE"], "--validation_image without --validation_prompt"),
     (["--do_fp8_training"], "2.1 to 2.3 times slower than bf16"),  # measured eager (docs/speed.md); compiled: not measured
 ])

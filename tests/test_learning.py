@@ -316,7 +316,7 @@ def _base_record(*extra, seed=0, condition=None):
     args, run = _validation_run(*extra)
     run.data.seed = seed
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
-    return T.base_record(args, run, T.validation_specs(args, run.data, args.validation_prompt), scales, condition)
+    return T.base_record(args, run, T.validation_specs(args, run.data), scales, condition)
 
 
 def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
@@ -358,7 +358,7 @@ def _card(tmp_path, *extra, images=4):
     args, run = _validation_run("--output_dir", tmp_path, *extra)
     folder = tmp_path / "validation"
     folder.mkdir(exist_ok=True)
-    T.write_model_card(args, [folder / f"final-{i}.png" for i in range(images)], args.validation_prompt, run)
+    T.write_model_card(args, [folder / f"final-{i}.png" for i in range(images)], run)
     return (tmp_path / "README.md").read_text()
 
 
@@ -387,7 +387,7 @@ def test_model_card_captions_each_final_image_with_its_prompt_and_strength(tmp_p
     # the snippet samples as validation did ([dev]: --guidance_scale, not the pipeline's 4) and loads from the Hub
     # repository pushed to, with or without --hub_model_id
     args, run = _validation_run("--output_dir", tmp_path, "--guidance_scale", "2.5")
-    T.write_model_card(args, [], "a sks dog", run, "someone/my-dog-lora")
+    T.write_model_card(args, [], run, "someone/my-dog-lora")
     code = (tmp_path / "README.md").read_text().split("```py\n")[1].split("```")[0]
     assert "pipe('a sks dog', guidance_scale=2.5)" in code
     assert "pipe.load_lora_weights('someone/my-dog-lora', weight_name='pytorch_lora_weights.safetensors')" in code

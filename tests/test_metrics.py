@@ -132,6 +132,8 @@ def test_validations_without_the_scores_keep_best_compares_take_no_part(tmp_path
     (["--trigger_word", "sks", "--validation_prompt", "a photo of [trigger] dog"], True),
     (["--validation_prompt", "a photo of a dog"], False),  # sks, the instance prompt's word the drift prompt lacks
     (["--validation_prompt", "a photo of a dog", "--validation_prompts_file", "PROMPTS"], True),
+    (["--validation_prompt", "a photo of a dog", "--final_validation_prompt", "a photo of sks dog"], False),  # ignored
+    (["--final_validation_prompt", "a photo of sks dog"], True),
 ])
 def test_keep_best_by_subject_without_a_prompt_naming_the_subject_is_refused(tmp_path, flags, named):
     """Known before anything loads: no validation prompt names the subject, so no validation has a subject score."""

@@ -259,6 +259,24 @@ def _lora_file(tiny_model, tmp_path):
     return load_file(str(tmp_path / LORA))
 
 
+def test_a_lora_state_is_a_copy_that_a_later_weight_swap_leaves_alone(tiny_model):
+    """--keep_best with --use_ema takes the scored LoRA while the average is applied and writes it after the raw
+    weights are back: on the CPU `.to("cpu")` returned the parameters themselves, so best/ held the raw weights."""
+    from accelerate import Accelerator
+
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--rank", "2", "--lora_layers",
+                         "attention", "--text_encoder_out_layers", "1", "2"])
+    transformer = T.prepare_transformer(args, Accelerator(cpu=True), T.load_transformer(args, torch.float32))
+    state = T.lora_state_dict(SimpleNamespace(unwrap_model=lambda m: m, distributed_type=None), transformer,
+                              T.Hooks(args))
+    taken = {k: v.clone() for k, v in state.items()}
+    with torch.no_grad():
+        for param in transformer.parameters():
+            if param.requires_grad:
+                param.add_(1.0)  # what the EMA's swap back does to the parameters, in place
+    assert state.keys() == taken.keys() and all(torch.equal(state[k], taken[k]) for k in state)
+
+
 def test_init_lora_files_that_cannot_start_this_run_are_refused_naming_the_file(tiny_model, images, tmp_path):
     state = _lora_file(tiny_model, tmp_path)
     wide = {k: torch.cat([v, v], dim=1) if ".lora_A." in k else v for k, v in state.items()}  # another model's inputs
@@ -492,7 +510,8 @@ def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused_and_overwrite_
                                                                                             tmp_path):
     """Without --resume_from_checkpoint, a run in a folder of an earlier run's checkpoints would overwrite those of the
     same step, rotate its own away while keeping the earlier run's, and hand `latest` the earlier run's: refused, exit
-    2, before models load. --overwrite_output_dir starts over: the earlier checkpoints are deleted."""
+    2, before models load. --overwrite_output_dir starts over: the earlier checkpoints are deleted, and its validation
+    history and best/ (the sheet, the scores and the kept LoRA would mix with the new run's)."""
     out = tmp_path / "out"
     common = ["--max_train_steps", "2", "--checkpointing_steps", "1"]
     for step in (1, 3):  # an earlier run killed before its end: only its checkpoints are left
@@ -501,8 +520,12 @@ def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused_and_overwrite_
     proc = launch(base_args(tiny_model, images, out, *common), check=False)
     assert proc.returncode == 2 and "holds an earlier run's checkpoints (newest: checkpoint-3)" in proc.stderr
     assert "loading the" not in proc.stderr and len(_errors(proc)) == 1, proc.stderr[-2000:]
+    for earlier in ("validation/step-000002-0.png", "validation/metrics.jsonl", "best/pytorch_lora_weights.safetensors"):
+        (out / earlier).parent.mkdir(exist_ok=True)
+        (out / earlier).write_text("the earlier run's")
     launch(base_args(tiny_model, images, out, *common, "--overwrite_output_dir"))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert not (out / "validation").exists() and not (out / "best").exists()
     run = json.loads((out / "checkpoint-2" / T.TRAINER_STATE_NAME).read_text())["run"]
     assert json.loads((out / "checkpoint-1" / T.TRAINER_STATE_NAME).read_text())["run"] == run  # this run's own
 

@@ -147,7 +147,7 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
                 weight_dtype=torch.float32, vae=vae, latent_stats=(mean, std), transformer=transformer, optimizer=None,
                 lr_scheduler=None, sigmas=None, named_params={}, step_config=None,
                 noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"))
-    paths = T.run_validation(args, accelerator, run, "a sks dog", "step-3", 3)
+    paths = T.run_validation(args, accelerator, run, "step-3", 3)
     assert [p.name for p in paths] == ["step-3-0.png", "step-3-1.png"] and all(p.stat().st_size > 0 for p in paths)
     assert transformer.training
     for name, param in transformer.named_parameters():
