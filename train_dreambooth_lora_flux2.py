@@ -320,7 +320,7 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "adapter_config", "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra",
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
-    "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora"}
+    "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -1720,7 +1720,7 @@ def run_validation(args, accelerator, run, tag, step):
     if not accelerator.is_main_process:
         return []
     with writing(folder):
-        folder.mkdir(exist_ok=True)
+        validation_folder(folder, tag, step, run.hooks)
         for name, batch in (("base", base), (tag, images)):
             for i, image in enumerate(batch):
                 image.save(folder / f"{name}-{i}.png")
@@ -3607,6 +3607,19 @@ def record_base_images(folder, made_from, condition):
             Path(folder, "condition.png").unlink(missing_ok=True)
     with writing(Path(folder, "base.json")):
         write_json_atomic(Path(folder, "base.json"), made_from)
+
+def validation_folder(folder, tag, step, hooks):
+    """Make the validation folder. A finished run continued to more steps validates "final" again: the earlier final
+    images become those of a validation at their step, their sheet column and (options) their scores too."""
+    folder.mkdir(exist_ok=True)
+    record = Path(folder, "progress-0.json")
+    columns = json.loads(record.read_text())["columns"] if record.is_file() else []
+    for column in [c for c in columns if c["tag"] == tag == "final" and c["step"] < step]:
+        column["tag"] = f"step-{column['step']:06d}"
+        for image in folder.glob("final-*.png"):
+            image.rename(folder / image.name.replace("final", column["tag"], 1))
+        write_json_atomic(record, {"columns": columns})
+        hooks.each("retagged", folder, "final", column["tag"])
 
 def has_images(folder, tag, count):
     return all(Path(folder, f"{tag}-{i}.png").is_file() for i in range(count))
@@ -5977,6 +5990,15 @@ class ValidationMetrics(Option):
         with writing(out):
             copy_folder(scored / f"step-{best['step']}", out)
         return f"; best ({args.keep_best}): step {best['step']}, in {out}"
+
+    def retagged(self, folder, old, new):
+        """The earlier final validation of a continued run, renamed: its scores follow."""
+        path = Path(folder, "metrics.jsonl")
+        history = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        for entry in (e for e in history if e["tag"] == old):
+            entry.update(tag=new, images=[name.replace(old, new, 1) for name in entry["images"]])
+        if history:
+            write_text_atomic(path, "".join(json.dumps(e) + "\n" for e in history))
 
     def card(self):
         """The model card's table of the run's scores (validation/metrics.jsonl), and which LoRA best/ holds."""

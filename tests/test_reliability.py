@@ -559,3 +559,43 @@ def test_num_train_epochs_with_accumulation_trains_that_many_epochs(tiny_model, 
                      "--checkpointing_steps", "100"))
     rows = [json.loads(line) for line in (out / "logs" / "samples-0.jsonl").read_text().splitlines()]
     assert len(rows) == 12 and {r["epoch"] for r in rows} == {0, 1}
+
+
+def test_a_finished_run_continued_to_more_steps_keeps_its_earlier_final_images_as_a_validation(tiny_model, images,
+                                                                                                tmp_path):
+    """Continuing a finished run (the refusal of a fresh run over its LoRA suggests it) validates "final" again: the
+    earlier final images, their sheet column and their scores become those of a validation at their step (they were
+    overwritten, the column dropped, and metrics.jsonl's earlier entry pointed at the new images)."""
+    out, folder = tmp_path / "out", tmp_path / "out" / "validation"
+    common = ["--validation_prompt", "a photo of sks dog", "--validation_steps", "1", "--num_validation_images", "1",
+              "--checkpointing_steps", "2", "--learning_rate", "1e-2"]
+    launch(base_args(tiny_model, images, out, "--max_train_steps", "2", *common))
+    earlier = (folder / "final-0.png").read_bytes()
+    launch(base_args(tiny_model, images, out, "--max_train_steps", "3", *common, "--resume_from_checkpoint", "latest"))
+    assert json.loads((folder / "progress-0.json").read_text())["columns"] == [
+        {"tag": "step-000001", "step": 1}, {"tag": "step-000002", "step": 2}, {"tag": "final", "step": 3}]
+    assert (folder / "step-000002-0.png").read_bytes() == earlier != (folder / "final-0.png").read_bytes()
+
+
+def test_the_scores_of_a_continued_runs_earlier_final_validation_follow_its_images(tmp_path):
+    """validation_folder renames the earlier final validation (step 2) before the new one (step 5) is saved; the
+    metrics option's history follows, so its entry names the renamed images."""
+    folder = tmp_path / "validation"
+    folder.mkdir()
+    (folder / "final-0.png").write_bytes(b"step 2's")
+    (folder / "progress-0.json").write_text(json.dumps({"columns": [{"tag": "final", "step": 2}]}))
+    entries = [{"step": 0, "tag": "base", "images": ["base-0.png"]},
+               {"step": 2, "tag": "final", "images": ["final-0.png"], "subject": 0.5}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt",
+                         "a photo of sks dog", "--validation_prompt", "a photo of sks dog", "--validation_metrics",
+                         "clip"])
+    T.validation_folder(folder, "final", 5, T.Hooks(args))
+    assert (folder / "step-000002-0.png").read_bytes() == b"step 2's" and not (folder / "final-0.png").exists()
+    assert json.loads((folder / "progress-0.json").read_text())["columns"] == [{"tag": "step-000002", "step": 2}]
+    history = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert history[1] == {"step": 2, "tag": "step-000002", "images": ["step-000002-0.png"], "subject": 0.5}
+    (folder / "final-0.png").write_bytes(b"step 5's")  # the same final again (a resume at its last step): kept
+    (folder / "progress-0.json").write_text(json.dumps({"columns": [{"tag": "final", "step": 5}]}))
+    T.validation_folder(folder, "final", 5, T.Hooks(args))
+    assert (folder / "final-0.png").read_bytes() == b"step 5's" and not (folder / "step-000005-0.png").exists()
