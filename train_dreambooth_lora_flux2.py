@@ -5869,6 +5869,18 @@ class ValidationMetrics(Option):
                               f"{args.metrics_reference_dir} holds no images")):
             refuse(refused, f"--validation_metrics {','.join(names)}: {why}")
 
+    def check_model(self, model):
+        """The scoring models' configs, read before any model loads: a typo, or a Hub id an offline machine has not
+        cached, fails here rather than after precompute."""
+        from transformers import AutoConfig
+        names, args = set(self.args.validation_metrics), self.args
+        for which, source in (("dino", {"subject", "drift"} & names and args.metrics_dino_model),
+                              ("clip", "prompt" in names and args.metrics_clip_model)):
+            try:
+                source and AutoConfig.from_pretrained(source)
+            except OSError as e:
+                raise UsageError(f"--metrics_{which}_model {source}: cannot read its config ({e})") from None
+
     def _drift_prompts(self):
         args = self.args
         if args.metrics_drift_prompts:

@@ -286,3 +286,19 @@ def test_the_history_restarts_when_the_base_images_are_remade(tmp_path, monkeypa
     T.write_json_atomic(tmp_path / "base.json", {"specs": ["a photo of sks dog"], "seed": 2})
     option.validated(accelerator, tmp_path, "step-3", 3, [spec], [1.0], [Image.new("RGB", (16, 16))])
     assert history() == [(0, "base"), (3, "step-3")]
+
+
+def test_a_scoring_model_that_cannot_be_found_is_refused_before_any_model_loads(tiny_model, scorers, tmp_path):
+    """A typo, or a Hub id an offline machine has not cached, failed with a traceback after precompute (the scoring
+    models load at setup): the pre-flight check reads their configs."""
+    dino, clip = scorers
+    make_images(str(tmp_path / "images"))
+    base = ["--pretrained_model_name_or_path", str(tiny_model), "--instance_data_dir", str(tmp_path / "images"),
+            "--instance_prompt", "a photo of sks dog", "--validation_prompt", "a photo of sks dog",
+            "--text_encoder_out_layers", "1", "2", "--validation_metrics", "all", "--class_prompt", "a photo of dog"]
+    T.check_model_fit(T.parse_args([*base, "--metrics_dino_model", str(dino), "--metrics_clip_model", str(clip)]))
+    for which, missing in (("dino", "someone/no-such-dinov2"), ("clip", "someone/no-such-clip")):
+        other = ["--metrics_clip_model", str(clip)] if which == "dino" else ["--metrics_dino_model", str(dino)]
+        args = T.parse_args([*base, f"--metrics_{which}_model", missing, *other])
+        with pytest.raises(T.UsageError, match=f"--metrics_{which}_model {missing}: cannot read its config"):
+            T.check_model_fit(args)
