@@ -191,6 +191,16 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
     return proc
 
 
+@pytest.fixture(autouse=True)
+def learning_runs_forked(monkeypatch):
+    """tests/learning.py's quiet training runs (the learning, edit-learning and preservation tests: six runs, most of
+    500 to 1,000 steps) go through launch(): the same command and environment, forked from the zygote instead of a fresh
+    interpreter that imports the script's libraries again."""
+    from tests import learning
+
+    monkeypatch.setattr(learning, "QUIET_LAUNCH", lambda args: launch(args, check=False, timeout=1800))
+
+
 @pytest.fixture
 def checkpoint_run(tiny_model):
     """What save_checkpoint needs: an accelerator and a run with a LoRA transformer, optimizer and schedule."""
