@@ -2804,7 +2804,13 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
         from datasets import load_dataset
     except ImportError:
         raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
-    split = load_dataset(name, config, cache_dir=cache_dir)["train"]
+    try:
+        splits = load_dataset(name, config, cache_dir=cache_dir)
+    except (FileNotFoundError, ConnectionError, ValueError) as e:  # a wrong name or config, no data, no network
+        raise UsageError(f"--dataset_name {name}{f' (config {config})' if config else ''}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    refuse("train" not in splits, f"--dataset_name {name}: no train split (splits: {', '.join(splits)})")
+    split = splits["train"]
     for flag_name, column in (("--image_column", image_column), ("--caption_column", caption_column),
                               ("--cond_image_column", cond_column)):
         refuse(column is not None and column not in split.column_names,
