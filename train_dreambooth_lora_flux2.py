@@ -1980,7 +1980,7 @@ def config_tokens(argv):
         raise UsageError(f"--config {path}: {e}") from None
     return tokens + argv
 
-def resolved_config(args, seed, max_train_steps=None, run_id=None):
+def resolved_config(args, seed, accelerator, max_train_steps=None, run_id=None):
     """Every flag's final value (what the family, the options and the manifest resolved included, never the Hub
     token), the seed used and the script's version: a --config file that repeats the run."""
     config = {}
@@ -1990,13 +1990,14 @@ def resolved_config(args, seed, max_train_steps=None, run_id=None):
             config[action.dest] = list(value) if isinstance(value, tuple) else value
     config.update(resolution=",".join(map(str, args.resolutions)), seed=seed,
                   max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
+    config["mixed_precision"] = accelerator.mixed_precision  # without the flag, accelerate's config or environment's
     return {**config, "run": run_id} if run_id else config
 
 def write_config(args, data, folder, accelerator, run_id=None):
     """<folder>/config.yaml: the resolved config (a checkpoint's carries its run's identity)."""
     import yaml
     if accelerator.is_main_process:
-        config = resolved_config(args, data.seed, run_id=run_id)
+        config = resolved_config(args, data.seed, accelerator, run_id=run_id)
         Path(folder, "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
 def print_config(args, seed, batches, accelerator):
@@ -2004,7 +2005,8 @@ def print_config(args, seed, batches, accelerator):
     import yaml
     steps = args.max_train_steps or optimizer_steps(args.num_train_epochs, batches, args.gradient_accumulation_steps)
     if accelerator.is_main_process:
-        print(yaml.safe_dump(resolved_config(args, seed, steps), sort_keys=False, allow_unicode=True), end="")
+        config = resolved_config(args, seed, accelerator, steps)
+        print(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), end="")
     raise SystemExit(0)
 
 def parse_buckets(text):

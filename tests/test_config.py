@@ -111,6 +111,14 @@ def test_print_config_prints_the_resolved_flags_before_any_model_loads(configure
     assert "loading the" not in configured.printed.stderr and not (configured.root / "printed" / LORA).exists()
 
 
+def test_the_resolved_config_records_the_precision_accelerate_gave(tiny_model, images, tmp_path):
+    """Without --mixed_precision the Accelerator takes accelerate's (its config, ACCELERATE_MIXED_PRECISION): the
+    config recorded null, and a run repeated from it trained in float32."""
+    printed = launch([*base_args(tiny_model, images, tmp_path / "out"), "--print_config"],
+                     env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert yaml.safe_load(printed.stdout)["mixed_precision"] == "bf16"
+
+
 def test_a_checkpoint_whose_config_another_run_wrote_is_refused(configured, tmp_path):
     mixed = tmp_path / "checkpoint-2"
     shutil.copytree(configured.root / "first" / "checkpoint-2", mixed)
