@@ -1807,11 +1807,12 @@ def main(argv=None):
 # The command line: what a flag accepts, --help, one-line errors
 
 class Accepts:
-    """A flag's type=: `convert` turns the text into a value ("invalid int value" when it cannot), `ok(value)` says
-    whether the flag takes it, `what` says what it takes: --help shows it, a refusal quotes it."""
+    """A flag's type=: `convert` turns the text into a value, `ok(value)` says whether the flag takes it, `what` says
+    what it takes: --help shows it, a refusal quotes it. `text(value)`: the text config.yaml records, where the value
+    is not one `convert` reads back (a size in bytes)."""
 
-    def __init__(self, what, ok=None, convert=str):
-        self.what, self.ok, self.convert, self.__name__ = what, ok, convert, convert.__name__
+    def __init__(self, what, ok=None, convert=str, text=None):
+        self.what, self.ok, self.convert, self.text, self.__name__ = what, ok, convert, text, convert.__name__
 
     def __call__(self, text):
         return self.convert(text)
@@ -1919,15 +1920,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
     def _get_value(self, action, text):
-        value, rule = super()._get_value(action, text), action.type
+        rule, shown = action.type, text if text.isprintable() else repr(text)  # one line, whatever the value holds
+        try:
+            value = super()._get_value(action, text)
+        except argparse.ArgumentError:  # "invalid memory_size value": say what the flag takes
+            refuse(isinstance(rule, Accepts), f"{action.option_strings[0]} {shown}: expected {rule.what}")
+            raise
         if isinstance(rule, Accepts) and rule.ok is not None and text is not action.default:
             try:
                 ok = rule.ok(value)
             except (TypeError, ValueError, OSError, RuntimeError):
                 ok = False
-            if not ok:
-                shown = text if text.isprintable() else repr(text)  # one line, whatever the value holds
-                raise UsageError(f"{action.option_strings[0]} {shown}: expected {rule.what}")
+            refuse(not ok, f"{action.option_strings[0]} {shown}: expected {rule.what}")
         return value
 
 CONFIG_KEYS = ("version", "run")  # what a resolved config holds besides flags
@@ -1987,7 +1991,8 @@ def resolved_config(args, seed, accelerator, max_train_steps=None, run_id=None):
     for action in build_parser()._actions:
         value = vars(args).get(action.dest)
         if action.option_strings and action.dest not in ("help", "config", "print_config", "hub_token"):
-            config[action.dest] = list(value) if isinstance(value, tuple) else value
+            to_text = getattr(action.type, "text", None) if value is not None else None
+            config[action.dest] = to_text(value) if to_text else list(value) if isinstance(value, tuple) else value
     config.update(resolution=",".join(map(str, args.resolutions)), seed=seed,
                   max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
     config["mixed_precision"] = accelerator.mixed_precision  # without the flag, accelerate's config or environment's
@@ -5296,6 +5301,10 @@ def memory_size(text):
         raise ValueError(text)
     return int(float(m.group(1)) * GIB)
 
+def size_text(size):
+    """memory_size's inverse (config.yaml): bytes / 2^30 in decimal has at most 30 places, so this one is exact."""
+    return f"{size / GIB:.30f}".rstrip("0").rstrip(".") + "GiB"
+
 def fits_card(peak, card):
     return peak * PLAN_MARGIN[0] + PLAN_MARGIN[1] <= card
 
@@ -5517,9 +5526,9 @@ class MemoryPlan(Option):
     flags = [
         flag("--memory_plan", choices=["off", "auto"], default="off", help="auto: checkpointing, block swapping, NF4 "
              "weights and the text encoder's precision chosen to fit this GPU, fastest first; your flags stay."),
-        flag("--gpu_memory", type=Accepts("a size such as 24GB", lambda v: v > 0, memory_size),
+        flag("--gpu_memory", type=Accepts("a size in GB or GiB, e.g. 24GB", lambda v: v > 0, memory_size, size_text),
              help="Plan for a card of this size instead of this machine's free GPU memory."),
-        flag("--host_memory", type=Accepts("a size such as 64GB", lambda v: v > 0, memory_size),
+        flag("--host_memory", type=Accepts("a size in GB or GiB, e.g. 64GB", lambda v: v > 0, memory_size, size_text),
              help="Plan for this much free host RAM (swapped blocks' pinned memory); default: what is free here."),
         flag("--plan_only", action="store_true", help="Print the plan (every candidate, its estimated peak) and stop.")]
 

@@ -65,6 +65,17 @@ def test_a_config_file_that_is_not_one_is_refused(tmp_path):
             T.parse_args(["--config", str(tmp_path / name), "--pretrained_model_name_or_path", "m"])
 
 
+def test_sizes_in_a_resolved_config_read_back_as_the_same_bytes(tmp_path):
+    """config.yaml recorded --gpu_memory in bytes, which the flag read back as GiB (25769803776.0 GiB)."""
+    given = ["--pretrained_model_name_or_path", "m", "--memory_plan", "auto", "--gpu_memory", "24.3GB",
+             "--host_memory", "64GB"]
+    args = T.parse_args(given)
+    config = _write(tmp_path / "config.yaml", T.resolved_config(args, 0, SimpleNamespace(mixed_precision="no")))
+    assert "host_memory: 64GiB" in config.read_text()
+    again = T.parse_args(["--config", str(config)])
+    assert (again.gpu_memory, again.host_memory) == (args.gpu_memory, args.host_memory) == (int(24.3 * 2**30), 64 * 2**30)
+
+
 @pytest.fixture(scope="module")
 def configured(tiny_model, tmp_path_factory):
     """A run given as a config file, without --seed (drawn), then repeated from the config it wrote."""

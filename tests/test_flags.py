@@ -4,6 +4,7 @@ that enumerates the parser, and damaged checkpoints refused (by path) or skipped
 import argparse
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -308,8 +309,16 @@ def test_a_bad_flag_exits_2_with_one_line_before_anything_loads(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--pretrained_model_name_or_path", "nobody/model",
                            "--instance_data_dir", str(tmp_path), "--instance_prompt", "p", "--repeats", "x"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
-    assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: argument --repeats: invalid int value: 'x' (see --help)"), proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --repeats x: expected an integer >= 1", proc.stderr
+
+
+@pytest.mark.parametrize("flag, value, what", [("gpu_memory", "24000MB", "a size in GB or GiB, e.g. 24GB"),
+                                               ("seed", "1.5", "an integer from 0 to 4294967295"),
+                                               ("timestep_shift", "sometimes", "none, auto or a number > 0")])
+def test_a_value_that_is_not_even_of_the_flags_kind_is_told_what_it_accepts(flag, value, what, places):
+    """argparse said "invalid memory_size value" (a function's name): the refusal says what the flag takes instead."""
+    with pytest.raises(T.UsageError, match=f"^--{flag} {value}: expected {re.escape(what)}$"):
+        _validate(places, flag, value)
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
