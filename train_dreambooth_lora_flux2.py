@@ -255,7 +255,7 @@ def validation_flags(p):
     g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(config_tokens(argv))  # a --config file's flags first: the command line wins
+    args = parse_with_config(argv)  # a --config file's flags first: the command line wins
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
     args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
     args.resolution = max(args.resolutions)
@@ -1912,9 +1912,24 @@ def refuse(condition, message):
     if condition:
         raise UsageError(message)
 
+class Switch(argparse._StoreTrueAction):
+    """action="store_true": on when given bare (the diffusers example's command lines), and it also takes true or
+    false, so the command line can turn off what a --config file turned on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nargs, self.type = "?", Accepts("nothing (on), true or false", None, boolean)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)  # the const (True) when bare
+
 class _Parser(argparse.ArgumentParser):
     """A bad flag is one line and exit 2 (argparse would print its usage of 100 flags first); a refused value names
     the flag, the value and what the flag accepts. A default is not checked: it is the script's own choice."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", "store_true", Switch)  # the groups share the registry: every switch
 
     def error(self, message):
         raise UsageError(f"{message} (see --help)")
@@ -1939,14 +1954,14 @@ VERSION = "2026.11.26"  # written into every resolved config
 
 def config_tokens(argv):
     """--config FILE (YAML, TOML or JSON: flag names, with or without --, - or _, and their values as on the command
-    line; lists for flags of several values, true for switches) -> the file's flags as tokens ahead of argv, so the
-    command line wins and every value meets the parser's own checks. A problem names the file; an unknown key, the
-    nearest flag too."""
+    line; lists for flags of several values, true for switches) -> (FILE, {flag: its tokens}, argv without --config):
+    the file's tokens go ahead of argv, so the command line wins and every value meets the parser's own checks. A
+    problem names the file; an unknown key, the nearest flag too."""
     import difflib
     argv = list(sys.argv[1:] if argv is None else argv)
     i = max((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), default=None)
     if i is None or argv[i:] == ["--config"]:
-        return argv  # none, or no value: argparse says so
+        return None, {}, argv  # none, or no value: argparse says so
     path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -1957,7 +1972,7 @@ def config_tokens(argv):
     refuse(not isinstance(data, dict), f"--config {path}: expected a mapping of flag names to values")
     parser = build_parser()
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-    tokens = []
+    tokens = {}
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
         if name in CONFIG_KEYS or value is None:
@@ -1969,20 +1984,33 @@ def config_tokens(argv):
         action, flag_name = actions[name], actions[name].option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
             refuse(not isinstance(value, bool), f"--config {path}: {flag_name} {value!r}: expected true or false")
-            tokens += [flag_name] if value else []
+            tokens[name] = [flag_name] if value else []
         elif action.nargs in ("+", "*"):
-            tokens += [flag_name, *map(str, value if isinstance(value, list) else [value])]
+            tokens[name] = [flag_name, *map(str, value if isinstance(value, list) else [value])]
         else:
             text = ",".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(
                 value, bool) else str(value)
-            tokens.append(f"{flag_name}={text}")  # with =: a negative number is a value, not a flag
+            tokens[name] = [f"{flag_name}={text}"]  # with =: a negative number is a value, not a flag
     for action in parser._actions:  # the file alone, checked as the command line is (its required flags may follow)
         action.required = False
     try:
-        parser.parse_args(tokens)
+        parser.parse_args([t for flag_tokens in tokens.values() for t in flag_tokens])
     except UsageError as e:
         raise UsageError(f"--config {path}: {e}") from None
-    return tokens + argv
+    return path, tokens, argv
+
+def parse_with_config(argv):
+    """The flags of a --config file, then argv's: argv wins, over the file's settings of an option it turns off too
+    (--memory_plan off): those are dropped (surprising_values warns); its own are kept, refused by validate_args."""
+    path, file_tokens, argv = config_tokens(argv)
+    parser, ignored = build_parser(), ()
+    args = parser.parse_args([t for ts in file_tokens.values() for t in ts] + argv)
+    if file_tokens:
+        ignored = sorted({n for o in OPTIONS for n in o.stray_flags(args)} & set(file_tokens))
+    if ignored:
+        args = parser.parse_args([t for n, ts in file_tokens.items() if n not in ignored for t in ts] + argv)
+        args.config_ignored = (path, ignored)
+    return args
 
 def resolved_config(args, seed, accelerator, max_train_steps=None, run_id=None):
     """Every flag's final value (what the family, the options and the manifest resolved included, never the Hub
@@ -2199,6 +2227,7 @@ def surprising_values(args, hooks=None):
     """Legal values that are probably not what the user meant -> one warning line each (the options' too). hooks: the
     run's options (default: those `args` turns on)."""
     hooks, cores = hooks or Hooks(args), cpu_cores()
+    path, ignored = vars(args).get("config_ignored", (None, []))  # parse_args dropped them
     notes = [
         (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
                                      "empty prompt, so the subject is barely tied to its prompt"),
@@ -2220,6 +2249,7 @@ def surprising_values(args, hooks=None):
         (args.validation_prompt and args.final_validation_prompt, "--final_validation_prompt is ignored with "
          "--validation_prompt (as in the diffusers example): every validation, the final one too, uses the latter"),
         (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
+        (ignored, f"--config {path}: ignored {', '.join('--' + n for n in ignored)} (settings of an option now off)"),
     ]
     return [note for surprising, note in notes if surprising] + hooks.collect("notes")
 
@@ -5522,7 +5552,7 @@ class MemoryPlan(Option):
     start-up, none per step; --plan_only shows every candidate and stops."""
 
     name = "memory plan"
-    switches = ("memory_plan",)
+    switches, requires = ("memory_plan",), "--memory_plan auto"
     flags = [
         flag("--memory_plan", choices=["off", "auto"], default="off", help="auto: checkpointing, block swapping, NF4 "
              "weights and the text encoder's precision chosen to fit this GPU, fastest first; your flags stay."),

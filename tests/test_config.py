@@ -44,6 +44,33 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(suffix, tmp_path):
     assert args.validation_lora_scales == [0.5, 1.0] and args.timestep_shift == "auto" and args.logit_mean == -0.5
 
 
+def test_a_switch_a_config_file_turns_on_is_turned_off_by_the_command_line(tmp_path):
+    """Switches went into the tokens bare: `--use_aspect_ratio_buckets false` was an unrecognized argument."""
+    config = _write(tmp_path / "run.yaml", {"pretrained_model_name_or_path": "m", "use_aspect_ratio_buckets": True,
+                                            "random_flip": True, "cache_latents": True})
+    args = T.parse_args(["--config", str(config), "--use_aspect_ratio_buckets", "false", "--random_flip=no",
+                         "--center_crop", "true"])
+    assert (args.use_aspect_ratio_buckets, args.random_flip, args.cache_latents, args.center_crop) == (False, False,
+                                                                                                        True, True)
+    with pytest.raises(T.UsageError, match=r"^--center_crop maybe: expected nothing \(on\), true or false$"):
+        T.parse_args(["--config", str(config), "--center_crop", "maybe"])
+
+
+def test_an_option_the_command_line_turns_off_drops_the_config_files_settings_of_it(tmp_path):
+    """--memory_plan off over a config with --gpu_memory was refused ("has no effect without --memory_plan"): the
+    command line wins, the file's setting is dropped with a warning; the same setting on the command line is refused."""
+    config = _write(tmp_path / "run.yaml", {"pretrained_model_name_or_path": "m", "instance_data_dir": str(tmp_path),
+                                            "instance_prompt": "p", "memory_plan": "auto", "gpu_memory": "16GB"})
+    args = T.parse_args(["--config", str(config), "--memory_plan", "off"])
+    T.validate_args(args)
+    assert args.gpu_memory is None and args.memory_plan == "off"
+    assert T.surprising_values(args) == [f"--config {config}: ignored --gpu_memory (settings of an option now off)"]
+    with pytest.raises(T.UsageError, match="^--host_memory has no effect without --memory_plan auto$"):
+        T.validate_args(T.parse_args(["--config", str(config), "--memory_plan", "off", "--host_memory", "8GB"]))
+    with pytest.raises(T.UsageError, match="^--gpu_memory has no effect without --memory_plan auto$"):
+        T.validate_args(T.parse_args(["--config", str(config), "--memory_plan", "off", "--gpu_memory", "16GB"]))
+
+
 @pytest.mark.parametrize("data, message", [
     ({"learning_rat": 1e-4}, r"'learning_rat' is not a flag \(did you mean --learning_rate\?\)"),
     ({"rank": 0}, r"--rank 0: expected an integer >= 1"),
