@@ -292,7 +292,7 @@ def validate_args(args, hooks=None):
            "this machine")
     refuse(args.mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported(),
            "--mixed_precision bf16 is not supported by this GPU; use fp16")
-    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir
+    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir and not prints_only(args)
            and args.resume_from_checkpoint is None, f"--output_dir {args.output_dir} already holds a finished LoRA "
            f"({LORA_WEIGHTS_NAME}); choose another folder, pass --overwrite_output_dir, or --resume_from_checkpoint "
            "to continue it")
@@ -2253,11 +2253,15 @@ def surprising_values(args, hooks=None):
     ]
     return [note for surprising, note in notes if surprising] + hooks.collect("notes")
 
+def prints_only(args):
+    """--print_config, --plan_only: they print and stop, so an earlier run's files in --output_dir are no obstacle."""
+    return args.print_config or vars(args).get("plan_only", False)
+
 def find_resume_checkpoint(args):
     """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
     a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
     if args.resume_from_checkpoint is None:  # a fresh run among an earlier run's checkpoints would mix with them
-        found = [] if args.overwrite_output_dir else list_checkpoints(args.output_dir)
+        found = [] if args.overwrite_output_dir or prints_only(args) else list_checkpoints(args.output_dir)
         if found:
             raise UsageError(f"--output_dir {args.output_dir} holds an earlier run's checkpoints (newest: "
                              f"{found[-1].name}); continue it with --resume_from_checkpoint latest, choose another "
@@ -3965,8 +3969,8 @@ class ClassImages(Option):
         flag("--num_class_images", type=positive_int, default=100, help="Class images wanted; all found are used."),
         flag("--prior_loss_weight", type=non_negative, default=1.0, help="Weight of the class images' loss."),
         flag("--sample_batch_size", type=positive_int, default=4, help="Batch size of class-image generation."),
-        flag("--prior_generation_precision", choices=["fp32", "fp16", "bf16"],
-             help="dtype of class-image generation; default: bf16 on a GPU, fp32 on the CPU.")]
+        flag("--prior_generation_precision", choices=["no", "fp32", "fp16", "bf16"],  # no: the diffusers example's
+             help="dtype of class-image generation; default (and no): bf16 on a GPU, fp32 on the CPU.")]
 
     def check(self):
         args = self.args

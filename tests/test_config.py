@@ -157,6 +157,25 @@ def test_the_resolved_config_records_the_precision_accelerate_gave(tiny_model, i
     assert yaml.safe_load(printed.stdout)["mixed_precision"] == "bf16"
 
 
+@pytest.mark.parametrize("printing", [["--print_config"], ["--memory_plan", "auto", "--gpu_memory", "24", "--plan_only"]])
+def test_print_config_and_plan_only_work_in_a_finished_output_folder(printing, tmp_path):
+    """Both only print: an earlier run's LoRA or checkpoints in --output_dir refused them as if they trained."""
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / T.TRAINER_STATE_NAME).write_text("{}")
+    (out / LORA).write_bytes(b"an earlier run's")
+    argv = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", str(tmp_path), "--instance_prompt", "p",
+            "--output_dir", str(out)]
+    for extra in ([], printing):  # a run is refused; printing is not
+        args = T.parse_args(argv + extra)
+        if extra:
+            T.validate_args(args)
+            assert T.find_resume_checkpoint(args) is None
+        else:
+            with pytest.raises(T.UsageError, match="already holds a finished LoRA"):
+                T.validate_args(args)
+
+
 def test_a_checkpoint_whose_config_another_run_wrote_is_refused(configured, tmp_path):
     mixed = tmp_path / "checkpoint-2"
     shutil.copytree(configured.root / "first" / "checkpoint-2", mixed)

@@ -125,6 +125,7 @@ ACCEPTED = {
     "remote_text_encoder_url": ["http://127.0.0.1:8000/predict"], "ema_device": ["cpu"], "aspect_ratio_buckets": ["32,48;48,32"],
     "pretrained_model_name_or_path": ["black-forest-labs/FLUX.2-dev", "FOLDER"], "lora_layers": ["attention,proj_out"],
     "gpu_memory": ["24GB", "24GiB", "24", "7.5 GB"], "host_memory": ["64gb"],
+    "prior_generation_precision": ["no"],  # among the diffusers example's choices: its default precision
 }
 
 
