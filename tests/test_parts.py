@@ -28,12 +28,12 @@ SOURCE = SCRIPT.read_text(encoding="utf-8")
 # file 4,400 before the features filed beside it; with every feature kept they are 1,993, 1,484 and 5,277 (issue 34's
 # run lock, run identities and checks and issue 39's config file are in Part 2; docs/design.md, "Budgets"). These
 # guards hold today's sizes: shortening lowers them; a bug fix that costs lines raises them, saying so in its commit.
-BUDGETS = {"Part 1": 1800, "Part 2": 1993, "Part 3": 1484}
-WHOLE_BUDGET = 5277
+BUDGETS = {"Part 1": 1800, "Part 2": 2040, "Part 3": 1484}
+WHOLE_BUDGET = 5324
 # The options filed beside the restructure land in Part 3 outside its budget, each within the cost it states (its
 # lines): the memory plan is its estimator (moved from benchmarks/gpu_step.py) and its planner; the validation
 # metrics their scores, plot, history and --keep_best
-NEW_OPTIONS = {"memory plan": 426, "validation metrics": 303}
+NEW_OPTIONS = {"memory plan": 430, "validation metrics": 303}
 BANNER = "# " + "-" * 112
 PART_BANNER = "# " + "=" * 112
 # the README's first command, at the tiny model's size: cached latents, checkpoints, step and epoch validations
