@@ -255,7 +255,7 @@ def validation_flags(p):
     g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(config_tokens(argv))  # a --config file's flags first: the command line wins
+    args = parse_with_config(argv)  # a --config file's flags first: the command line wins
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
     args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
     args.resolution = max(args.resolutions)
@@ -292,7 +292,7 @@ def validate_args(args, hooks=None):
            "this machine")
     refuse(args.mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported(),
            "--mixed_precision bf16 is not supported by this GPU; use fp16")
-    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir
+    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir and not prints_only(args)
            and args.resume_from_checkpoint is None, f"--output_dir {args.output_dir} already holds a finished LoRA "
            f"({LORA_WEIGHTS_NAME}); choose another folder, pass --overwrite_output_dir, or --resume_from_checkpoint "
            "to continue it")
@@ -1807,11 +1807,12 @@ def main(argv=None):
 # The command line: what a flag accepts, --help, one-line errors
 
 class Accepts:
-    """A flag's type=: `convert` turns the text into a value ("invalid int value" when it cannot), `ok(value)` says
-    whether the flag takes it, `what` says what it takes: --help shows it, a refusal quotes it."""
+    """A flag's type=: `convert` turns the text into a value, `ok(value)` says whether the flag takes it, `what` says
+    what it takes: --help shows it, a refusal quotes it. `text(value)`: the text config.yaml records, where the value
+    is not one `convert` reads back (a size in bytes)."""
 
-    def __init__(self, what, ok=None, convert=str):
-        self.what, self.ok, self.convert, self.__name__ = what, ok, convert, convert.__name__
+    def __init__(self, what, ok=None, convert=str, text=None):
+        self.what, self.ok, self.convert, self.text, self.__name__ = what, ok, convert, text, convert.__name__
 
     def __call__(self, text):
         return self.convert(text)
@@ -1911,23 +1912,41 @@ def refuse(condition, message):
     if condition:
         raise UsageError(message)
 
+class Switch(argparse._StoreTrueAction):
+    """action="store_true": on when given bare (the diffusers example's command lines), and it also takes true or
+    false, so the command line can turn off what a --config file turned on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nargs, self.type = "?", Accepts("nothing (on), true or false", None, boolean)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)  # the const (True) when bare
+
 class _Parser(argparse.ArgumentParser):
     """A bad flag is one line and exit 2 (argparse would print its usage of 100 flags first); a refused value names
     the flag, the value and what the flag accepts. A default is not checked: it is the script's own choice."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", "store_true", Switch)  # the groups share the registry: every switch
 
     def error(self, message):
         raise UsageError(f"{message} (see --help)")
 
     def _get_value(self, action, text):
-        value, rule = super()._get_value(action, text), action.type
+        rule, shown = action.type, text if text.isprintable() else repr(text)  # one line, whatever the value holds
+        try:
+            value = super()._get_value(action, text)
+        except argparse.ArgumentError:  # "invalid memory_size value": say what the flag takes
+            refuse(isinstance(rule, Accepts), f"{action.option_strings[0]} {shown}: expected {rule.what}")
+            raise
         if isinstance(rule, Accepts) and rule.ok is not None and text is not action.default:
             try:
                 ok = rule.ok(value)
             except (TypeError, ValueError, OSError, RuntimeError):
                 ok = False
-            if not ok:
-                shown = text if text.isprintable() else repr(text)  # one line, whatever the value holds
-                raise UsageError(f"{action.option_strings[0]} {shown}: expected {rule.what}")
+            refuse(not ok, f"{action.option_strings[0]} {shown}: expected {rule.what}")
         return value
 
 CONFIG_KEYS = ("version", "run")  # what a resolved config holds besides flags
@@ -1935,14 +1954,14 @@ VERSION = "2026.11.26"  # written into every resolved config
 
 def config_tokens(argv):
     """--config FILE (YAML, TOML or JSON: flag names, with or without --, - or _, and their values as on the command
-    line; lists for flags of several values, true for switches) -> the file's flags as tokens ahead of argv, so the
-    command line wins and every value meets the parser's own checks. A problem names the file; an unknown key, the
-    nearest flag too."""
+    line; lists for flags of several values, true for switches) -> (FILE, {flag: its tokens}, argv without --config):
+    the file's tokens go ahead of argv, so the command line wins and every value meets the parser's own checks. A
+    problem names the file; an unknown key, the nearest flag too."""
     import difflib
     argv = list(sys.argv[1:] if argv is None else argv)
     i = max((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), default=None)
     if i is None or argv[i:] == ["--config"]:
-        return argv  # none, or no value: argparse says so
+        return None, {}, argv  # none, or no value: argparse says so
     path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -1953,7 +1972,7 @@ def config_tokens(argv):
     refuse(not isinstance(data, dict), f"--config {path}: expected a mapping of flag names to values")
     parser = build_parser()
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-    tokens = []
+    tokens = {}
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
         if name in CONFIG_KEYS or value is None:
@@ -1965,38 +1984,53 @@ def config_tokens(argv):
         action, flag_name = actions[name], actions[name].option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
             refuse(not isinstance(value, bool), f"--config {path}: {flag_name} {value!r}: expected true or false")
-            tokens += [flag_name] if value else []
+            tokens[name] = [flag_name] if value else []
         elif action.nargs in ("+", "*"):
-            tokens += [flag_name, *map(str, value if isinstance(value, list) else [value])]
+            tokens[name] = [flag_name, *map(str, value if isinstance(value, list) else [value])]
         else:
             text = ",".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(
                 value, bool) else str(value)
-            tokens.append(f"{flag_name}={text}")  # with =: a negative number is a value, not a flag
+            tokens[name] = [f"{flag_name}={text}"]  # with =: a negative number is a value, not a flag
     for action in parser._actions:  # the file alone, checked as the command line is (its required flags may follow)
         action.required = False
     try:
-        parser.parse_args(tokens)
+        parser.parse_args([t for flag_tokens in tokens.values() for t in flag_tokens])
     except UsageError as e:
         raise UsageError(f"--config {path}: {e}") from None
-    return tokens + argv
+    return path, tokens, argv
 
-def resolved_config(args, seed, max_train_steps=None, run_id=None):
+def parse_with_config(argv):
+    """The flags of a --config file, then argv's: argv wins, over the file's settings of an option it turns off too
+    (--memory_plan off): those are dropped (surprising_values warns); its own are kept, refused by validate_args."""
+    path, file_tokens, argv = config_tokens(argv)
+    parser, ignored = build_parser(), ()
+    args = parser.parse_args([t for ts in file_tokens.values() for t in ts] + argv)
+    if file_tokens:
+        ignored = sorted({n for o in OPTIONS for n in o.stray_flags(args)} & set(file_tokens))
+    if ignored:
+        args = parser.parse_args([t for n, ts in file_tokens.items() if n not in ignored for t in ts] + argv)
+        args.config_ignored = (path, ignored)
+    return args
+
+def resolved_config(args, seed, accelerator, max_train_steps=None, run_id=None):
     """Every flag's final value (what the family, the options and the manifest resolved included, never the Hub
     token), the seed used and the script's version: a --config file that repeats the run."""
     config = {}
     for action in build_parser()._actions:
         value = vars(args).get(action.dest)
         if action.option_strings and action.dest not in ("help", "config", "print_config", "hub_token"):
-            config[action.dest] = list(value) if isinstance(value, tuple) else value
+            to_text = getattr(action.type, "text", None) if value is not None else None
+            config[action.dest] = to_text(value) if to_text else list(value) if isinstance(value, tuple) else value
     config.update(resolution=",".join(map(str, args.resolutions)), seed=seed,
                   max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
+    config["mixed_precision"] = accelerator.mixed_precision  # without the flag, accelerate's config or environment's
     return {**config, "run": run_id} if run_id else config
 
 def write_config(args, data, folder, accelerator, run_id=None):
     """<folder>/config.yaml: the resolved config (a checkpoint's carries its run's identity)."""
     import yaml
     if accelerator.is_main_process:
-        config = resolved_config(args, data.seed, run_id=run_id)
+        config = resolved_config(args, data.seed, accelerator, run_id=run_id)
         Path(folder, "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
 def print_config(args, seed, batches, accelerator):
@@ -2004,7 +2038,8 @@ def print_config(args, seed, batches, accelerator):
     import yaml
     steps = args.max_train_steps or optimizer_steps(args.num_train_epochs, batches, args.gradient_accumulation_steps)
     if accelerator.is_main_process:
-        print(yaml.safe_dump(resolved_config(args, seed, steps), sort_keys=False, allow_unicode=True), end="")
+        config = resolved_config(args, seed, accelerator, steps)
+        print(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), end="")
     raise SystemExit(0)
 
 def parse_buckets(text):
@@ -2192,6 +2227,7 @@ def surprising_values(args, hooks=None):
     """Legal values that are probably not what the user meant -> one warning line each (the options' too). hooks: the
     run's options (default: those `args` turns on)."""
     hooks, cores = hooks or Hooks(args), cpu_cores()
+    path, ignored = vars(args).get("config_ignored", (None, []))  # parse_args dropped them
     notes = [
         (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
                                      "empty prompt, so the subject is barely tied to its prompt"),
@@ -2213,14 +2249,19 @@ def surprising_values(args, hooks=None):
         (args.validation_prompt and args.final_validation_prompt, "--final_validation_prompt is ignored with "
          "--validation_prompt (as in the diffusers example): every validation, the final one too, uses the latter"),
         (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
+        (ignored, f"--config {path}: ignored {', '.join('--' + n for n in ignored)} (settings of an option now off)"),
     ]
     return [note for surprising, note in notes if surprising] + hooks.collect("notes")
+
+def prints_only(args):
+    """--print_config, --plan_only: they print and stop, so an earlier run's files in --output_dir are no obstacle."""
+    return args.print_config or vars(args).get("plan_only", False)
 
 def find_resume_checkpoint(args):
     """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
     a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
     if args.resume_from_checkpoint is None:  # a fresh run among an earlier run's checkpoints would mix with them
-        found = [] if args.overwrite_output_dir else list_checkpoints(args.output_dir)
+        found = [] if args.overwrite_output_dir or prints_only(args) else list_checkpoints(args.output_dir)
         if found:
             raise UsageError(f"--output_dir {args.output_dir} holds an earlier run's checkpoints (newest: "
                              f"{found[-1].name}); continue it with --resume_from_checkpoint latest, choose another "
@@ -2804,7 +2845,13 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
         from datasets import load_dataset
     except ImportError:
         raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
-    split = load_dataset(name, config, cache_dir=cache_dir)["train"]
+    try:
+        splits = load_dataset(name, config, cache_dir=cache_dir)
+    except (FileNotFoundError, ConnectionError, ValueError) as e:  # a wrong name or config, no data, no network
+        raise UsageError(f"--dataset_name {name}{f' (config {config})' if config else ''}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    refuse("train" not in splits, f"--dataset_name {name}: no train split (splits: {', '.join(splits)})")
+    split = splits["train"]
     for flag_name, column in (("--image_column", image_column), ("--caption_column", caption_column),
                               ("--cond_image_column", cond_column)):
         refuse(column is not None and column not in split.column_names,
@@ -3935,8 +3982,8 @@ class ClassImages(Option):
         flag("--num_class_images", type=positive_int, default=100, help="Class images wanted; all found are used."),
         flag("--prior_loss_weight", type=non_negative, default=1.0, help="Weight of the class images' loss."),
         flag("--sample_batch_size", type=positive_int, default=4, help="Batch size of class-image generation."),
-        flag("--prior_generation_precision", choices=["fp32", "fp16", "bf16"],
-             help="dtype of class-image generation; default: bf16 on a GPU, fp32 on the CPU.")]
+        flag("--prior_generation_precision", choices=["no", "fp32", "fp16", "bf16"],  # no: the diffusers example's
+             help="dtype of class-image generation; default (and no): bf16 on a GPU, fp32 on the CPU.")]
 
     def check(self):
         args = self.args
@@ -5301,6 +5348,10 @@ def memory_size(text):
         raise ValueError(text)
     return int(float(m.group(1)) * GIB)
 
+def size_text(size):
+    """memory_size's inverse (config.yaml): bytes / 2^30 in decimal has at most 30 places, so this one is exact."""
+    return f"{size / GIB:.30f}".rstrip("0").rstrip(".") + "GiB"
+
 def fits_card(peak, card):
     return peak * PLAN_MARGIN[0] + PLAN_MARGIN[1] <= card
 
@@ -5518,13 +5569,13 @@ class MemoryPlan(Option):
     start-up, none per step; --plan_only shows every candidate and stops."""
 
     name = "memory plan"
-    switches = ("memory_plan",)
+    switches, requires = ("memory_plan",), "--memory_plan auto"
     flags = [
         flag("--memory_plan", choices=["off", "auto"], default="off", help="auto: checkpointing, block swapping, NF4 "
              "weights and the text encoder's precision chosen to fit this GPU, fastest first; your flags stay."),
-        flag("--gpu_memory", type=Accepts("a size such as 24GB", lambda v: v > 0, memory_size),
+        flag("--gpu_memory", type=Accepts("a size in GB or GiB, e.g. 24GB", lambda v: v > 0, memory_size, size_text),
              help="Plan for a card of this size instead of this machine's free GPU memory."),
-        flag("--host_memory", type=Accepts("a size such as 64GB", lambda v: v > 0, memory_size),
+        flag("--host_memory", type=Accepts("a size in GB or GiB, e.g. 64GB", lambda v: v > 0, memory_size, size_text),
              help="Plan for this much free host RAM (swapped blocks' pinned memory); default: what is free here."),
         flag("--plan_only", action="store_true", help="Print the plan (every candidate, its estimated peak) and stop.")]
 

@@ -16,11 +16,13 @@ DOC = ROOT / "docs" / "flags.md"
 
 
 def accepts(action):
+    if isinstance(action, argparse._StoreTrueAction):  # a --config file's true is undone by `--flag false`
+        return "on or off (a switch: bare or true, or false)"
     if isinstance(action.type, T.Accepts):
         return action.type.what
     if action.choices:
         return "one of " + ", ".join(action.choices)
-    return "on or off (a switch)" if isinstance(action, argparse._StoreTrueAction) else "any text"
+    return "any text"
 
 
 def cell(text):

@@ -44,6 +44,33 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(suffix, tmp_path):
     assert args.validation_lora_scales == [0.5, 1.0] and args.timestep_shift == "auto" and args.logit_mean == -0.5
 
 
+def test_a_switch_a_config_file_turns_on_is_turned_off_by_the_command_line(tmp_path):
+    """Switches went into the tokens bare: `--use_aspect_ratio_buckets false` was an unrecognized argument."""
+    config = _write(tmp_path / "run.yaml", {"pretrained_model_name_or_path": "m", "use_aspect_ratio_buckets": True,
+                                            "random_flip": True, "cache_latents": True})
+    args = T.parse_args(["--config", str(config), "--use_aspect_ratio_buckets", "false", "--random_flip=no",
+                         "--center_crop", "true"])
+    assert (args.use_aspect_ratio_buckets, args.random_flip, args.cache_latents, args.center_crop) == (False, False,
+                                                                                                        True, True)
+    with pytest.raises(T.UsageError, match=r"^--center_crop maybe: expected nothing \(on\), true or false$"):
+        T.parse_args(["--config", str(config), "--center_crop", "maybe"])
+
+
+def test_an_option_the_command_line_turns_off_drops_the_config_files_settings_of_it(tmp_path):
+    """--memory_plan off over a config with --gpu_memory was refused ("has no effect without --memory_plan"): the
+    command line wins, the file's setting is dropped with a warning; the same setting on the command line is refused."""
+    config = _write(tmp_path / "run.yaml", {"pretrained_model_name_or_path": "m", "instance_data_dir": str(tmp_path),
+                                            "instance_prompt": "p", "memory_plan": "auto", "gpu_memory": "16GB"})
+    args = T.parse_args(["--config", str(config), "--memory_plan", "off"])
+    T.validate_args(args)
+    assert args.gpu_memory is None and args.memory_plan == "off"
+    assert T.surprising_values(args) == [f"--config {config}: ignored --gpu_memory (settings of an option now off)"]
+    with pytest.raises(T.UsageError, match="^--host_memory has no effect without --memory_plan auto$"):
+        T.validate_args(T.parse_args(["--config", str(config), "--memory_plan", "off", "--host_memory", "8GB"]))
+    with pytest.raises(T.UsageError, match="^--gpu_memory has no effect without --memory_plan auto$"):
+        T.validate_args(T.parse_args(["--config", str(config), "--memory_plan", "off", "--gpu_memory", "16GB"]))
+
+
 @pytest.mark.parametrize("data, message", [
     ({"learning_rat": 1e-4}, r"'learning_rat' is not a flag \(did you mean --learning_rate\?\)"),
     ({"rank": 0}, r"--rank 0: expected an integer >= 1"),
@@ -63,6 +90,17 @@ def test_a_config_file_that_is_not_one_is_refused(tmp_path):
     for name, message in (("list.yaml", "expected a mapping of flag names to values"), ("broken.json", "JSONDecodeError")):
         with pytest.raises(T.UsageError, match=f"--config .*{name}: {message}"):
             T.parse_args(["--config", str(tmp_path / name), "--pretrained_model_name_or_path", "m"])
+
+
+def test_sizes_in_a_resolved_config_read_back_as_the_same_bytes(tmp_path):
+    """config.yaml recorded --gpu_memory in bytes, which the flag read back as GiB (25769803776.0 GiB)."""
+    given = ["--pretrained_model_name_or_path", "m", "--memory_plan", "auto", "--gpu_memory", "24.3GB",
+             "--host_memory", "64GB"]
+    args = T.parse_args(given)
+    config = _write(tmp_path / "config.yaml", T.resolved_config(args, 0, SimpleNamespace(mixed_precision="no")))
+    assert "host_memory: 64GiB" in config.read_text()
+    again = T.parse_args(["--config", str(config)])
+    assert (again.gpu_memory, again.host_memory) == (args.gpu_memory, args.host_memory) == (int(24.3 * 2**30), 64 * 2**30)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +147,33 @@ def test_print_config_prints_the_resolved_flags_before_any_model_loads(configure
     assert printed["text_encoder_out_layers"] == [1, 2] and printed["max_train_steps"] == 4
     assert isinstance(printed["seed"], int) and printed["output_dir"].endswith("printed")
     assert "loading the" not in configured.printed.stderr and not (configured.root / "printed" / LORA).exists()
+
+
+def test_the_resolved_config_records_the_precision_accelerate_gave(tiny_model, images, tmp_path):
+    """Without --mixed_precision the Accelerator takes accelerate's (its config, ACCELERATE_MIXED_PRECISION): the
+    config recorded null, and a run repeated from it trained in float32."""
+    printed = launch([*base_args(tiny_model, images, tmp_path / "out"), "--print_config"],
+                     env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert yaml.safe_load(printed.stdout)["mixed_precision"] == "bf16"
+
+
+@pytest.mark.parametrize("printing", [["--print_config"], ["--memory_plan", "auto", "--gpu_memory", "24", "--plan_only"]])
+def test_print_config_and_plan_only_work_in_a_finished_output_folder(printing, tmp_path):
+    """Both only print: an earlier run's LoRA or checkpoints in --output_dir refused them as if they trained."""
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / T.TRAINER_STATE_NAME).write_text("{}")
+    (out / LORA).write_bytes(b"an earlier run's")
+    argv = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", str(tmp_path), "--instance_prompt", "p",
+            "--output_dir", str(out)]
+    for extra in ([], printing):  # a run is refused; printing is not
+        args = T.parse_args(argv + extra)
+        if extra:
+            T.validate_args(args)
+            assert T.find_resume_checkpoint(args) is None
+        else:
+            with pytest.raises(T.UsageError, match="already holds a finished LoRA"):
+                T.validate_args(args)
 
 
 def test_a_checkpoint_whose_config_another_run_wrote_is_refused(configured, tmp_path):

@@ -4,6 +4,8 @@ that enumerates the parser, and damaged checkpoints refused (by path) or skipped
 import argparse
 import json
 import logging
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -122,7 +124,8 @@ ACCEPTED = {
     "precompute_cache_dir": ["none", "NEW", "FILE", "UNDER_FILE"], "output_dir": ["NEW"], "resume_from_checkpoint": ["latest"],
     "remote_text_encoder_url": ["http://127.0.0.1:8000/predict"], "ema_device": ["cpu"], "aspect_ratio_buckets": ["32,48;48,32"],
     "pretrained_model_name_or_path": ["black-forest-labs/FLUX.2-dev", "FOLDER"], "lora_layers": ["attention,proj_out"],
-    "gpu_memory": ["24GB", "24GiB", "24", "7.5 GB"], "host_memory": ["64gb"]
+    "gpu_memory": ["24GB", "24GiB", "24", "7.5 GB"], "host_memory": ["64gb"],
+    "prior_generation_precision": ["no"],  # among the diffusers example's choices: its default precision
 }
 
 
@@ -308,8 +311,32 @@ def test_a_bad_flag_exits_2_with_one_line_before_anything_loads(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--pretrained_model_name_or_path", "nobody/model",
                            "--instance_data_dir", str(tmp_path), "--instance_prompt", "p", "--repeats", "x"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
-    assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: argument --repeats: invalid int value: 'x' (see --help)"), proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --repeats x: expected an integer >= 1", proc.stderr
+
+
+@pytest.mark.parametrize("flag, value, what", [("gpu_memory", "24000MB", "a size in GB or GiB, e.g. 24GB"),
+                                               ("seed", "1.5", "an integer from 0 to 4294967295"),
+                                               ("timestep_shift", "sometimes", "none, auto or a number > 0")])
+def test_a_value_that_is_not_even_of_the_flags_kind_is_told_what_it_accepts(flag, value, what, places):
+    """argparse said "invalid memory_size value" (a function's name): the refusal says what the flag takes instead."""
+    with pytest.raises(T.UsageError, match=f"^--{flag} {value}: expected {re.escape(what)}$"):
+        _validate(places, flag, value)
+
+
+def test_the_diffusers_examples_command_line_parses_as_before(monkeypatch, tmp_path):
+    """Switches take an optional true or false (to undo a --config file's true): the diffusers example's README gives
+    them bare, each followed by another flag (its first command, /work/shared/reference/diffusers-README_flux2.md)."""
+    command = shlex.split("""--pretrained_model_name_or_path=m --instance_data_dir=. --output_dir=out
+        --do_fp8_training --gradient_checkpointing --remote_text_encoder --cache_latents
+        --instance_prompt="a photo of sks dog" --resolution=1024 --train_batch_size=1 --guidance_scale=1 --use_8bit_adam
+        --gradient_accumulation_steps=4 --optimizer="adamW" --learning_rate=1e-4 --report_to="wandb"
+        --lr_scheduler="constant" --lr_warmup_steps=100 --max_train_steps=500
+        --validation_prompt="A photo of sks dog in a bucket" --validation_epochs=25 --seed="0" --push_to_hub""")
+    monkeypatch.chdir(tmp_path)
+    args = T.parse_args(command)
+    switches = [a[2:] for a in command if "=" not in a]
+    assert len(switches) == 6 and all(vars(args)[name] is True for name in switches)
+    assert (args.instance_prompt, args.resolution, args.optimizer) == ("a photo of sks dog", 1024, "adamw")
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints

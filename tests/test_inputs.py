@@ -268,6 +268,24 @@ def test_bad_dataset_rows_or_column_exit_2_naming_them(case, tmp_path):
         assert f"row 2 ({folder / 'c.png'}): cannot identify image file" in proc.stderr
 
 
+@pytest.mark.parametrize("case, message", [
+    ("missing", "FileNotFoundError: Couldn't find any data file"), ("empty", "EmptyDatasetError"),
+    ("offline", "ConnectionError: Couldn't reach 'nobody/no-such-dataset'"),
+    ("no_train", "no train split (splits: test)"),
+    ("bad_config", "(config nope): ValueError: BuilderConfig 'nope' not found")])
+def test_unusable_dataset_name_is_one_message_naming_the_flag(case, message, tmp_path):
+    pytest.importorskip("datasets")
+    name, config = tmp_path / "ds", "nope" if case == "bad_config" else None
+    if case in ("empty", "no_train", "bad_config"):
+        (name / "test").mkdir(parents=True)
+    if case in ("no_train", "bad_config"):
+        Image.new("RGB", (24, 16)).save(name / "test" / "a.png")
+    name = "nobody/no-such-dataset" if case == "offline" else str(name)  # conftest: HF_HUB_OFFLINE
+    with pytest.raises(T.UsageError) as error:
+        T.load_hf_dataset(name, config, "image", None, str(tmp_path / "hf"))
+    assert str(error.value).startswith(f"--dataset_name {name}") and message in str(error.value), error.value
+
+
 def _masked_folder(folder):
     """Four 64x40 images: a mask at half scale, one a pixel off, one corrupt, one of the transposed shape."""
     folder.mkdir()
