@@ -18,6 +18,11 @@ the distance between the base model's and the LoRA's samples for the class promp
 
     python tests/learning.py --preservation OUT_DIR [trainer flags...]
 
+The three base models' trained VAEs and transformers are shipped in tests/data/learning (base_model() copies them, a
+second instead of a minute each); after changing how they are built, regenerate them (about 3 CPU-minutes):
+
+    python tests/learning.py --write-base-models
+
 The distance is measured in the space the transformer denoises: the subject image VAE-encoded (posterior mean),
 patchified, batch-norm normalised and packed into tokens, exactly as the pipeline holds its latents before decoding
 (output_type="latent"). Everything here uses diffusers directly, never the trainer's helpers, so a bug in the
@@ -163,6 +168,105 @@ def build_two_class_model(path, vae_steps=300, steps=1000, batch_size=16, num_im
     names = [("dog", "cat")[i % 2] for i in range(num_images)]
     images = [draw_class(name, rng, size) for name in names]
     return pretrain(path, images, [CLASS_PROMPTS[name] for name in names], vae_steps, steps, batch_size, size)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The base models shipped as test data: tests/data/learning/<name>/ holds the vae/ and transformer/ that the builder
+# above trains (about 2 minutes on two cores for the three), and build.json the digest of the builder's source and
+# arguments they were trained by. base_model() copies them over build_tiny_flux2's folder when the digest matches, and
+# builds as before (saying how to regenerate) when it does not; tests/test_learning.py fails while they are stale.
+
+DATA = ROOT / "tests" / "data" / "learning"
+REGENERATE = "python tests/learning.py --write-base-models"
+
+
+def base_models():
+    """{name: (builder, its keyword arguments)}: the three base models the learning tests use."""
+    return {"tiny-flux2": (build_base_model, {}),  # tests/test_learning.py, `make demo`
+            "tiny-flux2-64": (build_base_model, {"size": EDIT_RESOLUTION}),  # tests/test_edit_learning.py
+            "tiny-flux2-two-class": (build_two_class_model, {})}  # tests/test_preservation.py
+
+
+def builder_digest(name):
+    """sha256 of everything in this repository that decides the trained weights of base model `name`: the source of
+    the builders, pretraining and drawing functions, of the [dev] text encoder and tokenizer build_tiny_flux2 writes
+    (train_generator's captions go through them), the constants they read, and the builder's arguments. The vae and
+    transformer build_tiny_flux2 writes are replaced, so its TRANSFORMER and VAE configs do not count."""
+    import hashlib
+    import inspect
+    import json
+
+    from tests import tiny_flux2
+
+    builder, kwargs = base_models()[name]
+    functions = (build_base_model, build_two_class_model, pretrain, train_autoencoder, train_generator, encode,
+                 pixels_of, draw_scene, draw_cat, draw_class, tiny_flux2.build_tiny_flux2, tiny_flux2.dev_text_config,
+                 tiny_flux2.build_tokenizer, tiny_flux2._train_bpe, tiny_flux2._corpus)
+    constants = (RESOLUTION, EDIT_RESOLUTION, CLASS_PROMPTS, TEXT_ENCODER_OUT_LAYERS, MAX_SEQUENCE_LENGTH,
+                 tiny_flux2.TEXT_HIDDEN_SIZE, tiny_flux2.VOCAB_SIZE, tiny_flux2.SPECIAL_TOKENS,
+                 tiny_flux2.CHAT_TEMPLATE, tiny_flux2._WORDS, tiny_flux2.IMAGE_SPECS)
+    text = json.dumps({"builder": builder.__name__, "kwargs": kwargs, "constants": [repr(c) for c in constants],
+                       "sources": [inspect.getsource(f) for f in functions]}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def shipped_digest(name):
+    """The digest build.json records beside the shipped weights of `name`, or None if there are none."""
+    import json
+
+    record = DATA / name / "build.json"
+    return json.loads(record.read_text())["digest"] if record.is_file() else None
+
+
+def base_model(name, path):
+    """Base model `name` (base_models()) at `path`; returns `path`. build_tiny_flux2's folder with the shipped vae/ and
+    transformer/ copied in, a second or two, when they were trained by the current builder (builder_digest);
+    otherwise built as before (about 35 to 55 s on two cores), with a warning naming the command that regenerates
+    them."""
+    import shutil
+    import warnings
+
+    builder, kwargs = base_models()[name]
+    if shipped_digest(name) != builder_digest(name):
+        warnings.warn(f"tests/data/learning/{name} is missing or was trained by another builder: building it (about "
+                      f"a minute); regenerate the shipped base models with `{REGENERATE}`", stacklevel=2)
+        return builder(path, **kwargs)
+    build_tiny_flux2(str(path))  # text encoder, tokenizer, scheduler and model_index.json
+    for part in ("vae", "transformer"):
+        shutil.rmtree(Path(path, part))
+        shutil.copytree(DATA / name / part, Path(path, part))
+    return path
+
+
+def write_base_models(names=None):
+    """`python tests/learning.py --write-base-models [NAME...]`: train the base models (all, or those named) with one
+    math thread, as each `make test` worker does, and write their vae/, transformer/ and build.json under DATA."""
+    import json
+    import shutil
+    import tempfile
+    import time
+
+    import diffusers
+    import transformers
+
+    torch.set_num_threads(1)
+    for name in names or base_models():
+        builder, kwargs = base_models()[name]
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.monotonic()
+            builder(Path(tmp, name), **kwargs)
+            seconds = time.monotonic() - start
+            target = DATA / name
+            shutil.rmtree(target, ignore_errors=True)
+            for part in ("vae", "transformer"):
+                shutil.copytree(Path(tmp, name, part), target / part)
+        record = {"digest": builder_digest(name), "builder": builder.__name__, "kwargs": kwargs,
+                  "regenerate": REGENERATE,
+                  "trained_with": {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                                   "transformers": transformers.__version__, "threads": torch.get_num_threads()}}
+        (target / "build.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+        print(f"{name}: built in {seconds:.0f} s, {size / 1e6:.2f} MB in {target}", flush=True)
 
 
 def pixels_of(images):
@@ -417,8 +521,8 @@ def two_class_model(out):
     """`out`/tiny-flux2-two-class, built once."""
     model = Path(out) / "tiny-flux2-two-class"
     if not (model / "model_index.json").is_file():
-        print(f"building a tiny two-class FLUX.2 [dev] base model in {model} (once)", flush=True)
-        build_two_class_model(model)
+        print(f"a tiny two-class FLUX.2 [dev] base model in {model} (once)", flush=True)
+        base_model("tiny-flux2-two-class", model)
     return model
 
 
@@ -508,8 +612,8 @@ def main_edit(out, *flags):
     out = Path(out)
     model = out / "tiny-flux2-64"
     if not (model / "model_index.json").is_file():
-        print(f"building a tiny FLUX.2 [dev] base model at {EDIT_RESOLUTION} px in {model} (once)", flush=True)
-        build_base_model(model, size=EDIT_RESOLUTION)
+        print(f"a tiny FLUX.2 [dev] base model at {EDIT_RESOLUTION} px in {model} (once)", flush=True)
+        base_model("tiny-flux2-64", model)
     conditions, targets = make_edit_pairs(out / "pairs")
     base, lora, copied = edit_learning_figure(model, conditions, targets, out / "edit-output", *flags, quiet=False)
     print(f"\nlatent distance of the edit to the targets: base {base:.3f} -> LoRA {lora:.3f} ({base / lora:.1f}x "
@@ -521,8 +625,8 @@ def main(out, *flags):
     out = Path(out)
     model = out / "tiny-flux2"
     if not (model / "model_index.json").is_file():
-        print(f"building a tiny FLUX.2 [dev] base model in {model} (once)", flush=True)
-        build_base_model(model)
+        print(f"a tiny FLUX.2 [dev] base model in {model} (once)", flush=True)
+        base_model("tiny-flux2", model)
     images = out / "subject"
     make_subject(images)
     base, lora = learning_figure(model, images, out / "output", *flags, quiet=False)
@@ -530,7 +634,9 @@ def main(out, *flags):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--edit" and not sys.argv[2].startswith("-"):
+    if len(sys.argv) > 1 and sys.argv[1] == "--write-base-models":
+        write_base_models(sys.argv[2:])
+    elif len(sys.argv) > 2 and sys.argv[1] == "--edit" and not sys.argv[2].startswith("-"):
         main_edit(*sys.argv[2:])
     elif len(sys.argv) > 2 and sys.argv[1] == "--preservation" and not sys.argv[2].startswith("-"):
         main_preservation(*sys.argv[2:])

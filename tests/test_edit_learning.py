@@ -10,9 +10,9 @@ from tests import learning
 @pytest.fixture(scope="session")
 def edit_base_model(tmp_path_factory):
     """The learning test's tiny base model built at 64 px (a VAE one block deeper: 8x8 tokens, as at 32 px), since
-    the pipelines take no condition image under 64 px a side; 50 to 60 s on two cores."""
-    return learning.build_base_model(tmp_path_factory.mktemp("edit-learning") / "tiny-flux2-64",
-                                     size=learning.EDIT_RESOLUTION)
+    the pipelines take no condition image under 64 px a side; its weights shipped in tests/data/learning (a second,
+    where building it took 50 to 60 s on two cores)."""
+    return learning.base_model("tiny-flux2-64", tmp_path_factory.mktemp("edit-learning") / "tiny-flux2-64")
 
 
 def test_an_edit_run_learns_the_edit(edit_base_model, tmp_path):

@@ -464,7 +464,20 @@ def test_a_default_run_adapts_every_block_prints_only_its_own_lines_and_writes_o
 
 @pytest.fixture(scope="session")
 def base_model(tmp_path_factory):
-    return learning.build_base_model(tmp_path_factory.mktemp("learning") / "tiny-flux2")
+    """learning.build_base_model's model, its weights shipped in tests/data/learning (a second, not 35 to 55 s)."""
+    return learning.base_model("tiny-flux2", tmp_path_factory.mktemp("learning") / "tiny-flux2")
+
+
+@pytest.mark.parametrize("name", list(learning.base_models()))
+def test_the_shipped_base_models_are_the_builders(name):
+    """The learning tests' base models (here, tests/test_edit_learning.py's and tests/test_preservation.py's) are
+    copied from tests/data/learning/<name>, trained once by their builder; build.json records the digest of the
+    builder's source and arguments. A builder changed without regenerating them fails here (the fixtures would
+    build instead, a minute each). Planted once: build_base_model's default steps 1000 -> 999."""
+    assert learning.shipped_digest(name) == learning.builder_digest(name), (
+        f"tests/data/learning/{name} was trained by another builder: regenerate with `{learning.REGENERATE}`")
+    assert all((learning.DATA / name / part / file).is_file() for part in ("vae", "transformer")
+               for file in ("config.json", "diffusion_pytorch_model.safetensors"))
 
 
 def test_a_default_run_learns_the_subject(base_model, tmp_path):

@@ -25,8 +25,9 @@ def test_preservation_keeps_the_class_and_still_learns_the_subject(tmp_path):
     the output run trained as plain (its flags, or --output_preservation_weight 0) 0.928 (1.00x): both planted
     once, failing here. Not asserted: "a photo of cat", which neither preservation covers, drifts in every mode
     (1.18 to 1.23). One math thread (as under `pytest -n 2`) moves each figure by at most 0.02. About 110 s on two
-    cores with the world's build, 125 s on one thread."""
-    model = learning.build_two_class_model(tmp_path / "tiny-flux2-two-class")
+    cores with the world's build, 125 s on one thread; the world's base model is now shipped (tests/data/learning),
+    about 50 s of that saved."""
+    model = learning.base_model("tiny-flux2-two-class", tmp_path / "tiny-flux2-two-class")  # shipped weights
     response = learning.class_response(model)
     # each run's final validation also scores drift (--validation_metrics drift, a tiny random DINOv2 on the images
     # of "a photo of dog" against the base model's, same noise): it must tell plain training from output preservation
