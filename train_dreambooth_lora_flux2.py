@@ -4744,8 +4744,8 @@ class TextEncoders(Option):
         args, processes = self.args, int(os.environ.get("WORLD_SIZE", 1))
         refuse(args.remote_text_encoder and not hub_token(args), "--remote_text_encoder needs a Hugging Face token: "
                "run `hf auth login` (or pass --hub_token)")
-        refuse(args.text_encoder_quantization == "nf4" and not torch.cuda.is_available(),
-               "--text_encoder_quantization nf4 needs a CUDA GPU (bitsandbytes); int8 works on any device")
+        refuse(args.text_encoder_quantization == "nf4" and not (torch.cuda.is_available() or vars(args).get(
+            "plan_only")), "--text_encoder_quantization nf4 needs a CUDA GPU (bitsandbytes); int8 works on any device")
         refuse(args.text_encoder_quantization != "none" and (args.remote_text_encoder or args.fsdp_text_encoder),
                "--text_encoder_quantization quantises the text encoder this process loads: leave out "
                "--remote_text_encoder and --fsdp_text_encoder")
@@ -4955,8 +4955,8 @@ class BlockSwapping(Option):
                   "N blocks in host memory (CUDA, with --gradient_checkpointing).")]
 
     def check(self):
-        refuse(not torch.cuda.is_available(), "--blocks_to_swap needs a CUDA GPU: it moves blocks between pinned host "
-               "memory and the GPU")
+        refuse(not (torch.cuda.is_available() or vars(self.args).get("plan_only")), "--blocks_to_swap needs a CUDA "
+               "GPU: it moves blocks between pinned host memory and the GPU")  # --plan_only: nothing moves here
         refuse(fsdp_requested(), "--blocks_to_swap does not work under FSDP, which already splits every block over "
                "the GPUs; use one or the other")
         refuse(not self.args.gradient_checkpointing, "--blocks_to_swap needs --gradient_checkpointing: without it "
@@ -5195,13 +5195,14 @@ class SpeedAndMemory(Option):
 
     def check(self):
         args, cuda = self.args, torch.cuda.is_available()
+        absent = not (cuda or vars(args).get("plan_only"))  # a GPU needed and none here (--plan_only trains nothing)
         if args.do_fp8_training and args.bnb_quantization_config_path:
             raise UsageError("--do_fp8_training and --bnb_quantization_config_path exclude each other")
-        if args.do_fp8_training and not (cuda and torch.cuda.get_device_capability() >= (8, 9)):
+        if args.do_fp8_training and (absent or cuda and torch.cuda.get_device_capability() < (8, 9)):
             raise UsageError("--do_fp8_training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)")
         if args.bnb_quantization_config_path:
             read_bnb_config(args.bnb_quantization_config_path)
-            refuse(not cuda, "--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
+            refuse(absent, "--bnb_quantization_config_path needs a CUDA GPU (bitsandbytes quantises on the GPU)")
 
     def notes(self):  # measured: docs/speed.md
         return ["--do_fp8_training without --compile: at [klein] 4B, batch 1, it made a step 2.1 to 2.3 times slower "

@@ -145,6 +145,19 @@ def test_flags_the_user_set_are_kept(planned):
         _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB", "--text_encoder_quantization", "int8")
 
 
+def test_plan_only_without_a_gpu_takes_the_flags_it_plans(planned):
+    """--plan_only --gpu_memory works on a machine without CUDA, where the plan recommends swapping and NF4 (README's
+    [dev] on 24 GB): given, they are not refused there (nor fp8); a run that trains still is."""
+    _, work = planned
+    for given in (["--bnb_quantization_config_path", "nf4", "--gradient_checkpointing"],
+                  ["--text_encoder_quantization", "nf4"], ["--gradient_checkpointing", "--blocks_to_swap", "10"],
+                  ["--do_fp8_training"]):
+        with unittest.mock.patch("torch.cuda.is_available", lambda: False):
+            T.validate_args(T.parse_args(_command(work, "dev", "--gpu_memory", "24GB", "--plan_only", *given)))
+            with pytest.raises(T.UsageError, match="needs a CUDA GPU"):
+                T.validate_args(T.parse_args(_command(work, "dev", "--gpu_memory", "24GB", *given)))
+
+
 def test_a_card_nothing_fits_is_refused_before_loading(planned, monkeypatch, fresh_accelerate):
     """A real run (not --plan_only) on a card nothing fits: a UsageError (the script's exit 2, one line) naming the
     smallest card that fits and its flags, as on a machine with CUDA; no output folder."""
