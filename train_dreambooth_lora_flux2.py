@@ -5340,6 +5340,7 @@ NF4_ACTIVATIONS = 1.4
 # 0.243 / 0.342 s; 24 of 25 blocks swapped 0.368 (the cost grows with the share swapped); NF4 0.422
 STEP_COST = {"no_checkpointing": 0.71, "all_swapped": 0.08, "nf4": 1.23}
 CARD_SIZES = (16, 24, 32, 48, 80, 96, 141, 192)  # GB: the cards a refusal may name
+PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # unquantised weights, as labelled
 TEXT_ACTIVATIONS = GIB  # while prompts are encoded: every layer's hidden states ([dev]: 41 x 512 x 5,120, 0.2 GB each)
 
 def memory_size(text):
@@ -5597,12 +5598,12 @@ class MemoryPlan(Option):
         text_size = text_encoder_size(args, family) if text_encoder_choices(args) else (0, 0)
         host = args.host_memory or agreed_minimum(available_host_memory())  # each machine's free RAM: one plan
         report, chosen, text_choice = make_plan(args, family.name, card, host, run_estimate(args, dtype), text_size,
-                                                dtype.itemsize)
+                                                dtype)
+        if (args.plan_only or chosen is None) and PartialState().is_main_process:  # a refusal's candidates show why
+            print("\n".join(report if chosen else report[:-1]))
         if chosen is None:
             raise UsageError(f"--memory_plan auto: {report[-1]}")
         if args.plan_only:  # what the plan is, for a card of --gpu_memory, and nothing else
-            if PartialState().is_main_process:
-                print("\n".join(report))
             raise SystemExit(0)
         logger.info("\n".join([report[0], *report[-2:]]))
         settings = dict(gradient_checkpointing=chosen.checkpointing, blocks_to_swap=chosen.swap,
@@ -5614,21 +5615,25 @@ class MemoryPlan(Option):
                 setattr(args, name, value)
         return True
 
-def make_plan(args, model, card, host, estimate, text_size, element_size):
+def make_plan(args, model, card, host, estimate, text_size, dtype):
     """The plan for `card` bytes of GPU memory and `host` bytes of free host RAM, from the run's MemoryEstimate and
-    its text encoder's (parameters, unquantised parameters) -> (report lines, the chosen PlanRow, the text encoder's
-    precision); nothing fits: (lines ending in the refusal, None, None). README.md's table is made by it."""
-    choices, text = plan_choices(args), text_encoder_choices(args)
+    its text encoder's (parameters, unquantised parameters), unquantised weights in `dtype` -> (report lines, the
+    chosen PlanRow, the text encoder's precision); nothing fits: (lines ending in the refusal, None, None). README.md's
+    table is made by it."""
+    choices, text, precision = plan_choices(args), text_encoder_choices(args), PRECISIONS.get(dtype, "fp32")
+
+    def text_rows_of(precisions):  # (precision, GPU peak, host RAM) of each
+        return [(q, *text_encoder_peak(*text_size, q, dtype.itemsize)) for q in precisions]
     # swapped blocks pin host memory in every process of this machine; the rest of the process needs some too
     host_free = 0.8 * host / local_processes(PartialState())
-    rows = plan_rows(estimate, card, host_free, **choices)
-    text_rows = [(q, *text_encoder_peak(*text_size, q, element_size)) for q in text]
+    rows, text_rows = plan_rows(estimate, card, host_free, **choices), text_rows_of(text)
     chosen, text_choice = best_row(rows), text_fit(text_rows, card, host_free)
-    report = plan_report(args, model, card, host, rows, chosen, text_rows, text_choice)
-    if chosen is None or text_choice is False:  # the card that would fit, on a machine with CUDA
+    report = plan_report(args, model, card, host, rows, chosen, text_rows, text_choice, precision)
+    if chosen is None or text_choice is False:  # why, and the card that would fit, on a machine with CUDA
         choices, text = plan_choices(args, cuda=True), text_encoder_choices(args, cuda=True)
-        text_rows = [(q, *text_encoder_peak(*text_size, q, element_size)) for q in text]
-        return report + [smallest_card(estimate, host_free, choices, text_rows, card)], None, None
+        remote = model == FAMILIES["Flux2Pipeline"][0] and "remote_text_encoder" in vars(args)  # [dev]'s alone
+        return report + [refusal(estimate, host_free, choices, text_rows_of(text), card, precision, remote,
+                                 text_rows_of([None, "int8", "nf4"] if text else []))], None, None
     return report, chosen, text_choice
 
 def text_fit(text_rows, card, host_free):
@@ -5664,9 +5669,9 @@ def plan_flags(row, text_choice):
         row.swap) + ["--bnb_quantization_config_path nf4"] * (row.quant == "nf4") + [
         f"--text_encoder_quantization {text_choice}"] * bool(text_choice))
 
-def plan_report(args, model, card, host, rows, chosen, text_rows, text_choice):
-    """The plan's lines: each candidate, the choice and its flags; when nothing fits, the last line says which card
-    would, and with what."""
+def plan_report(args, model, card, host, rows, chosen, text_rows, text_choice, precision):
+    """The plan's lines: each candidate (unquantised weights labelled `precision`), the choice and its flags; when
+    nothing fits, the last line says which card would, and with what."""
     h, w = largest_bucket(args)
     size = f"{h} px" if h == w == args.resolution else f"{h}x{w} px (the largest bucket)"
     lines = [f"memory plan: {model}, {size}, batch {args.train_batch_size}, rank {args.rank}, on "
@@ -5674,28 +5679,46 @@ def plan_report(args, model, card, host, rows, chosen, text_rows, text_choice):
              f"{PLAN_MARGIN[0]} + {gib(PLAN_MARGIN[1])} GiB does)",
              "  weights  checkpointing  swapped blocks  peak GiB  host RAM GiB  step time"]
     for r in rows:
-        lines.append(f"  {r.quant or 'bf16':7}  {'on' if r.checkpointing else 'off':13}  "
+        lines.append(f"  {r.quant or precision:7}  {'on' if r.checkpointing else 'off':13}  "
                      f"{'none fits' if r.swap is None else r.swap:>14}  {gib(r.peak):>8}  {gib(r.host):>12}  "
                      + ("-" if r.swap is None else f"{r.cost:.2f}x") + ("  <- chosen" if r == chosen else ""))
-    lines += [f"  text encoder ({q or 'bf16'}): {gib(peak)} GiB while prompts are encoded, {gib(host)} GiB of host "
-              "RAM" + ("  <- chosen" if q == text_choice else "") for q, peak, host in text_rows]
+    lines += [f"  text encoder ({q or precision}): {gib(peak)} GiB while prompts are encoded, {gib(host)} GiB of "
+              "host RAM" + ("  <- chosen" if q == text_choice else "") for q, peak, host in text_rows]
     if chosen is None or text_choice is False:
         return lines
     note = " (quantised weights change results a little: docs/memory.md)" if chosen.quant or text_choice else ""
-    return lines + [f"chosen: estimated peak {gib(chosen.peak)} GiB, step time {chosen.cost:.2f}x of bf16 with "
-                    f"checkpointing{note}", f"flags: {plan_flags(chosen, text_choice) or '(none added)'}"]
+    return lines + [f"chosen: estimated peak {gib(chosen.peak)} GiB, step time {chosen.cost:.2f}x of {precision} "
+                    f"with checkpointing{note}", f"flags: {plan_flags(chosen, text_choice) or '(none added)'}"]
 
-def smallest_card(estimate, host_free, choices, text_rows, card):
-    """Nothing fits `card` -> the refusal: the smallest card of CARD_SIZES a plan fits, and its flags."""
-    text_need = min((peak for _, peak, _ in text_rows), default=0)
+def refusal(estimate, host_free, choices, text_rows, card, precision, remote, every_text):
+    """Nothing fits `card` -> the refusal: the margin; what does not fit (training; the text encoder, and a smaller
+    precision of every_text that fits) and what avoids it; the smallest card of CARD_SIZES a plan fits."""
+    rows, ram = plan_rows(estimate, card, host_free, **choices), f"{gib(host_free)} GiB of host RAM (80% of the free)"
+    row, frugal, why = best_row(rows), min(r.peak for r in rows), []
+    if row is None:  # its least GPU peak fits: host RAM is what is short
+        why.append(f"training needs more than the plan's {ram} where it fits the GPU" if fits_card(frugal, card)
+                   else f"training peaks at {gib(frugal)} GiB at the least")
+    if text_fit(text_rows, card, host_free) is False:
+        q, peak, need = min(text_rows, key=lambda r: r[1])
+        why.append(f"the text encoder ({q or precision}) needs {gib(need)} GiB of host RAM to load, more than the "
+                   f"plan's {ram}" if fits_card(peak, card) else
+                   f"the text encoder peaks at {gib(peak)} GiB ({q or precision}) while prompts are encoded")
+        if smaller := text_fit([r for r in every_text if r[1] < peak], card, host_free):
+            why.append(f"--text_encoder_quantization {smaller} fits")
+        if remote:
+            why.append("--remote_text_encoder (Hugging Face's endpoint encodes the prompts) needs none here" + (
+                f", and training fits with {plan_flags(row, None) or 'no flag added'}" if row else ""))
     for size in CARD_SIZES:
-        row = best_row(plan_rows(estimate, size * GIB, host_free, **choices))
-        text = text_fit(text_rows, size * GIB, host_free)
-        if row is not None and text is not False:
-            return (f"nothing fits {gib(card)} GiB of GPU memory (the most frugal plan peaks at "
-                    f"{gib(max(min(r.peak for r in plan_rows(estimate, card, host_free, **choices)), text_need))} "
-                    f"GiB); the smallest card that fits is {size} GB, with {plan_flags(row, text) or 'these flags'}")
-    return f"nothing fits {gib(card)} GiB of GPU memory, nor any card up to {CARD_SIZES[-1]} GB"
+        fit, text = best_row(plan_rows(estimate, size * GIB, host_free, **choices)), text_fit(
+            text_rows, size * GIB, host_free)
+        if fit is not None and text is not False:
+            why.append(f"the smallest card that fits is {size} GB, with {plan_flags(fit, text) or 'these flags'}")
+            break
+    else:
+        why.append(f"nor does any card up to {CARD_SIZES[-1]} GB with the plan's {ram}")
+    return (f"nothing fits {gib(card)} GiB of GPU memory (a peak fits when peak x {PLAN_MARGIN[0]} + "
+            f"{gib(PLAN_MARGIN[1])} GiB does: up to {gib((card - PLAN_MARGIN[1]) / PLAN_MARGIN[0])} GiB): "
+            + "; ".join(why))
 
 def largest_bucket(args):
     """(height, width) of the run's bucket of most pixels (the first of equals): the one whose activations peak.

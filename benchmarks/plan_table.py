@@ -54,7 +54,7 @@ def plans(work):
         estimate, text_size = T.run_estimate(args, torch.bfloat16), T.text_encoder_size(args, family)
         for card in CARDS:
             found[model, card] = T.make_plan(args, family.name, card * T.GIB, host_gb(card) * T.GIB, estimate,
-                                             text_size, 2)
+                                             text_size, torch.bfloat16)
     return found
 
 

@@ -139,10 +139,43 @@ def test_flags_the_user_set_are_kept(planned):
     args, _ = _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB", "--gradient_checkpointing",
                        "--blocks_to_swap", "40")
     assert (args.blocks_to_swap, args.bnb_quantization_config_path) == (40, "nf4")
-    # a text encoder precision given stays: int8 cannot fit 24 GB, so the run is refused, naming the card that fits
-    with pytest.raises(T.UsageError, match=r"nothing fits 24\.0 GiB .* the smallest card that fits is 32 GB, with "
-                                           r"--gradient_checkpointing .*--text_encoder_quantization int8"):
+    # a text encoder precision given stays: int8 cannot fit 24 GB, so the run is refused, naming what would fit
+    with pytest.raises(T.UsageError, match=r"nothing fits 24\.0 GiB .*--text_encoder_quantization nf4 fits; .* the "
+                       r"smallest card that fits is 32 GB, with --gradient_checkpointing .*"
+                       r"--text_encoder_quantization int8"):
         _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB", "--text_encoder_quantization", "int8")
+
+
+def test_a_refusal_shows_the_candidates_the_margin_and_what_does_not_fit(planned, monkeypatch, capsys,
+                                                                         fresh_accelerate):
+    """[dev] on 16 GB: training fits (bf16, checkpointing, swapping: 12.9 GiB) and the NF4 text encoder does not
+    (15.4 GiB; a peak fits 16 GiB up to 13.2 GiB with the margin): the refusal says so, and that --remote_text_encoder
+    avoids it; --plan_only printed the candidates first."""
+    _, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(T.UsageError) as refused:
+        T.main(_command(work, "dev", "--gpu_memory", "16GB", "--host_memory", "256GB", "--plan_only"))
+    assert re.fullmatch(r"--memory_plan auto: nothing fits 16\.0 GiB of GPU memory \(a peak fits when peak x 1\.1 \+ "
+                        r"1\.5 GiB does: up to 13\.2 GiB\): the text encoder peaks at 15\.4 GiB \(nf4\) while prompts "
+                        r"are encoded; --remote_text_encoder .* needs none here, and training fits with "
+                        r"--gradient_checkpointing --blocks_to_swap \d+; the smallest card that fits is 24 GB, with .*",
+                        str(refused.value)), refused.value
+    printed = capsys.readouterr().out
+    assert len(re.findall(r"^  (bf16|nf4) ", printed, flags=re.M)) == 4 and "text encoder (nf4): 15.4 GiB" in printed
+
+
+def test_the_plan_labels_unquantised_weights_with_their_precision(planned, monkeypatch, capsys, fresh_accelerate):
+    """Without --mixed_precision the weights are float32: the rows and the text encoder say fp32, not bf16."""
+    _, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    command = plan_table.set_flags(_command(work, "klein4b", "--gpu_memory", "24GB", "--host_memory", "64GB",
+                                            "--plan_only"), mixed_precision=False)
+    with pytest.raises(SystemExit):
+        T.main(command)
+    printed = capsys.readouterr().out
+    assert len(re.findall(r"^  fp32 ", printed, flags=re.M)) == 2 and "text encoder (fp32): 16.0 GiB" in printed
+    assert "bf16" not in printed and "1.00x of fp32 with checkpointing" in printed
 
 
 def test_plan_only_without_a_gpu_takes_the_flags_it_plans(planned):
@@ -210,7 +243,8 @@ def test_the_estimate_is_sized_by_the_largest_bucket_the_run_trains(tiny_model, 
         args = T.parse_args(base_args(tiny_model, tmp_path, tmp_path / "out", "--memory_plan", "auto",
                                       "--validation_prompt", "a sks dog", *extra))
         found = T.run_estimate(args, torch.bfloat16)
-        return found.peak(False), found.decode, T.plan_report(args, "tiny", 24 * GIB, 64 * GIB, [], None, [], None)[0]
+        report = T.plan_report(args, "tiny", 24 * GIB, 64 * GIB, [], None, [], None, "bf16")
+        return found.peak(False), found.decode, report[0]
 
     square, decode, report = estimate("--resolution", "512", "--aspect_ratio_buckets", "1024,1024")
     assert (square, decode) == estimate("--resolution", "1024")[:2] and "1024x1024 px (the largest bucket)" in report
