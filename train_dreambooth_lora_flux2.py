@@ -256,6 +256,7 @@ def validation_flags(p):
 
 def parse_args(argv=None):
     args = parse_with_config(argv)  # a --config file's flags first: the command line wins
+    args.given_flags = given_flags(argv) if args.memory_plan == "auto" else None  # option: memory plan
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
     args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
     args.resolution = max(args.resolutions)
@@ -5641,16 +5642,27 @@ def text_fit(text_rows, card, host_free):
     return next((q for q, peak, host in text_rows if fits_card(peak, card) and host <= host_free),
                 False) if text_rows else None
 
+def given_flags(argv):
+    """The flags given on the command line or in its --config file (a switch the file sets false is not given): one
+    given at its default value (to keep a plan's choice on resume, say) is given all the same, so they are parsed
+    again with no defaults."""
+    _, file_tokens, argv = config_tokens(argv)
+    parser = build_parser()
+    for action in parser._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    return frozenset(vars(parser.parse_args([t for tokens in file_tokens.values() for t in tokens] + argv)))
+
 def plan_choices(args, cuda=None):
-    """What the plan may choose: the settings left at their defaults, of the options still in the script; swapping
-    and NF4 need CUDA (default: here, or --plan_only: another machine) and a plain LoRA (DoRA, LoKr: unverified)."""
-    can = vars(args)
+    """What the plan may choose: the settings not given, of the options still in the script; swapping and NF4 need
+    CUDA (default: here, or --plan_only: another machine) and a plain LoRA (DoRA, LoKr: unverified)."""
+    can, free = vars(args), vars(args).keys() - args.given_flags
     cuda = torch.cuda.is_available() or args.plan_only if cuda is None else cuda
     plain = can.get("adapter", "lora") == "lora" and not can.get("use_dora")
     bnb = can.get("bnb_quantization_config_path")
     free_quant = "bnb_quantization_config_path" in can and not (bnb or can.get("do_fp8_training")) and cuda and plain
-    return dict(checkpointing=(True,) if args.gradient_checkpointing else (False, True),
-                swap=True if can.get("blocks_to_swap") == 0 and cuda and plain else can.get("blocks_to_swap", 0),
+    return dict(checkpointing=(False, True) if "gradient_checkpointing" in free and not args.gradient_checkpointing
+                else (args.gradient_checkpointing,),
+                swap=True if "blocks_to_swap" in free and cuda and plain else can.get("blocks_to_swap", 0),
                 quants=(None, "nf4") if free_quant else (None if not bnb else "nf4" if bnb == "nf4" or json.loads(
                     Path(bnb).read_text()).get("load_in_4bit") else "int8",))  # 4-bit FP4 is NF4's size
 
@@ -5660,7 +5672,7 @@ def text_encoder_choices(args, cuda=None):
     if any(can.get(n) for n in ("remote_text_encoder", "fsdp_text_encoder", "from_manifest")):
         return []
     given = can.get("text_encoder_quantization", "none")
-    if given != "none" or "text_encoder_quantization" not in can:
+    if "text_encoder_quantization" not in can.keys() - args.given_flags:
         return [None if given == "none" else given]
     return [None, "int8"] + ["nf4"] * cuda
 

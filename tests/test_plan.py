@@ -146,6 +146,27 @@ def test_flags_the_user_set_are_kept(planned):
         _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB", "--text_encoder_quantization", "int8")
 
 
+def test_flags_given_at_their_default_value_are_kept_too(planned, tmp_path):
+    """A flag given at its default is given: on the command line, or in a --config file (a run's config.yaml, which
+    resumes with the plan's choices, holds every flag). [klein] 9B on 16 GB: the plan takes 20 swapped blocks and the
+    int8 text encoder."""
+    found, work = planned
+    assert T.plan_flags(*found["klein9b", 16][1:]) == ("--gradient_checkpointing --blocks_to_swap 20 "
+                                                       "--text_encoder_quantization int8")
+    args, _ = _resolve(work, "klein9b", "--gpu_memory", "16GB", "--host_memory", "64GB", "--blocks_to_swap", "0")
+    assert (args.blocks_to_swap, args.bnb_quantization_config_path, args.text_encoder_quantization) == (
+        0, "nf4", "int8")
+    config = tmp_path / "config.yaml"
+    config.write_text("text_encoder_quantization: none\nblocks_to_swap: 0\n")
+    for given in (["--text_encoder_quantization", "none"], ["--config", str(config)]):
+        with pytest.raises(T.UsageError, match=r"the text encoder peaks at 16\.3 GiB \(bf16\) while prompts are "
+                           r"encoded; --text_encoder_quantization int8 fits; the smallest card that fits is 24 GB"):
+            _resolve(work, "klein9b", "--gpu_memory", "16GB", "--host_memory", "64GB", *given)
+    # a switch given false stays off: [klein] 4B on 24 GB needs checkpointing, so the run is refused
+    with pytest.raises(T.UsageError, match=r"training peaks at [\d.]+ GiB at the least"):
+        _resolve(work, "klein4b", "--gpu_memory", "24GB", "--host_memory", "64GB", "--gradient_checkpointing", "false")
+
+
 def test_a_refusal_shows_the_candidates_the_margin_and_what_does_not_fit(planned, monkeypatch, capsys,
                                                                          fresh_accelerate):
     """[dev] on 16 GB: training fits (bf16, checkpointing, swapping: 12.9 GiB) and the NF4 text encoder does not
