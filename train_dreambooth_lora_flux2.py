@@ -5643,14 +5643,13 @@ def text_fit(text_rows, card, host_free):
                 False) if text_rows else None
 
 def given_flags(argv):
-    """The flags given on the command line or in its --config file (a switch the file sets false is not given): one
-    given at its default value (to keep a plan's choice on resume, say) is given all the same, so they are parsed
-    again with no defaults."""
+    """The flags given in a --config file (a switch set false too) or on the command line, which is parsed again with
+    no defaults: one given at its default value (to keep a plan's choice on resume, say) is given all the same."""
     _, file_tokens, argv = config_tokens(argv)
     parser = build_parser()
     for action in parser._actions:
         action.default, action.required = argparse.SUPPRESS, False
-    return frozenset(vars(parser.parse_args([t for tokens in file_tokens.values() for t in tokens] + argv)))
+    return frozenset(file_tokens).union(vars(parser.parse_args(argv)))
 
 def plan_choices(args, cuda=None):
     """What the plan may choose: the settings not given, of the options still in the script; swapping and NF4 need

@@ -163,8 +163,10 @@ def test_flags_given_at_their_default_value_are_kept_too(planned, tmp_path):
                            r"encoded; --text_encoder_quantization int8 fits; the smallest card that fits is 24 GB"):
             _resolve(work, "klein9b", "--gpu_memory", "16GB", "--host_memory", "64GB", *given)
     # a switch given false stays off: [klein] 4B on 24 GB needs checkpointing, so the run is refused
-    with pytest.raises(T.UsageError, match=r"training peaks at [\d.]+ GiB at the least"):
-        _resolve(work, "klein4b", "--gpu_memory", "24GB", "--host_memory", "64GB", "--gradient_checkpointing", "false")
+    (tmp_path / "off.yaml").write_text("gradient_checkpointing: false\n")
+    for given in (["--gradient_checkpointing", "false"], ["--config", str(tmp_path / "off.yaml")]):
+        with pytest.raises(T.UsageError, match=r"training peaks at [\d.]+ GiB at the least"):
+            _resolve(work, "klein4b", "--gpu_memory", "24GB", "--host_memory", "64GB", *given)
 
 
 def test_a_refusal_shows_the_candidates_the_margin_and_what_does_not_fit(planned, monkeypatch, capsys,
