@@ -260,11 +260,10 @@ def parse_args(argv=None):
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
     args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
     args.resolution = max(args.resolutions)
-    resume = args.resume_from_checkpoint
-    if resume not in (None, "latest") and not Path(resume).is_dir():  # a name in --output_dir, as the example takes it
+    if (resume := args.resume_from_checkpoint) not in (None, "latest") and not Path(resume).is_dir():
         refuse(not Path(args.output_dir, resume).is_dir(), f"--resume_from_checkpoint {resume}: no such checkpoint "
                "folder (expected a checkpoint folder, the name of one in --output_dir, or 'latest')")
-        args.resume_from_checkpoint = str(Path(args.output_dir, resume))
+        args.resume_from_checkpoint = str(Path(args.output_dir, resume))  # a name in --output_dir, as the example does
     return args
 
 def validate_args(args, hooks=None):
@@ -5621,7 +5620,7 @@ def make_plan(args, model, card, host, estimate, text_size, dtype):
     its text encoder's (parameters, unquantised parameters), unquantised weights in `dtype` -> (report lines, the
     chosen PlanRow, the text encoder's precision); nothing fits: (lines ending in the refusal, None, None). README.md's
     table is made by it."""
-    choices, text, precision = plan_choices(args), text_encoder_choices(args), PRECISIONS.get(dtype, "fp32")
+    choices, text, precision = plan_choices(args), text_encoder_choices(args), PRECISIONS[dtype]
 
     def text_rows_of(precisions):  # (precision, GPU peak, host RAM) of each
         return [(q, *text_encoder_peak(*text_size, q, dtype.itemsize)) for q in precisions]
