@@ -217,7 +217,7 @@ def test_keep_best_keeps_the_scored_lora_bit_for_bit_and_survives_a_resume(kept)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--validation_metrics", "dino,size"], "argument --validation_metrics: invalid"),
+    (["--validation_metrics", "dino,size"], "--validation_metrics dino,size: expected none, all, or some of"),
     (["--validation_metrics", "dino"], "--validation_metrics subject: needs validation images"),
     (["--validation_metrics", "drift", "--validation_prompt", "x"], "drift needs prompts without the subject"),
     (["--validation_metrics", "clip", "--validation_prompt", "x", "--keep_best", "subject"],

@@ -183,7 +183,7 @@ def test_validation_epochs_count_from_one_and_never_repeat_a_step_validation(eve
     from types import SimpleNamespace
 
     calls = []
-    monkeypatch.setattr(T, "run_validation", lambda args, acc, run, prompt, tag, step: calls.append((tag, step)))
+    monkeypatch.setattr(T, "run_validation", lambda args, acc, run, tag, step: calls.append((tag, step)))
     args = SimpleNamespace(validation_prompt="a dog", num_validation_images=1, validation_epochs=3, max_train_steps=9,
                            validation_steps=every_steps, skip_final_inference=False, checkpointing_steps=100,
                            output_dir="unused")
