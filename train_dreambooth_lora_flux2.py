@@ -603,8 +603,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
                 for c in self.cond_ids[image_id]]
 
     def cached_latent_keys(self):
-        """Every latent key training can ask for under fixed crops: epoch 0's, in both orientations if flipping,
-        then their condition images'."""
+        """Every latent key training may ask for under fixed crops: epoch 0's, flipped too if flipping, conditions'."""
         keys = [self.latent_key(s, 0) for s in range(self.num_slots)]
         keys = keys + [k[:-1] + (not k[-1],) for k in keys] if self.random_flip else keys
         return keys + [c for k in keys for c in self.condition_keys(k)]
@@ -3659,14 +3658,18 @@ def validation_folder(folder, tag, step, hooks):
     """Make the validation folder. A finished run continued to more steps validates "final" again: the earlier final
     images become those of a validation at their step, their sheet column and (options) their scores too."""
     folder.mkdir(exist_ok=True)
-    record = Path(folder, "progress-0.json")
-    columns = json.loads(record.read_text())["columns"] if record.is_file() else []
+    record, columns = Path(folder, "progress-0.json"), sheet_columns(folder)
     for column in [c for c in columns if c["tag"] == tag == "final" and c["step"] < step]:
         column["tag"] = f"step-{column['step']:06d}"
         for image in folder.glob("final-*.png"):
             image.rename(folder / image.name.replace("final", column["tag"], 1))
         write_json_atomic(record, {"columns": columns})
         hooks.each("retagged", folder, "final", column["tag"])
+
+def sheet_columns(folder):
+    """The progress sheet's columns (validation/progress-0.json): [{"tag", "step"}], oldest first."""
+    record = Path(folder, "progress-0.json")
+    return json.loads(record.read_text())["columns"] if record.is_file() else []
 
 def has_images(folder, tag, count):
     return all(Path(folder, f"{tag}-{i}.png").is_file() for i in range(count))
@@ -3678,8 +3681,7 @@ def update_progress_sheet(folder, tag, step, count, labels=None):
     prompts, strengths or images). The columns are listed in progress-0.json; their images are the PNGs of the
     folder."""
     record = Path(folder, "progress-0.json")
-    columns = json.loads(record.read_text())["columns"] if record.is_file() else []
-    columns = [c for c in columns if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
+    columns = [c for c in sheet_columns(folder) if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
     columns = [c for c in columns if has_images(folder, c["tag"], count)]
     write_json_atomic(record, {"columns": columns})
     condition = Path(folder, "condition.png")
@@ -5839,6 +5841,11 @@ def may_be_kept(history, criterion, max_drift=None):
             if not any(o["drift"] <= e["drift"] and o["subject"] >= e["subject"] for o in history[:i])
             and not any(o["drift"] <= e["drift"] and o["subject"] > e["subject"] for o in history[i + 1:])}
 
+def read_history(folder):
+    """validation/metrics.jsonl: an entry per scored validation, oldest first ([] before the first)."""
+    path = Path(folder, "metrics.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
 def metrics_plot(history, size=(480, 240)):
     """The scores over the steps as a line chart (Pillow): one colour a score, a dot per validation."""
     from PIL import ImageDraw, ImageFont
@@ -6015,8 +6022,7 @@ class ValidationMetrics(Option):
         rows = [(spec.prompt, (k * len(scales) + scales.index(scale)) * count + i)
                 for k, spec in enumerate(specs) for i in range(count)]
         base = {r: Image.open(Path(folder, f"base-{r}.png")).convert("RGB") for _, r in rows}  # the same noise
-        path = Path(folder, "metrics.jsonl")
-        self.history = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        self.history = read_history(folder)
         made = json_digest("base", read_base_record(folder))  # what the base images are of (validation/base.json)
         if not self.history or self.history[0]["tag"] != "base" or self.history[0].get("made") != made:
             self._record(accelerator, folder, {"step": 0, "tag": "base", **self._scores(accelerator, rows, base, base),
@@ -6090,17 +6096,15 @@ class ValidationMetrics(Option):
 
     def retagged(self, folder, old, new):
         """The earlier final validation of a continued run, renamed: its scores follow."""
-        path = Path(folder, "metrics.jsonl")
-        history = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        history = read_history(folder)
         for entry in (e for e in history if e["tag"] == old):
             entry.update(tag=new, images=[name.replace(old, new, 1) for name in entry["images"]])
         if history:
-            write_text_atomic(path, "".join(json.dumps(e) + "\n" for e in history))
+            write_text_atomic(Path(folder, "metrics.jsonl"), "".join(json.dumps(e) + "\n" for e in history))
 
     def card(self):
         """The model card's table of the run's scores (validation/metrics.jsonl), and which LoRA best/ holds."""
-        path, args = Path(self.args.output_dir, "validation", "metrics.jsonl"), self.args
-        history = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        args, history = self.args, read_history(Path(self.args.output_dir, "validation"))
         if not history:
             return []
         best = args.keep_best and best_entry(history, args.keep_best, args.max_drift)
