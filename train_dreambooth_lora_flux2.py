@@ -1821,19 +1821,16 @@ def integer(low, high=None):
                    lambda v: v >= low and (high is None or v <= high), int)
 
 def number(low=-math.inf, high=math.inf, low_open=False, high_open=False):
-    left, right = "(" if low_open else "[", ")" if high_open else "]"
     what = ("a finite number" if (low, high) == (-math.inf, math.inf) else
-            f"a number > {low}" if high == math.inf and low_open else f"a number >= {low}" if high == math.inf
-            else f"a number in {left}{low}, {high}{right}")
+            f"a number {'>' if low_open else '>='} {low}" if high == math.inf else
+            f"a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
     return Accepts(what, lambda v: math.isfinite(v) and (v > low if low_open else v >= low) and (
         v < high if high_open else v <= high), float)
 
 def boolean(text):
-    if text.lower() in ("1", "true", "yes", "y"):
-        return True
-    if text.lower() in ("0", "false", "no", "n"):
-        return False
-    raise ValueError(text)
+    if text.lower() not in ("1", "true", "yes", "y", "0", "false", "no", "n"):
+        raise ValueError(text)
+    return text.lower() in ("1", "true", "yes", "y")
 
 def shift(text):
     return text if text in ("none", "auto") else float(text)
@@ -1861,8 +1858,7 @@ def folder_can_be(path, writable=False):
 TRACKERS = ("tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 positive_int, non_negative_int, seed_value = integer(1), integer(0), integer(0, 2**32 - 1)  # numpy seeds: 32 bits
 probability, below_one = number(0, 1), number(0, 1, high_open=True)
-positive, non_negative = number(0, low_open=True), number(0)
-finite = number()
+positive, non_negative, finite = number(0, low_open=True), number(0), number()
 mode_scale = number(-1, 1.75)  # the mode density is monotonic on [0, 1] only for -1 <= scale <= 1 / (pi / 2 - 1)
 model_source = Accepts("a local checkpoint folder or a Hub id (name or owner/name)", lambda v: Path(v).is_dir() or (
     not Path(v).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v) is not None))
@@ -1941,14 +1937,12 @@ class _Parser(argparse.ArgumentParser):
             refuse(isinstance(rule, Accepts), f"{action.option_strings[0]} {shown}: expected {rule.what}")
             raise
         if isinstance(rule, Accepts) and rule.ok is not None and text is not action.default:
-            try:
+            ok = False
+            with contextlib.suppress(TypeError, ValueError, OSError, RuntimeError):
                 ok = rule.ok(value)
-            except (TypeError, ValueError, OSError, RuntimeError):
-                ok = False
             refuse(not ok, f"{action.option_strings[0]} {shown}: expected {rule.what}")
         return value
 
-CONFIG_KEYS = ("version", "run")  # what a resolved config holds besides flags
 VERSION = "2026.11.26"  # written into every resolved config
 
 def config_tokens(argv):
@@ -1974,11 +1968,10 @@ def config_tokens(argv):
     tokens = {}
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
-        if name in CONFIG_KEYS or value is None:
+        if name in ("version", "run") or value is None:  # what a resolved config holds besides flags
             continue
         if name not in actions:
-            near = difflib.get_close_matches(name, list(actions), 1)
-            hint = f" (did you mean --{near[0]}?)" if near else ""
+            hint = "".join(f" (did you mean --{near}?)" for near in difflib.get_close_matches(name, actions, 1))
             raise UsageError(f"--config {path}: {key!r} is not a flag{hint}")
         action, flag_name = actions[name], actions[name].option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
@@ -2002,10 +1995,9 @@ def parse_with_config(argv):
     """The flags of a --config file, then argv's: argv wins, over the file's settings of an option it turns off too
     (--memory_plan off): those are dropped (surprising_values warns); its own are kept, refused by validate_args."""
     path, file_tokens, argv = config_tokens(argv)
-    parser, ignored = build_parser(), ()
+    parser = build_parser()
     args = parser.parse_args([t for ts in file_tokens.values() for t in ts] + argv)
-    if file_tokens:
-        ignored = sorted({n for o in OPTIONS for n in o.stray_flags(args)} & set(file_tokens))
+    ignored = sorted({n for o in OPTIONS for n in o.stray_flags(args)} & set(file_tokens)) if file_tokens else ()
     if ignored:
         args = parser.parse_args([t for n, ts in file_tokens.items() if n not in ignored for t in ts] + argv)
         args.config_ignored = (path, ignored)
