@@ -2346,11 +2346,8 @@ def portable_lora(state, config):
     out = dict(state)  # LoKr, LoHa
     for key, value in state.items():
         module, part = key.rsplit(".", 1)
-        if config["peft_type"] == "LOHA":
-            first = "hada_w1_a"
-        else:
-            first = "lokr_w1" if f"{module}.lokr_w1" in state else "lokr_w1_a"
-        if part == first:
+        lokr = "lokr_w1" if f"{module}.lokr_w1" in state else "lokr_w1_a"
+        if part == ("hada_w1_a" if config["peft_type"] == "LOHA" else lokr):
             scale = config["alpha_pattern"].get(module, config["alpha"]) / ranks.get(module, config["r"])
             out[key] = value.float() * scale
     return out
@@ -2375,9 +2372,6 @@ def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=L
 WRITE_ERRORS = (OSError, SafetensorError)  # safetensors reports an I/O failure (a full disk) as its own error
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)(\.partial(-\w+)?)?$")  # checkpoint-N.partial-<run>: being written
 RUN_LOCK = ".run.lock"  # in --output_dir: locked by the main process of the run writing there
-# a resume keeps them (and the options' resume_flags): the adapter's shape, and what the optimizer's state restores
-RESUME_FLAGS = ("rank", "lora_alpha", "lora_layers", "learning_rate", "scale_lr", "adam_beta1", "adam_beta2",
-                "adam_weight_decay", "adam_epsilon")
 
 def flatten_state(obj, tensors, path="t"):
     """Nested state (dicts, lists, tensors, scalars) -> a JSON-able skeleton; tensors go into `tensors` by path."""
@@ -2537,8 +2531,7 @@ def hold_output_dir(args, accelerator):
             if fresh:  # and its validation history (images, progress sheet, scores), which would mix with this run's
                 shutil.rmtree(Path(args.output_dir, "validation"), ignore_errors=True)
                 shutil.rmtree(Path(args.output_dir, "best"), ignore_errors=True)  # option: validation metrics
-    if accelerator.num_processes > 1:
-        problem = broadcast_object_list([problem])[0]
+    problem = broadcast_object_list([problem])[0] if accelerator.num_processes > 1 else problem
     if problem:
         raise UsageError(problem)
     return held
@@ -2546,7 +2539,9 @@ def hold_output_dir(args, accelerator):
 def flags_to_keep(args):
     """The flags a resumed run must share with its checkpoint: the adapter's rank, scale, layers and kind, and the
     optimizer's settings (its restored state carries the checkpoint's: a new value would be ignored)."""
-    return {name: vars(args).get(name) for name in (*RESUME_FLAGS, *(n for o in OPTIONS for n in o.resume_flags))}
+    names = ("rank", "lora_alpha", "lora_layers", "learning_rate", "scale_lr", "adam_beta1", "adam_beta2",
+             "adam_weight_decay", "adam_epsilon", *(n for o in OPTIONS for n in o.resume_flags))
+    return {name: vars(args).get(name) for name in names}
 
 def check_resume_flags(args, checkpoint):
     """Refuse to resume with another adapter than the checkpoint's (another --lora_alpha would change the LoRA's
