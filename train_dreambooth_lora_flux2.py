@@ -2084,11 +2084,10 @@ def check_model_fit(args, hooks=None):
             raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path}: its text_encoder "
                              f"or transformer config lacks {e}") from None
         layers = args.text_encoder_out_layers
-        refuse(max(layers) > depth, f"--text_encoder_out_layers {' '.join(map(str, layers))}: this text encoder "
-               f"has layers 0 to {depth} (0: its embeddings)")
-        refuse(len(layers) * width != joint, f"--text_encoder_out_layers {' '.join(map(str, layers))}: "
-               f"{len(layers)} layers of width {width} make {len(layers) * width} features; this transformer takes "
-               f"{joint} ({joint // width} layers)")
+        flag = f"--text_encoder_out_layers {' '.join(map(str, layers))}"
+        refuse(max(layers) > depth, f"{flag}: this text encoder has layers 0 to {depth} (0: its embeddings)")
+        refuse(len(layers) * width != joint, f"{flag}: {len(layers)} layers of width {width} make "
+               f"{len(layers) * width} features; this transformer takes {joint} ({joint // width} layers)")
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if n}
     targets = lora_target_modules(args.lora_layers, model.config.num_single_layers, block_linear_names(model))
     problems = unusable_lora_targets(targets, kinds)
