@@ -1888,8 +1888,7 @@ class _HelpFormatter(argparse.HelpFormatter):
     'default:' itself)."""
 
     def _get_default_metavar_for_optional(self, action):
-        name = getattr(action.type, "__name__", "")
-        return {"int": "N", "float": "X", "boolean": "BOOL"}.get(name) or (
+        return {"int": "N", "float": "X", "boolean": "BOOL"}.get(getattr(action.type, "__name__", "")) or (
             "DIR" if action.dest.endswith("_dir") else "VALUE")
 
     def _get_help_string(self, action):
