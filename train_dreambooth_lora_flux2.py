@@ -3637,8 +3637,7 @@ def base_images_missing(accelerator, folder, made_from):
     model, condition... would be compared with another image). Agreed with the main process under FSDP, where every
     process generates."""
     count = len(made_from["specs"]) * len(made_from["scales"]) * made_from["count"]
-    missing = [read_base_record(folder) != made_from or not all(Path(folder, f"base-{i}.png").is_file()
-                                                                for i in range(count))]
+    missing = [read_base_record(folder) != made_from or not has_images(folder, "base", count)]
     if is_fsdp(accelerator):
         broadcast_object_list(missing)
     return missing[0]
@@ -3680,10 +3679,9 @@ def update_progress_sheet(folder, tag, step, count, labels=None):
     after a resume the run goes on from an earlier step; so is one lacking some of the `count` rows (made with fewer
     prompts, strengths or images). The columns are listed in progress-0.json; their images are the PNGs of the
     folder."""
-    record = Path(folder, "progress-0.json")
     columns = [c for c in sheet_columns(folder) if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
     columns = [c for c in columns if has_images(folder, c["tag"], count)]
-    write_json_atomic(record, {"columns": columns})
+    write_json_atomic(Path(folder, "progress-0.json"), {"columns": columns})
     condition = Path(folder, "condition.png")
     sheet = progress_sheet(([("", [label_image(text) for text in labels])] if labels else []) +
                            ([("condition", [Image.open(condition)])] if condition.is_file() else []) +
@@ -3699,7 +3697,7 @@ def label_image(text):
     """A row label of the progress sheet."""
     from PIL import ImageDraw, ImageFont
     font = ImageFont.load_default()
-    width = int(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(text, font=font)) + 8
+    width = int(font.getlength(text)) + 8
     image = Image.new("RGB", (width, 16), "white")
     ImageDraw.Draw(image).text((4, 2), text, fill="black", font=font)
     return image
@@ -3709,9 +3707,8 @@ def progress_sheet(columns):
     the best checkpoint from it."""
     from PIL import ImageDraw, ImageFont
     font, pad, text_h = ImageFont.load_default(), 4, 14
-    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     rows = max((len(images) for _, images in columns), default=0)
-    widths = [max([im.width for im in images] + [int(measure.textlength(caption, font=font))])
+    widths = [max([im.width for im in images] + [int(font.getlength(caption))])
               for caption, images in columns]
     heights = [max(images[r].height for _, images in columns if r < len(images)) for r in range(rows)]
     size = (sum(widths) + pad * (len(columns) + 1), text_h + sum(heights) + pad * (rows + 2))
