@@ -2637,7 +2637,6 @@ def pipeline_default(family, method, parameter):
     return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
 
 def default_sampling_steps(family):
-    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
     return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
 
 def resolve_family_defaults(args, family):
@@ -3209,7 +3208,8 @@ class DiskCache:
         """-> (prompt cache, latent cache or None) over this folder: entries named by their key and identity()."""
         self.identity = identity = identity()
         prompts = self.store("prompts", lambda text: json_digest("prompt", identity.prompts, text))
-        latents = self.store("latents", lambda key: json_digest("latent", identity.latents, content_key(dataset, key)))
+        latents = self.store("latents", lambda key: json_digest(  # the image by its bytes: stable across renames
+            "latent", identity.latents, [dataset.record(*key[:2]).content_hash(), *key[2:]]))
         return SampleCache(prompts), SampleCache(latents) if args.cache_latents else None
 
     def hold(self, accelerator, needed):
@@ -3217,8 +3217,12 @@ class DiskCache:
         run's eviction removes what this one has found -> the missing keys. needed: {name: (SampleCache, keys)}."""
         self.paths = {name: {k: self.relative(cache.store.path(k)) for k in keys}
                       for name, (cache, keys) in needed.items()}
-        if accelerator.is_local_main_process:
-            self.take_lease([entry for paths in self.paths.values() for entry in paths.values()])
+        if accelerator.is_local_main_process and self.write_error is None and self.lease is None:
+            try:
+                self.lease = take_lease(self.root, [entry for paths in self.paths.values() for entry in paths.values()])
+                atexit.register(release_lease, self.lease)
+            except OSError as e:
+                self.unwritable(e)
         accelerator.wait_for_everyone()
         todo = {name: cache.todo(keys) for name, (cache, keys) in needed.items()}
         self.missing = {self.paths[name][k] for name, keys in todo.items() for k in keys}
@@ -3240,14 +3244,6 @@ class DiskCache:
 
     def relative(self, path):
         return Path(path).relative_to(self.root).as_posix()
-
-    def take_lease(self, entries):
-        if self.write_error is None and self.lease is None:
-            try:
-                self.lease = take_lease(self.root, entries)
-                atexit.register(release_lease, self.lease)
-            except OSError as e:
-                self.unwritable(e)
 
 def resolve_cache_dir(value, environ):
     """--precompute_cache_dir: None -> the per-user folder ($XDG_CACHE_HOME when absolute, as the XDG spec asks,
@@ -3308,11 +3304,6 @@ class CacheIdentity:
 
     prompts: list  # text encoder and tokenizer fingerprints (or an option's), length, layers, dtype, family
     latents: list | None  # VAE fingerprint, dtype, --latent_sampling; None without --cache_latents
-
-def content_key(dataset, key):
-    """A latent key with the image id replaced by a hash of the image's bytes: stable across renames."""
-    kind, image_id, *rest = key
-    return [dataset.record(kind, image_id).content_hash(), *rest]
 
 def cache_identity(args, weight_dtype, family, encoder=None):
     """The identity of this run's entries; `encoder` identifies the text encoder (default: its files' and the
@@ -3708,8 +3699,7 @@ def progress_sheet(columns):
     from PIL import ImageDraw, ImageFont
     font, pad, text_h = ImageFont.load_default(), 4, 14
     rows = max((len(images) for _, images in columns), default=0)
-    widths = [max([im.width for im in images] + [int(font.getlength(caption))])
-              for caption, images in columns]
+    widths = [max([im.width for im in images] + [int(font.getlength(caption))]) for caption, images in columns]
     heights = [max(images[r].height for _, images in columns if r < len(images)) for r in range(rows)]
     size = (sum(widths) + pad * (len(columns) + 1), text_h + sum(heights) + pad * (rows + 2))
     sheet = Image.new("RGB", size, "white")
