@@ -3179,7 +3179,6 @@ class DiskCache:
 
     @classmethod
     def open(cls, root, args):
-        """The cache folder of `args`, made if missing (a folder that cannot be made warns)."""
         cache = cls(root, int(args.precompute_cache_max_gb * 1e9))
         try:
             cache.root.mkdir(parents=True, exist_ok=True)
@@ -3342,8 +3341,7 @@ def settle_cache(accelerator, disk, entries):
         if eviction.size_after > disk.max_bytes:
             line += (f"; over the bound: {human_bytes(eviction.protected_bytes)} are entries this or another live run "
                      "uses (raise --precompute_cache_max_gb)")
-    if accelerator.is_main_process:
-        logger.info(line)
+    logger.info(line)  # the main process's
 
 def report_memory_copies(caches, processes):
     """The in-memory cache is copied into every process: say what that costs, as a warning once it is large."""
