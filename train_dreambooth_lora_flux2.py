@@ -2604,8 +2604,8 @@ class Family:
     text_encoder: str  # transformers class
     distilled: bool = False  # [klein] distilled checkpoints sample in a few steps without CFG
 
-FAMILIES = {"Flux2Pipeline": ("FLUX.2 [dev]", "Mistral3ForConditionalGeneration"),
-            "Flux2KleinPipeline": ("FLUX.2 [klein]", "Qwen3ForCausalLM")}
+FAMILIES = {f.pipeline: f for f in (Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration"),
+                                    Family("FLUX.2 [klein]", "Flux2KleinPipeline", "Qwen3ForCausalLM"))}
 
 def read_model_json(args, name, what):
     """A small JSON file of the checkpoint (for a Hub id only that file is fetched) -> dict; UsageError naming `what`
@@ -2628,8 +2628,7 @@ def detect_family(args):
     if config.get("_class_name") not in FAMILIES:
         raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
                          f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
-    name, text_encoder = FAMILIES[config["_class_name"]]
-    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
+    return dataclasses.replace(FAMILIES[config["_class_name"]], distilled=bool(config.get("is_distilled", False)))
 
 def pipeline_default(family, method, parameter):
     """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
