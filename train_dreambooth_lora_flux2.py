@@ -2589,8 +2589,8 @@ class Family:
     text_encoder: str  # transformers class
     distilled: bool = False  # [klein] distilled checkpoints sample in a few steps without CFG
 
-FAMILIES = {"Flux2Pipeline": ("FLUX.2 [dev]", "Mistral3ForConditionalGeneration"),
-            "Flux2KleinPipeline": ("FLUX.2 [klein]", "Qwen3ForCausalLM")}
+FAMILIES = {f.pipeline: f for f in (Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration"),
+                                    Family("FLUX.2 [klein]", "Flux2KleinPipeline", "Qwen3ForCausalLM"))}
 
 def read_model_json(args, name, what):
     """A small JSON file of the checkpoint (for a Hub id only that file is fetched) -> dict; UsageError naming `what`
@@ -2613,8 +2613,7 @@ def detect_family(args):
     if config.get("_class_name") not in FAMILIES:
         raise UsageError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is a "
                          f"{config.get('_class_name')}; this script trains {', '.join(FAMILIES)} checkpoints")
-    name, text_encoder = FAMILIES[config["_class_name"]]
-    return Family(name, config["_class_name"], text_encoder, bool(config.get("is_distilled", False)))
+    return dataclasses.replace(FAMILIES[config["_class_name"]], distilled=bool(config.get("is_distilled", False)))
 
 def pipeline_default(family, method, parameter):
     """A default of the family's diffusers pipeline (so ours cannot drift from it, unlike a copied constant)."""
@@ -2622,7 +2621,6 @@ def pipeline_default(family, method, parameter):
     return inspect.signature(getattr(getattr(diffusers, family.pipeline), method)).parameters[parameter].default
 
 def default_sampling_steps(family):
-    """Denoising steps the family samples with by default: its pipeline's, 4 for distilled [klein]."""
     return 4 if family.distilled else pipeline_default(family, "__call__", "num_inference_steps")
 
 def resolve_family_defaults(args, family):
@@ -3165,7 +3163,6 @@ class DiskCache:
 
     @classmethod
     def open(cls, root, args):
-        """The cache folder of `args`, made if missing (a folder that cannot be made warns)."""
         cache = cls(root, int(args.precompute_cache_max_gb * 1e9))
         try:
             cache.root.mkdir(parents=True, exist_ok=True)
@@ -3194,7 +3191,8 @@ class DiskCache:
         """-> (prompt cache, latent cache or None) over this folder: entries named by their key and identity()."""
         self.identity = identity = identity()
         prompts = self.store("prompts", lambda text: json_digest("prompt", identity.prompts, text))
-        latents = self.store("latents", lambda key: json_digest("latent", identity.latents, content_key(dataset, key)))
+        latents = self.store("latents", lambda key: json_digest(  # the image by its bytes: stable across renames
+            "latent", identity.latents, [dataset.record(*key[:2]).content_hash(), *key[2:]]))
         return SampleCache(prompts), SampleCache(latents) if args.cache_latents else None
 
     def hold(self, accelerator, needed):
@@ -3202,8 +3200,12 @@ class DiskCache:
         run's eviction removes what this one has found -> the missing keys. needed: {name: (SampleCache, keys)}."""
         self.paths = {name: {k: self.relative(cache.store.path(k)) for k in keys}
                       for name, (cache, keys) in needed.items()}
-        if accelerator.is_local_main_process:
-            self.take_lease([entry for paths in self.paths.values() for entry in paths.values()])
+        if accelerator.is_local_main_process and self.write_error is None and self.lease is None:
+            try:
+                self.lease = take_lease(self.root, [entry for paths in self.paths.values() for entry in paths.values()])
+                atexit.register(release_lease, self.lease)
+            except OSError as e:
+                self.unwritable(e)
         accelerator.wait_for_everyone()
         todo = {name: cache.todo(keys) for name, (cache, keys) in needed.items()}
         self.missing = {self.paths[name][k] for name, keys in todo.items() for k in keys}
@@ -3225,14 +3227,6 @@ class DiskCache:
 
     def relative(self, path):
         return Path(path).relative_to(self.root).as_posix()
-
-    def take_lease(self, entries):
-        if self.write_error is None and self.lease is None:
-            try:
-                self.lease = take_lease(self.root, entries)
-                atexit.register(release_lease, self.lease)
-            except OSError as e:
-                self.unwritable(e)
 
 def resolve_cache_dir(value, environ):
     """--precompute_cache_dir: None -> the per-user folder ($XDG_CACHE_HOME when absolute, as the XDG spec asks,
@@ -3294,11 +3288,6 @@ class CacheIdentity:
     prompts: list  # text encoder and tokenizer fingerprints (or an option's), length, layers, dtype, family
     latents: list | None  # VAE fingerprint, dtype, --latent_sampling; None without --cache_latents
 
-def content_key(dataset, key):
-    """A latent key with the image id replaced by a hash of the image's bytes: stable across renames."""
-    kind, image_id, *rest = key
-    return [dataset.record(kind, image_id).content_hash(), *rest]
-
 def cache_identity(args, weight_dtype, family, encoder=None):
     """The identity of this run's entries; `encoder` identifies the text encoder (default: its files' and the
     tokenizer's fingerprints)."""
@@ -3336,8 +3325,7 @@ def settle_cache(accelerator, disk, entries):
         if eviction.size_after > disk.max_bytes:
             line += (f"; over the bound: {human_bytes(eviction.protected_bytes)} are entries this or another live run "
                      "uses (raise --precompute_cache_max_gb)")
-    if accelerator.is_main_process:
-        logger.info(line)
+    logger.info(line)  # the main process's
 
 def report_memory_copies(caches, processes):
     """The in-memory cache is copied into every process: say what that costs, as a warning once it is large."""
@@ -3622,8 +3610,7 @@ def base_images_missing(accelerator, folder, made_from):
     model, condition... would be compared with another image). Agreed with the main process under FSDP, where every
     process generates."""
     count = len(made_from["specs"]) * len(made_from["scales"]) * made_from["count"]
-    missing = [read_base_record(folder) != made_from or not all(Path(folder, f"base-{i}.png").is_file()
-                                                                for i in range(count))]
+    missing = [read_base_record(folder) != made_from or not has_images(folder, "base", count)]
     if is_fsdp(accelerator):
         broadcast_object_list(missing)
     return missing[0]
@@ -3665,10 +3652,9 @@ def update_progress_sheet(folder, tag, step, count, labels=None):
     after a resume the run goes on from an earlier step; so is one lacking some of the `count` rows (made with fewer
     prompts, strengths or images). The columns are listed in progress-0.json; their images are the PNGs of the
     folder."""
-    record = Path(folder, "progress-0.json")
     columns = [c for c in sheet_columns(folder) if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
     columns = [c for c in columns if has_images(folder, c["tag"], count)]
-    write_json_atomic(record, {"columns": columns})
+    write_json_atomic(Path(folder, "progress-0.json"), {"columns": columns})
     condition = Path(folder, "condition.png")
     sheet = progress_sheet(([("", [label_image(text) for text in labels])] if labels else []) +
                            ([("condition", [Image.open(condition)])] if condition.is_file() else []) +
@@ -3684,7 +3670,7 @@ def label_image(text):
     """A row label of the progress sheet."""
     from PIL import ImageDraw, ImageFont
     font = ImageFont.load_default()
-    width = int(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(text, font=font)) + 8
+    width = int(font.getlength(text)) + 8
     image = Image.new("RGB", (width, 16), "white")
     ImageDraw.Draw(image).text((4, 2), text, fill="black", font=font)
     return image
@@ -3694,10 +3680,8 @@ def progress_sheet(columns):
     the best checkpoint from it."""
     from PIL import ImageDraw, ImageFont
     font, pad, text_h = ImageFont.load_default(), 4, 14
-    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     rows = max((len(images) for _, images in columns), default=0)
-    widths = [max([im.width for im in images] + [int(measure.textlength(caption, font=font))])
-              for caption, images in columns]
+    widths = [max([im.width for im in images] + [int(font.getlength(caption))]) for caption, images in columns]
     heights = [max(images[r].height for _, images in columns if r < len(images)) for r in range(rows)]
     size = (sum(widths) + pad * (len(columns) + 1), text_h + sum(heights) + pad * (rows + 2))
     sheet = Image.new("RGB", size, "white")

@@ -112,7 +112,7 @@ import train_dreambooth_lora_flux2 as T
 PartialState()
 folder = T.DiskCache(sys.argv[2])
 store = folder.store("prompts", lambda key: T.json_digest(key))
-folder.take_lease([folder.relative(store.path("used"))])
+lease = T.take_lease(folder.root, [folder.relative(store.path("used"))])
 print("leased", flush=True)
 sys.stdin.readline()  # the other run evicts meanwhile
 print("read", float(store["used"].sum()), flush=True)  # the training loop reads its entries at every lookup
