@@ -5219,11 +5219,9 @@ class SpeedAndMemory(Option):
             transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
         if self.args.do_fp8_training:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-            # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
-            convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
-                                       module_filter_fn=lambda m, name: name != "proj_out" and (
-                                           not isinstance(m, torch.nn.Linear)
-                                           or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
+            # float8 matmuls need sides divisible by 16 (only linear layers reach the filter); proj_out keeps its dtype
+            convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True), module_filter_fn=(
+                lambda m, name: name != "proj_out" and m.in_features % 16 == 0 and m.out_features % 16 == 0))
         return transformer
 
     def after_lora(self, transformer, accelerator):
