@@ -4242,7 +4242,6 @@ class EMA(Option):
         return True
 
     def save_final(self, accelerator, run, raw, folder, dtype):
-        """The average is the LoRA; the last raw weights go beside it."""
         save_lora(accelerator, run.transformer, raw, folder, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
         with self.ema.applied(run.named_params):
             state = lora_state_dict(accelerator, run.transformer, run.hooks)
