@@ -3965,12 +3965,11 @@ class ClassImages(Option):
 
     def notes(self):
         args = self.args
-        return [note for surprising, note in (
-            (args.with_prior_preservation and args.prior_loss_weight == 0, "--prior_loss_weight 0: the class images "
-             "are encoded and trained on, but their loss counts for nothing"),
-            (not args.with_prior_preservation and (args.class_data_dir or args.class_prompt) is not None,
-             "--class_data_dir/--class_prompt without --with_prior_preservation: no class images are used"))
-            if surprising]
+        if args.with_prior_preservation:
+            return ["--prior_loss_weight 0: the class images are encoded and trained on, but their loss counts for "
+                    "nothing"] if args.prior_loss_weight == 0 else []
+        return ["--class_data_dir/--class_prompt without --with_prior_preservation: no class images are used"] if (
+            args.class_data_dir or args.class_prompt) is not None else []
 
     def class_count(self):
         return self.args.num_class_images if self.args.with_prior_preservation else None
@@ -4212,7 +4211,6 @@ class EMA(Option):
         return True
 
     def save_final(self, accelerator, run, raw, folder, dtype):
-        """The average is the LoRA; the last raw weights go beside it."""
         save_lora(accelerator, run.transformer, raw, folder, dtype, weight_name=RAW_LORA_WEIGHTS_NAME)
         with self.ema.applied(run.named_params):
             state = lora_state_dict(accelerator, run.transformer, run.hooks)
@@ -4429,10 +4427,9 @@ class Adapters(Option):
         return True
 
     def describe(self, dataset):
-        return {"diffusers": [], "comfyui": [f"`{LORA_WEIGHTS_NAME}` is in ComfyUI's layout (ComfyUI's LoRA loader "
-                                             "reads it)."],
+        return {"comfyui": [f"`{LORA_WEIGHTS_NAME}` is in ComfyUI's layout (ComfyUI's LoRA loader reads it)."],
                 "both": [f"ComfyUI: `{COMFYUI_WEIGHTS_NAME}` (its LoRA loader reads it); diffusers: "
-                         f"`{LORA_WEIGHTS_NAME}`."]}[self.args.lora_format]
+                         f"`{LORA_WEIGHTS_NAME}`."]}.get(self.args.lora_format, [])
 
 def bfl_name(module):
     """diffusers module name -> (BFL module name, row block of the fused qkv or None); ValueError saying why not.
@@ -4526,10 +4523,9 @@ def read_init_lora(path):
         example = f" (e.g. {next(iter(source))})" if isinstance(source, dict) and source else ""
         raise UsageError(f"--init_lora {path}: no layer of a FLUX.2 transformer in it{example}: a LoRA of another "
                          "model (SDXL, FLUX.1)?")
-    pattern = r"transformer\.(.+)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)"
     parts = collections.defaultdict(dict)
     for key, value in state.items():
-        m = re.fullmatch(pattern, key)
+        m = re.fullmatch(r"transformer\.(.+)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)", key)
         refuse(m is None, f"--init_lora {path}: {key} is not a LoRA tensor of the transformer (LoKr, LoHa, text "
                "encoder and bias adapters cannot be continued)")
         parts[m.group(1)][m.group(2)] = value
@@ -4613,14 +4609,12 @@ class TriggerWords(Option):
             raise UsageError(f"--class_word {args.class_word!r} contains --trigger_word {args.trigger_word!r}")
 
     def notes(self):
-        args = self.args
         return ["--output_preservation_weight 0: every step pays for the base model's prediction, which counts for "
-                "nothing"] if args.output_preservation and args.output_preservation_weight == 0 else []
+                "nothing"] if self.args.output_preservation and self.args.output_preservation_weight == 0 else []
 
     def resolve(self, family):
-        for name in self.prompt_flags:
-            if TRIGGER in (vars(self.args).get(name) or ""):
-                setattr(self.args, name, with_trigger(getattr(self.args, name), self.args.trigger_word))
+        for name in [n for n in self.prompt_flags if TRIGGER in (vars(self.args).get(n) or "")]:
+            setattr(self.args, name, with_trigger(getattr(self.args, name), self.args.trigger_word))
 
     def images(self, instances):
         """[trigger] filled in every caption, and 'WORD, ' put before each caption line lacking the word; refused by
@@ -4669,8 +4663,7 @@ class TriggerWords(Option):
         weight = self.args.output_preservation_weight
 
         def extra(transformer, inputs):
-            p = embeds.shape[0]
-            rows = {k: None if v is None else v[:p] for k, v in inputs.items()}
+            rows = {k: None if v is None else v[:len(embeds)] for k, v in inputs.items()}
             rows["encoder_hidden_states"] = embeds
             with torch.no_grad(), adapters_off(extract_model_from_parallel(transformer)):
                 base = transformer(**rows, return_dict=False)[0]
@@ -4826,9 +4819,8 @@ class Prodigy(Option):
             raise UsageError("--optimizer prodigy needs the prodigyopt package: pip install prodigyopt")
 
     def notes(self):
-        lr = self.args.learning_rate
-        return [f"--learning_rate {lr} with Prodigy: its learning rate is a multiplier of the step it finds, usually "
-                "1.0"] if lr < 0.1 else []
+        return [f"--learning_rate {self.args.learning_rate} with Prodigy: its learning rate is a multiplier of the "
+                "step it finds, usually 1.0"] if self.args.learning_rate < 0.1 else []
 
     def optimizer(self, params, hyper):
         import prodigyopt
@@ -4934,10 +4926,9 @@ class BlockSwapping(Option):
                "autograd keeps every block's weights for the backward pass, so swapped blocks could not leave the GPU")
 
     def check_model(self, model):
-        blocks = len(transformer_blocks(model))
-        refuse(self.args.blocks_to_swap > blocks, f"--blocks_to_swap {self.args.blocks_to_swap}: this transformer has "
-               f"{blocks} blocks ({model.config.num_layers} double-stream, {model.config.num_single_layers} "
-               "single-stream)")
+        count, blocks = self.args.blocks_to_swap, len(transformer_blocks(model))
+        refuse(count > blocks, f"--blocks_to_swap {count}: this transformer has {blocks} blocks "
+               f"({model.config.num_layers} double-stream, {model.config.num_single_layers} single-stream)")
 
     def after_lora(self, transformer, accelerator):
         count = self.args.blocks_to_swap
@@ -5196,11 +5187,9 @@ class SpeedAndMemory(Option):
             transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
         if self.args.do_fp8_training:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-            # float8 matmuls need both sides divisible by 16; the output projection stays in high precision
-            convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True),
-                                       module_filter_fn=lambda m, name: name != "proj_out" and (
-                                           not isinstance(m, torch.nn.Linear)
-                                           or (m.in_features % 16 == 0 and m.out_features % 16 == 0)))
+            # float8 matmuls need sides divisible by 16 (only linear layers reach the filter); proj_out keeps its dtype
+            convert_to_float8_training(transformer, config=Float8LinearConfig(pad_inner_dim=True), module_filter_fn=(
+                lambda m, name: name != "proj_out" and m.in_features % 16 == 0 and m.out_features % 16 == 0))
         return transformer
 
     def after_lora(self, transformer, accelerator):
@@ -5269,8 +5258,7 @@ class ValidationExtras(Option):
              help="The LoRA's strengths each validation shows, e.g. 0.5,1,1.5.")]
 
     def validation_specs(self):
-        path = self.args.validation_prompts_file
-        return read_validation_prompts(path) if path else []
+        return read_validation_prompts(self.args.validation_prompts_file) if self.args.validation_prompts_file else []
 
     def validation_scales(self):
         return self.args.validation_lora_scales
