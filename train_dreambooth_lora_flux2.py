@@ -5590,7 +5590,7 @@ def make_plan(args, model, card, host, estimate, text_size, dtype):
     report = plan_report(args, model, card, host, rows, chosen, text_rows, text_choice, precision)
     if chosen is None or text_choice is False:  # why, and the card that would fit, on a machine with CUDA
         choices, text = plan_choices(args, cuda=True), text_encoder_choices(args, cuda=True)
-        remote = model == FAMILIES["Flux2Pipeline"][0] and "remote_text_encoder" in vars(args)  # [dev]'s alone
+        remote = model == FAMILIES["Flux2Pipeline"].name and "remote_text_encoder" in vars(args)  # [dev]'s alone
         return report + [refusal(estimate, host_free, choices, text_rows_of(text), card, precision, remote,
                                  text_rows_of([None, "int8", "nf4"] if text else []))], None, None
     return report, chosen, text_choice
