@@ -2,6 +2,7 @@
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -149,28 +150,54 @@ class Zygote:
         return cls.process.poll() is None and cls.fixed(env) == cls.env
 
     @classmethod
-    def run(cls, cmd, env, timeout):
+    def run(cls, cmd, env, timeout, ranks=None):
+        """One run of `cmd`; with `ranks` (each rank's extra environment) one forked process per rank, their outputs
+        joined in rank order, and the exit code of the rank that failed first."""
         with tempfile.TemporaryDirectory() as out:
-            paths = {name: os.path.join(out, name) for name in ("stdout", "stderr")}
-            request = dict(argv=[str(a) for a in cmd[1:]], env=env, cwd=str(ROOT), **paths)
+            names = ("stdout", "stderr")
+            outputs = [{name: os.path.join(out, f"{name}-{i}") for name in names} for i in range(len(ranks or [0]))]
+            request = dict(argv=[str(a) for a in cmd[1:]], env=env, cwd=str(ROOT), **outputs[0])
+            if ranks:
+                request["ranks"] = [dict(env={**env, **extra}, **paths) for extra, paths in zip(ranks, outputs)]
             cls.process.stdin.write(json.dumps(request) + "\n")
-            pid = json.loads(cls.process.stdout.readline())["pid"]
+            reply = json.loads(cls.process.stdout.readline())
+            pids = reply.get("pids") or [reply["pid"]]
             fired = threading.Event()
-            timer = threading.Timer(timeout, lambda: (fired.set(), os.killpg(pid, 9)))  # the child leads its group
+
+            def kill():  # each child leads its own process group
+                fired.set()
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, 9)
+
+            timer = threading.Timer(timeout, kill)
             timer.start()
-            returncode = json.loads(cls.process.stdout.readline())["returncode"]
+            reply = json.loads(cls.process.stdout.readline())
             timer.cancel()
-            stdout, stderr = (Path(paths[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
+            stdout, stderr = ("".join(Path(paths[name]).read_text(errors="replace") for paths in outputs)
+                              for name in names)
         if fired.is_set():
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
 
 
-def launch(args, num_processes=1, env=None, check=True, timeout=600, via_accelerate=False):
+def torchrun_env(num_processes, port):
+    """What `torchrun --nproc_per_node N` sets for each rank of one node (its agent's store aside: rank 0's process
+    group makes the store, as under `accelerate launch` on one machine)."""
+    n = str(num_processes)
+    return [{"RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "GROUP_RANK": "0",
+             "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(i), "ROLE_NAME": "default", "ROLE_WORLD_SIZE": n,
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
+             "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"} for i in range(num_processes)]
+
+
+def launch(args, num_processes=1, env=None, check=True, timeout=600, via_accelerate=False, torchrun=False):
     """Run the real script on the CPU; returns the CompletedProcess. One process runs it directly (what
     `accelerate launch` does for one process, without a second interpreter's start-up; forked from the Zygote where
-    the environment allows), or under `accelerate launch` with via_accelerate; several processes run under torchrun
-    with gloo (what accelerate uses on GPUs)."""
+    the environment allows), or under `accelerate launch` with via_accelerate. Several processes talk over gloo (what
+    accelerate uses on GPUs): each forked from the Zygote with the environment torchrun gives its rank, or under
+    torchrun itself with `torchrun` (its agent's own behaviour: signals, restarts, its exit code) or where the
+    Zygote cannot serve."""
     if num_processes == 1 and via_accelerate:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]
@@ -184,6 +211,9 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if num_processes == 1 and not via_accelerate and Zygote.serves(full_env):
         proc = Zygote.run(cmd, full_env, timeout)
+    elif num_processes > 1 and not torchrun and Zygote.serves(full_env):
+        ranks = torchrun_env(num_processes, free_port())
+        proc = Zygote.run([sys.executable, str(SCRIPT), *args], full_env, timeout, ranks)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -41,7 +41,7 @@ def world(tiny_model, tmp_path_factory):
     started = subprocess.run([*ray, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard",
                               "false", "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stdout + started.stderr
-    launch(base_args(tiny_model, root / "images", root / "reference", *COMMON), num_processes=2)
+    launch(base_args(tiny_model, root / "images", root / "reference", *COMMON), num_processes=2, torchrun=True)
     yield {"root": root, "address": "auto", "env": env, "model": tiny_model,
            "reference": load_file(str(root / "reference" / LORA))}
     subprocess.run([*ray, "stop", "--force"], env=env, capture_output=True, timeout=300)

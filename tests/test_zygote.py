@@ -44,3 +44,41 @@ def test_a_forked_run_is_the_fresh_process_it_stands_for(tmp_path):
     assert not Zygote.serves({**env, "OMP_NUM_THREADS": "7"})
     assert Zygote.serves({**env, "XDG_CACHE_HOME": "/elsewhere", "ACCELERATE_USE_CPU": "true"})
     assert os.environ.get("PROBE") is None
+
+
+RANKS_PROBE = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "group":  # a process group from torchrun's variables alone, as accelerate makes it
+    dist.init_process_group("gloo")
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    print(f"rank {rank} of {dist.get_world_size()} (local {os.environ['LOCAL_RANK']}): {total.item()}", flush=True)
+    dist.destroy_process_group()
+if sys.argv[1] == "fail" and rank == 1:
+    sys.exit(5)
+if sys.argv[1] == "fail":
+    time.sleep(60)  # stopped by the zygote (SIGTERM) once rank 1 failed
+"""
+
+
+def test_forked_ranks_form_a_gloo_group_and_a_failed_rank_stops_the_others(tmp_path):
+    """launch()'s several processes: one forked child per rank with torchrun's variables, their outputs in rank order;
+    a rank's failure is the run's exit code and stops the others, as torchrun's agent does."""
+    import time
+
+    from tests.conftest import free_port, torchrun_env
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_PROBE)
+    env = {**SESSION_ENV, "PYTHONUNBUFFERED": "1"}
+    assert Zygote.serves(env)
+    run = Zygote.run([sys.executable, script, "group"], env, 60, torchrun_env(3, free_port()))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [f"rank {r} of 3 (local {r}): 6.0" for r in range(3)]
+    start = time.monotonic()
+    run = Zygote.run([sys.executable, script, "fail"], env, 60, torchrun_env(2, free_port()))
+    assert run.returncode == 5 and time.monotonic() - start < 8  # SIGTERM at once, not the SIGKILL 10 s later
+    assert Zygote.run([sys.executable, script, "0"], env, 60, torchrun_env(2, free_port())).returncode == 0

@@ -5,11 +5,17 @@ the script as `python SCRIPT ARGS` would (`__main__`, sys.argv, sys.path[0], cwd
 seeds, output to files), exiting the way that process would (atexit, exit code, signals).
 
 Protocol, one JSON line each way: request {"argv", "env", "cwd", "stdout", "stderr"}; reply {"pid"} when forked, then
-{"returncode"} (as subprocess reports it: -N for signal N) when it ended."""
+{"returncode"} (as subprocess reports it: -N for signal N) when it ended. A request with "ranks" (a list of {"env",
+"stdout", "stderr"}, each rank's environment as torchrun would set it) forks one child per rank: reply {"pids"}, then
+{"returncode"} (the first failure's) once all ended; when one fails the others are stopped (SIGTERM, SIGKILL 10 s later), as torchrun
+stops a failed group."""
 
+import contextlib
 import json
 import os
+import signal
 import sys
+import time
 
 import accelerate  # noqa: F401
 import diffusers  # noqa: F401
@@ -22,18 +28,44 @@ from PIL import Image  # noqa: F401
 
 
 def serve():
-    """Answer requests until stdin closes; in a forked child, return its request."""
+    """Answer requests until stdin closes; in a forked child, return its request (one rank's, for "ranks")."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     for line in sys.stdin:
         request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            replies.close()
-            return request
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        ranks = [{**request, **rank} for rank in request.get("ranks", [{}])]
+        pids = []
+        for rank in ranks:
+            pid = os.fork()
+            if pid == 0:
+                replies.close()
+                return rank
+            pids.append(pid)
+        replies.write(json.dumps({"pids": pids} if "ranks" in request else {"pid": pids[0]}) + "\n")
+        replies.write(json.dumps({"returncode": wait_all(pids)}) + "\n")
     sys.exit(0)
+
+
+def wait_all(pids):
+    """The first failing child's exit code (0 when none failed); that failure stops the others (each leads its own
+    process group)."""
+    codes, deadline, first = {}, None, 0
+    while len(codes) < len(pids):
+        pid, status = os.waitpid(-1, os.WNOHANG) if deadline else os.waitpid(-1, 0)
+        if pid == 0:  # stopping the others: wait for them, SIGKILL at the deadline
+            if time.monotonic() > deadline:
+                for other in set(pids) - set(codes):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(other, signal.SIGKILL)
+            time.sleep(0.05)
+            continue
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        first = first or codes[pid]
+        if codes[pid] != 0 and deadline is None and len(codes) < len(pids):
+            deadline = time.monotonic() + 10
+            for other in set(pids) - set(codes):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(other, signal.SIGTERM)
+    return first
 
 
 request = serve()  # the zygote never gets past this line; each child does
