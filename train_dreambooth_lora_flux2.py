@@ -5151,9 +5151,9 @@ class SpeedAndMemory(Option):
              "true}."),
         flag("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")]
 
-    def __init__(self, args):
-        super().__init__(args)
-        self.places_transformer = bool(args.bnb_quantization_config_path)  # quantised weights load onto the GPU
+    @property  # read when placing: the memory plan may choose NF4 after --compile turned this option on
+    def places_transformer(self):
+        return bool(self.args.bnb_quantization_config_path)  # quantised weights load onto the GPU
 
     def check(self):
         args, cuda = self.args, torch.cuda.is_available()
