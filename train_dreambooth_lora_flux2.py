@@ -3962,6 +3962,9 @@ class ClassImages(Option):
             refuse(not args.class_prompt, "--with_prior_preservation needs --class_prompt")
             refuse(not args.class_data_dir, "--with_prior_preservation needs --class_data_dir (missing class images "
                    "are generated there)")
+            refuse(args.instance_data_dir and Path(args.class_data_dir).resolve() == Path(
+                args.instance_data_dir).resolve(), "--class_data_dir is --instance_data_dir: the subject's images "
+                   "would train as the class, and generated class images would join the subject's; use another folder")
 
     def notes(self):
         args = self.args

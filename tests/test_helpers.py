@@ -401,13 +401,16 @@ def _args(*extra):
     ([], "exactly one of --instance_data_dir"),
     (["--with_prior_preservation", "--class_data_dir", "c"], "--class_prompt"),
     (["--with_prior_preservation", "--class_prompt", "c"], "--class_data_dir"),
+    # generated class images would land among the subject's, and train as the subject in every later run
+    (["--with_prior_preservation", "--class_prompt", "c", "--class_data_dir", "{images}/."],
+     "--class_data_dir is --instance_data_dir"),
     (["--do_fp8_training", "--bnb_quantization_config_path", "{config}"], "exclude each other"),
     (["--push_to_hub", "--hub_token", "hf_x", "--report_to", "tensorboard,wandb"], "could leak the token"),
 ])
 def test_flags_that_do_not_go_together_are_named(extra, message, tmp_path):
     """Each flag on its own is tested in test_flags.py; these are combinations."""
     (tmp_path / "bnb.json").write_text('{"load_in_4bit": true}')
-    extra = [a.format(config=tmp_path / "bnb.json") for a in extra]
+    extra = [a.format(config=tmp_path / "bnb.json", images=tmp_path) for a in extra]
     if extra:
         extra = ["--instance_data_dir", str(tmp_path), *extra]
     with pytest.raises(UsageError, match=message):
