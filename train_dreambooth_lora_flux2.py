@@ -2859,10 +2859,14 @@ def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_
                                  "metadata.jsonl, name it <something>_file_name)")
         refs = tuple(row_record(f"{name}[{i}].{cond_column}[{j}]", c) for j, c in enumerate(cond))
         caption = row[caption_column] if caption_column else None
-        if isinstance(caption, (list, tuple)):  # a list of captions: alternatives, as the lines of a caption file
-            caption = "\n".join(c for c in caption if c)
+        cells = [c for c in (caption if isinstance(caption, (list, tuple)) else [caption]) if c is not None]
+        if any(not isinstance(c, str) for c in cells):  # a label or an image column: no caption to read
+            raise UsageError(f"--caption_column {caption_column!r}: row {i} holds {type(caption).__name__}, not text "
+                             f"(feature {split.features[caption_column]})")
+        # a cell is one caption (a line break in it a space); a list's entries are alternatives, a caption file's lines
+        caption = "\n".join(" ".join(line.strip() for line in c.splitlines() if line.strip()) for c in cells)
         records.append(row_record(f"{name}[{i}]", row[image_column], conditions=refs,
-                                  caption=(caption or "").strip() or None))
+                                  caption=caption.strip() or None))
     refuse(bad, f"--dataset_name {name}: cannot use {len(bad)} row(s); fix or remove them:\n  " + "\n  ".join(bad))
     refuse(empty, f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
                   f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")

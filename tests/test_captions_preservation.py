@@ -67,22 +67,27 @@ def test_the_step_reads_the_embedding_of_the_alternative_drawn_for_its_epoch():
         assert got == [float(ds.prompt_key(s, epoch) == "right") for s in range(4)]
 
 
-def test_a_list_valued_caption_column_gives_alternatives(tmp_path):
+def test_a_list_valued_caption_column_gives_alternatives_and_a_text_cell_one_caption(tmp_path, monkeypatch):
+    """A list's entries are alternatives; a text cell is one caption however many lines it has (an LLM captioner's
+    paragraphs), never alternatives as a caption file's lines are; a cell that is not text is refused, naming it."""
     pytest.importorskip("datasets")
+    import datasets
     from datasets import Dataset
 
-    folder = tmp_path / "ds"
-    Dataset.from_dict({"image": [Image.new("RGB", (32, 32), "red")], "text": [["a red square", "", "crimson"]]}
-                      ).save_to_disk(str(folder))
-    import datasets
-
-    original = datasets.load_dataset
-    try:
-        datasets.load_dataset = lambda name, config, cache_dir=None: {"train": datasets.load_from_disk(name)}
-        (record,) = T.load_hf_dataset(str(folder), None, "image", "text", None)
-    finally:
-        datasets.load_dataset = original
-    assert T.caption_lines(record.caption) == ["a red square", "crimson"]
+    red = Image.new("RGB", (32, 32), "red")
+    Dataset.from_dict({"image": [red] * 2, "text": [["a red square", "", "crimson"], ["a red\nsquare", "crimson"]]}
+                      ).save_to_disk(str(tmp_path / "lists"))
+    Dataset.from_dict({"image": [red] * 2, "label": [0, 1], "text": ["a red square,\n\n  flat colour\n", "red"]}
+                      ).save_to_disk(str(tmp_path / "texts"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, cache_dir=None: {
+        "train": datasets.load_from_disk(name)})
+    lists, texts = (T.load_hf_dataset(str(tmp_path / name), None, "image", "text", None) for name in ("lists", "texts"))
+    assert [T.caption_lines(r.caption) for r in lists + texts] == [
+        ["a red square", "crimson"], ["a red square", "crimson"], ["a red square, flat colour"], ["red"]]
+    with pytest.raises(T.UsageError, match=r"--caption_column 'label': row 0 holds int, not text \(feature Value"):
+        T.load_hf_dataset(str(tmp_path / "texts"), None, "image", "label", None)
+    with pytest.raises(T.UsageError, match=r"--caption_column 'image': row 0 holds \w*ImageFile, not text"):
+        T.load_hf_dataset(str(tmp_path / "texts"), None, "image", "image", None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
