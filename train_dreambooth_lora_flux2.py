@@ -1032,7 +1032,7 @@ def prepare_data(args, accelerator, cache, hooks=None):
         args.max_train_steps = optimizer_steps(args.num_train_epochs, len(sampler), args.gradient_accumulation_steps)
     condition = hooks.first("condition", dataset, bool(args.validation_prompt or args.final_validation_prompt or specs))
     images = {f"{kind}/{r.name}": r.content_hash() for kind in ("instance", "class") for r in dataset.record_list(kind)}
-    warn_changed_images(checkpoint, images)
+    check_resume_point(args, checkpoint, images)
     freeze(args)
     return Data(family, checkpoint, seed, dataset, sampler, loader, condition, hooks, specs,
                 agree_run_id(accelerator), images)
@@ -2535,10 +2535,12 @@ def hold_output_dir(args, accelerator):
     return held
 
 def flags_to_keep(args):
-    """The flags a resumed run must share with its checkpoint: the adapter's rank, scale, layers and kind, and the
-    optimizer's settings (its restored state carries the checkpoint's: a new value would be ignored)."""
+    """The flags a resumed run must share with its checkpoint: the adapter's rank, scale, layers and kind, the
+    optimizer's settings (its restored state carries the checkpoint's: a new value would be ignored), and the batches'
+    shape (a resume starts at step x accumulation batches: another shape would retrain or skip samples)."""
     names = ("rank", "lora_alpha", "lora_layers", "learning_rate", "scale_lr", "adam_beta1", "adam_beta2",
-             "adam_weight_decay", "adam_epsilon", *(n for o in OPTIONS for n in o.resume_flags))
+             "adam_weight_decay", "adam_epsilon", "train_batch_size", "gradient_accumulation_steps",
+             *(n for o in OPTIONS for n in o.resume_flags))
     return {name: vars(args).get(name) for name in names}
 
 def check_resume_flags(args, checkpoint):
@@ -2551,9 +2553,14 @@ def check_resume_flags(args, checkpoint):
     refuse(changed, f"--resume_from_checkpoint {checkpoint}: {', '.join(changed)}; resume with the flags that "
                     "trained it")
 
-def warn_changed_images(checkpoint, images):
-    """Warn, naming them, when images changed, were added or were removed since `checkpoint` was written."""
-    saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text()).get("images") if checkpoint else None
+def check_resume_point(args, checkpoint, images):
+    """Refuse a checkpoint past the run's last step (its LoRA would be saved as the earlier step's); warn, naming
+    them, when images changed, were added or were removed since `checkpoint` was written."""
+    state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text()) if checkpoint else {}
+    refuse(state.get("global_step", 0) > args.max_train_steps, f"--resume_from_checkpoint {checkpoint} is at step "
+           f"{state.get('global_step')}, past this run's {args.max_train_steps} steps (--max_train_steps, or "
+           "--num_train_epochs'); raise them, or resume from an earlier checkpoint")
+    saved = state.get("images")
     if saved is None or saved == images:
         return
     changed = sorted({n for n in saved.keys() | images.keys() if saved.get(n) != images.get(n)})

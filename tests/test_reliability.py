@@ -211,11 +211,23 @@ def test_a_resume_whose_images_changed_says_which(resumable, tiny_model, tmp_pat
                                             (["--lora_layers", "attention"], "--lora_layers attention"),
                                             (["--adapter", "loha"], "--adapter loha (the checkpoint's: lora)"),
                                             (["--learning_rate", "5e-4"], "--learning_rate 0.0005 (the checkpoint's: "),
-                                            (["--adam_weight_decay", "0"], "--adam_weight_decay 0.0 (the checkpoint's: ")])
+                                            (["--adam_weight_decay", "0"], "--adam_weight_decay 0.0 (the checkpoint's: "),
+                                            # the resume point is step x accumulation batches of this size
+                                            (["--gradient_accumulation_steps", "2"],
+                                             "--gradient_accumulation_steps 2 (the checkpoint's: 1)"),
+                                            (["--train_batch_size", "2"], "--train_batch_size 2 (the checkpoint's: 1)")])
 def test_a_resume_with_another_adapter_or_optimizer_setting_is_refused_before_models_load(extra, changed, resumable, tiny_model, tmp_path):
     proc = _resume(tiny_model, resumable, tmp_path / "out", *extra)
     assert proc.returncode == 2 and len(_errors(proc)) == 1 and changed in proc.stderr, proc.stderr[-3000:]
     assert "resume with the flags that trained it" in proc.stderr and "loading the" not in proc.stderr
+
+
+def test_a_checkpoint_past_the_runs_last_step_is_refused(resumable, tiny_model, tmp_path):
+    """Its LoRA (step 2) would have been saved, and carded, as step 1's."""
+    proc = _resume(tiny_model, resumable, tmp_path / "out", "--max_train_steps", "1")
+    assert proc.returncode == 2 and len(_errors(proc)) == 1, proc.stderr[-3000:]
+    assert "checkpoint-2 is at step 2, past this run's 1 steps" in proc.stderr and "loading the" not in proc.stderr
+    assert _resume(tiny_model, resumable, tmp_path / "at", "--max_train_steps", "2").returncode == 0  # at it: done
 
 
 def test_stray_temporary_cache_files_of_killed_runs_are_removed(tmp_path):
