@@ -1587,8 +1587,9 @@ def train(args, accelerator, run, global_step):
                         raise TrainingStopped(
                             f"the loss became NaN or infinite at step {global_step + 1} (samples {batch['indices']}); "
                             "stopped without applying that update and without writing a final LoRA. Last good "
-                            f"checkpoint: {found[-1] if found else 'none'}. Try a lower --learning_rate, "
-                            "--max_grad_norm, or --mixed_precision bf16 instead of fp16")
+                            f"checkpoint: {found[-1] if found else 'none'}: resume from it with a lower "
+                            "--max_grad_norm, or start over (--overwrite_output_dir) with a lower --learning_rate" + (
+                                ", or --mixed_precision bf16" if accelerator.mixed_precision == "fp16" else ""))
                     optimizer_step(args, accelerator, run)
             sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
                                          "latent_hw": latent_hw}) + "\n")

@@ -369,6 +369,9 @@ def test_non_finite_loss_stops_keeps_the_last_checkpoint_and_writes_no_lora(tiny
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "NaN or infinite at step 2" in proc.stderr and "checkpoint-1" in proc.stderr
+    # advice a resume accepts (another --learning_rate is refused by it); the fp16 hint only for an fp16 run
+    assert "resume from it with a lower --max_grad_norm, or start over (--overwrite_output_dir) with a lower " \
+           "--learning_rate" in proc.stderr and "--mixed_precision" not in proc.stderr
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and not (out / LORA).exists()
 
 
