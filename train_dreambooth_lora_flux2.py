@@ -2687,14 +2687,19 @@ RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a s
 def to_rgb(image):
     """Any Pillow mode -> 8-bit RGB: 16/32-bit grey scaled (not clipped) to 8 bits, palettes expanded, CMYK
     converted, transparency composited on a neutral grey."""
-    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
-        array = np.asarray(image, dtype=np.float64)
-        scale = 257.0 if image.mode != "F" and array.max() > 255 else 1.0  # 16-bit data: 65535 -> 255
-        image = Image.fromarray(np.clip(array / scale, 0, 255).round().astype(np.uint8), "L")
+    image = grey8(image)
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (*NEUTRAL_GREY, 255)), rgba).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
+
+def grey8(image):
+    """16/32-bit grey -> 8-bit L, scaled (not clipped: 16-bit data 65535 -> 255); other modes as they are."""
+    if image.mode not in ("I", "I;16", "I;16B", "I;16L", "F"):
+        return image
+    array = np.asarray(image, dtype=np.float64)
+    scale = 257.0 if image.mode != "F" and array.max() > 255 else 1.0
+    return Image.fromarray(np.clip(array / scale, 0, 255).round().astype(np.uint8), "L")
 
 def oriented_size(image, size=None):
     """(width, height) of ImageOps.exif_transpose(image), ImageRecord.load's pixels. Loads `image`, then reads its
@@ -2896,7 +2901,7 @@ def row_files(split, i):
 def load_mask(record):
     """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
     if record.mask_path is not None:
-        return ImageOps.exif_transpose(Image.open(record.mask_path)).convert("L")
+        return grey8(ImageOps.exif_transpose(Image.open(record.mask_path))).convert("L")  # a 16-bit mask's 0.25 too
     image = ImageOps.exif_transpose(Image.open(record.path) if record.path is not None else record.image)
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         return image.convert("RGBA").getchannel("A")

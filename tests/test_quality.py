@@ -159,6 +159,19 @@ def test_mask_files_and_alpha_become_masks_that_follow_crop_and_flip(tmp_path):
     assert (T.key_mask(ds, ds.latent_key(2, 0)) == 1).all()
 
 
+def test_a_16_bit_mask_keeps_its_soft_weights(tmp_path):
+    """Segmentation tools export 16-bit masks: 16384 of 65535 weighs 0.25 (Pillow's own conversion clips it to 1)."""
+    Image.new("RGB", (32, 32)).save(tmp_path / "dog.png")
+    mask = np.full((32, 32), 65535, np.uint16)
+    mask[:, 16:] = 16384
+    Image.fromarray(mask).save(tmp_path / "dog_mask.png")
+    assert Image.open(tmp_path / "dog_mask.png").mode.startswith("I;16")
+    ds = T.DreamBoothDataset(T.scan_image_folder(tmp_path, with_masks=True), "p", [(32, 32)], center_crop=True,
+                             with_masks=True)
+    row = T.key_mask(ds, ds.latent_key(0, 0))[0, 0]
+    assert row[:16].tolist() == [1.0] * 16 and row[16:] == pytest.approx([64 / 255] * 16)
+
+
 @pytest.mark.parametrize("cached", [False, True])
 def test_masked_loss_trains_with_mask_files_and_alpha(cached, tiny_model, tmp_path):
     folder = tmp_path / "images"
