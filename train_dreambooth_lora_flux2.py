@@ -86,7 +86,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 logger = get_logger(__name__)
 
-IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jfif", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
 TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
@@ -2737,8 +2737,9 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False, wi
     index = ScanIndex() if index is None else index
     scanned_at = time.time()
     records, bad, empty_captions, found = [], [], [], {}
-    candidates = [p for p in sorted(folder.iterdir())
-                  if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
+    entries = [p for p in sorted(folder.iterdir()) if not p.name.startswith(".")]
+    candidates = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
+    captions = {p.stem: p for p in entries if p.suffix.lower() == ".txt"}  # x.TXT too (x.txt, sorted last, first)
     stems = {p.stem for p in candidates}
     masks = {p.stem[:-5]: p for p in candidates if p.stem.endswith("_mask") and p.stem[:-5] in stems}  # x_mask: x's
     images = [p for p in candidates if p not in set(masks.values())]  # x_mask.png beside x.png is x's mask
@@ -2758,7 +2759,7 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False, wi
                 bad.append(f"{path}: {e}")
     for path in (p for p in images if p.name in found):
         _, size, sha = found[path.name]
-        caption, txt, mask = None, path.with_suffix(".txt"), masks.get(path.stem)
+        caption, txt, mask = None, captions.get(path.stem, path.with_suffix(".txt")), masks.get(path.stem)
         if with_masks and mask is not None and mask.name in found and not mask_fits(found[mask.name][1], size):
             bad.append(f"{mask}: the mask is {'x'.join(map(str, found[mask.name][1]))}, its image {path.name} "
                        f"{'x'.join(map(str, size))} (as displayed): training would stretch it; save it in that shape")

@@ -85,6 +85,19 @@ def test_scan_image_folder_sorted_captions_and_ignored_files(tmp_path):
     assert records[0].size == (20, 10)
 
 
+def test_a_camera_folders_upper_case_captions_and_a_jfif_image_are_read(tmp_path):
+    """IMG_0001.PNG with IMG_0001.TXT (cameras, Windows exports), a browser's .jfif (a JPEG); x.txt before x.TXT."""
+    for name in ["IMG_0001.PNG", "IMG_0002.JPG", "photo.jfif"]:
+        Image.new("RGB", (20, 10)).save(tmp_path / name, format="PNG" if name.endswith("PNG") else "JPEG")
+    (tmp_path / "IMG_0001.TXT").write_text("a dog on a red sofa")
+    (tmp_path / "IMG_0002.Txt").write_text("a dog at night")
+    (tmp_path / "photo.TXT").write_text("upper")
+    (tmp_path / "photo.txt").write_text("lower")
+    records = T.scan_image_folder(tmp_path)
+    assert [(r.name, r.caption) for r in records] == [
+        ("IMG_0001.PNG", "a dog on a red sofa"), ("IMG_0002.JPG", "a dog at night"), ("photo.jfif", "lower")]
+
+
 def test_scan_image_folder_lists_every_unreadable_file(tmp_path):
     Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
     (tmp_path / "empty.png").write_bytes(b"")
