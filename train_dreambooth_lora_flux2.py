@@ -1636,10 +1636,6 @@ def after_epoch(args, accelerator, run, global_step, epoch):
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 6: validation and outputs (finish)
 
-def validates_here(accelerator):
-    """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
-    return accelerator.is_main_process or is_fsdp(accelerator)
-
 @dataclass(frozen=True)
 class ValidationSpec:
     """One validation prompt and what it overrides (None: the run's --resolution, steps, guidance and noise)."""
@@ -1757,15 +1753,17 @@ def finish(args, accelerator, run, signum=0):
                 paths = run_validation(args, accelerator, run, "final", args.max_train_steps)
         except TrainingStopped as e:
             stopped = e
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:  # the repository first: the card's snippet loads the LoRA from it
-        repo_id = hub_repository(args) if args.push_to_hub and stopped is None else None
-        with writing(Path(args.output_dir, "README.md")):
-            write_model_card(args, paths, run, repo_id)
-        if repo_id:
-            push_to_hub(args, repo_id)
-    if stopped is not None:
-        raise stopped
+    with StopRequest("once the model card is written") as stop:  # a process waiting here too (Slurm signals all)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:  # the repository first: the card's snippet loads the LoRA from it
+            repo_id = hub_repository(args) if args.push_to_hub and stopped is None else None
+            with writing(Path(args.output_dir, "README.md")):
+                write_model_card(args, paths, run, repo_id)
+            if repo_id:
+                push_to_hub(args, repo_id)
+    if stopped is not None or stop.signum:
+        raise stopped or TrainingStopped(f"stopped by {signal.Signals(stop.signum).name} at the end: the LoRA is "
+                                         "saved and the model card written", 128 + stop.signum)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3470,6 +3468,10 @@ OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpoin
 def is_fsdp(accelerator):
     from accelerate.utils import DistributedType
     return accelerator.distributed_type == DistributedType.FSDP
+
+def validates_here(accelerator):
+    """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
+    return accelerator.is_main_process or is_fsdp(accelerator)
 
 def fsdp_requested():
     """Whether accelerate was launched with FSDP (its config sets this), known before the Accelerator exists."""

@@ -175,6 +175,36 @@ def test_a_signal_during_the_final_validation_ends_with_one_message_and_writes_t
     assert load_file(str(out / LORA)) and "DreamBooth LoRA" in (out / "README.md").read_text()
 
 
+def test_a_signal_to_every_process_during_the_final_validation_still_writes_the_model_card(tiny_model, images,
+                                                                                             tmp_path):
+    """Slurm signals every process of a job: the one that makes no images waits for the one that does (it used to die
+    in the barrier at once, and the other hung there until torchrun killed it: no model card)."""
+    import psutil
+
+    from tests.conftest import free_port
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_VALIDATION_SITE)
+    out, calls = tmp_path / "out", tmp_path / "calls"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(SCRIPT), *base_args(
+                                 tiny_model, images, out, "--max_train_steps", "2", "--validation_prompt", "a dog",
+                                 "--num_validation_images", "8", "--validation_epochs", "1000")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}",
+                                 "CALLS": str(calls), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+    _wait_for(lambda: calls.is_file() and len(calls.read_text().splitlines()) >= 10, proc)  # the LoRA's images
+    ranks = psutil.Process(proc.pid).children()
+    assert len(ranks) == 2 and (out / LORA).is_file()
+    for rank in ranks:
+        rank.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert "DreamBooth LoRA" in (out / "README.md").read_text(), stderr[-3000:]
+    assert "stopped by SIGTERM during the final validation; the LoRA is saved" in stderr  # the main process
+    assert "stopped by SIGTERM at the end: the LoRA is saved and the model card written" in stderr  # the other
+    assert stderr.count("Traceback") == 1 and "ChildFailedError" in stderr  # torchrun's report of the exit codes
+
+
 @pytest.fixture(scope="module")
 def resumable(tiny_model, tmp_path_factory):
     """A run stopped after checkpoint-2 of 4, its images in a folder of its own."""
