@@ -1572,7 +1572,8 @@ def train(args, accelerator, run, global_step):
     tic = time.perf_counter()
     # sample_log is line-buffered: readable while training runs; log lines print above the progress bar
     stop = StopRequest("after this step and saving a checkpoint")
-    with sample_log.open("a", buffering=1) as sample_log, stop, logging_redirect_tqdm(), bar:  # the bar closes first
+    mode = "a" if run.data.checkpoint else "w"  # a fresh run's log starts empty (an earlier run's, overwritten, too)
+    with sample_log.open(mode, buffering=1) as sample_log, stop, logging_redirect_tqdm(), bar:  # the bar closes first
         for micro, batch, inputs in prefetcher:
             epoch, signum = batch["epoch"], 0
             with accelerator.accumulate(run.transformer):

@@ -565,9 +565,14 @@ def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused_and_overwrite_
     for earlier in ("validation/step-000002-0.png", "validation/metrics.jsonl", "best/pytorch_lora_weights.safetensors"):
         (out / earlier).parent.mkdir(exist_ok=True)
         (out / earlier).write_text("the earlier run's")
+    (out / "logs").mkdir()
+    (out / "logs" / "samples-0.jsonl").write_text('{"micro_step": 0, "epoch": 0, "indices": [5]}\n' * 3)
     launch(base_args(tiny_model, images, out, *common, "--overwrite_output_dir"))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert not (out / "validation").exists() and not (out / "best").exists()
+    # the sample log is this run's alone: two micro-batches
+    assert [json.loads(line)["micro_step"] for line in (out / "logs" / "samples-0.jsonl").read_text().splitlines()] \
+        == [0, 1]
     run = json.loads((out / "checkpoint-2" / T.TRAINER_STATE_NAME).read_text())["run"]
     assert json.loads((out / "checkpoint-1" / T.TRAINER_STATE_NAME).read_text())["run"] == run  # this run's own
 
