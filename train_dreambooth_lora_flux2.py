@@ -1704,7 +1704,7 @@ def run_validation(args, accelerator, run, tag, step):
     made_from = base_record(args, run, specs, scales, condition)  # what makes base-i.png: a change remakes them
     make_base = base_images_missing(accelerator, folder, made_from)
     base, images = [], []
-    with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload):
+    with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload), validation_oom(step):
         for spec in specs:
             call = pipeline_call(args, run, spec, accelerator.device)
             if make_base:
@@ -3456,6 +3456,19 @@ def quiet_library_imports():
     import logging
     for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+@contextlib.contextmanager
+def validation_oom(step):
+    """Out of GPU memory making validation images: advice for them (OOM_ADVICE's training flags would not help), and
+    finish still writes the model card."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise TrainingStopped(f"out of GPU memory making the validation images of step {step} (the checkpoints are "
+                              "intact; at the end the LoRA is saved and the model card written without them). Less "
+                              "validation memory: --offload (the VAE waits on the CPU), smaller images (--size WxH "
+                              "in a --validation_prompts_file), or none (--skip_final_inference, no "
+                              "--validation_prompt)") from None
 
 OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
               "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "

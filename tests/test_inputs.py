@@ -375,6 +375,29 @@ def test_non_finite_loss_stops_keeps_the_last_checkpoint_and_writes_no_lora(tiny
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and not (out / LORA).exists()
 
 
+def test_out_of_memory_in_the_final_validation_says_so_and_still_writes_the_card(tiny_model, images, tmp_path,
+                                                                                 monkeypatch):
+    """The training flags would not help there; the LoRA is saved already, and the model card is written."""
+    import functools
+
+    from diffusers import Flux2Pipeline
+
+    call = Flux2Pipeline.__call__
+
+    @functools.wraps(call)  # the script reads the pipeline's defaults from its signature
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(Flux2Pipeline, "__call__", oom)
+    out = tmp_path / "out"
+    with pytest.raises(T.TrainingStopped) as stopped:
+        T.main(base_args(tiny_model, images, out, "--max_train_steps", "2", "--validation_prompt", "a dog",
+                         "--num_validation_images", "1"))
+    assert str(stopped.value).startswith("out of GPU memory making the validation images of step 2") and \
+        "--offload" in str(stopped.value) and "--gradient_checkpointing" not in str(stopped.value)
+    assert (out / LORA).is_file() and "DreamBooth LoRA" in (out / "README.md").read_text()
+
+
 def test_out_of_memory_names_the_flags_that_help(tiny_model, images, tmp_path, monkeypatch):
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
