@@ -58,8 +58,9 @@ def test_training_runs_and_writes_a_loadable_lora(name, tiny_model, tmp_path):
     images = tmp_path / "images"
     make_images(str(images), captions=captions)
     out = tmp_path / "out"
+    # one configuration through `accelerate launch` itself (as do two other tests), the rest forked: the same script
     proc = launch(base_args(tiny_model, images, out, "--max_train_steps", "3", "--checkpointing_steps", "100", *extra),
-                  via_accelerate=True)
+                  via_accelerate=name == "static_prompt")
     assert "Steps" in proc.stderr  # the progress bar
     log = sample_log(out)
     assert len(log) == 3 and all(len(r["indices"]) == 1 for r in log)
