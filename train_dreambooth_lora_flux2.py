@@ -35,11 +35,11 @@ Reading map: three parts, drawn by what runs.
     precompute, setup_training, checkpoints, train, finish); main().
   Part 2, the plumbing every run uses (read it when it breaks): the command line's validators, pre-flight checks,
     checkpoint files, the FLUX.2 families, image files and the folder scan, the disk cache, small helpers, several
-    processes, the outputs (progress sheet, model card).
-  Part 3, the options (delete what you do not use): one '# Option: NAME' section each, with its own flags, called
-    only through the seam while it is on: the manifest, class images, edit training, EMA, adapters and the ComfyUI
-    file, trigger words and output preservation, text encoders, Prodigy, FSDP, block swapping, attention backends,
-    compile, fp8 and 8-bit, validation extras, the memory plan, validation metrics.
+    processes, the outputs (progress sheet, model card), trimmed copies.
+  Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
+    banner '# Option: NAME', with its own flags, called only through the seam while it is on: manifest, class_images,
+    edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp, block_swap, attention, compile, validation_extras,
+    memory_plan, metrics.
 """
 
 # ================================================================================================================
@@ -122,7 +122,7 @@ def build_parser():
                       lora_flags, optimisation_flags, output_flags, validation_flags):
         add_flags(p)
     for option in OPTIONS:  # each option's flags, under its name
-        g = p.add_argument_group(f"option: {option.name}")
+        g = p.add_argument_group(f"option {option.name}")
         for names, settings in option.flags:
             g.add_argument(*names, **settings)
     return p
@@ -256,7 +256,7 @@ def validation_flags(p):
 
 def parse_args(argv=None):
     args = parse_with_config(argv)  # a --config file's flags first: the command line wins
-    args.given_flags = given_flags(argv) if args.memory_plan == "auto" else None  # option: memory plan
+    args.given_flags = given_flags(argv) if args.memory_plan == "auto" else None  # option: memory_plan
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
     args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
     args.resolution = max(args.resolutions)
@@ -2528,7 +2528,7 @@ def hold_output_dir(args, accelerator):
                 shutil.rmtree(stale, ignore_errors=True)
             if fresh:  # and its validation history (images, progress sheet, scores), which would mix with this run's
                 shutil.rmtree(Path(args.output_dir, "validation"), ignore_errors=True)
-                shutil.rmtree(Path(args.output_dir, "best"), ignore_errors=True)  # option: validation metrics
+                shutil.rmtree(Path(args.output_dir, "best"), ignore_errors=True)  # option: metrics
     problem = broadcast_object_list([problem])[0] if accelerator.num_processes > 1 else problem
     if problem:
         raise UsageError(problem)
@@ -3856,6 +3856,89 @@ def push_to_hub(args, repo_id):
     logger.info(f"pushed to https://huggingface.co/{repo_id}")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Trimmed copies (--write_copy): this script with only the options a user keeps, to read and edit
+
+# --keep's named set: the diffusers example's scope (class images, Prodigy, 8-bit Adam, its text-encoder flags, FSDP,
+# a `datasets` loader)
+OPTION_SETS = {"diffusers": ("class_images", "prodigy", "compile", "text_encoders", "fsdp", "dataset")}
+
+def write_copy(argv):
+    """`--write_copy FILE [--keep NAMES] [--overwrite]`: write this script with Parts 1 and 2 and only the options
+    kept, as torchtune's `tune cp` copies a recipe to edit; a copy can trim itself again."""
+    p = _Parser(prog=Path(__file__).name, description="Write a copy of this script with only the options kept.")
+    p.add_argument("--write_copy", required=True, metavar="FILE", help="The copy to write.")
+    p.add_argument("--keep", default="none", help="Options to keep, comma-separated: names --help lists as "
+                   f"'option NAME'; none, all, or {', '.join(OPTION_SETS)} (the diffusers example's scope).")
+    p.add_argument("--overwrite", action="store_true", help="Replace FILE if it exists.")
+    args, names = p.parse_args(argv), [o.name for o in OPTIONS]
+    words = [w.strip() for w in args.keep.split(",") if w.strip()]
+    unknown = [w for w in words if w not in (*names, "none", "all", *OPTION_SETS)]
+    refuse(unknown, f"--keep {args.keep}: no option {', '.join(unknown)}; this script's options are "
+           f"{', '.join(names) or 'none'} (or none, all, {', '.join(OPTION_SETS)})")
+    keep = [n for n in names if "all" in words or n in words or any(n in OPTION_SETS.get(w, ()) for w in words)]
+    source, target = Path(__file__), Path(args.write_copy)
+    refuse(target.exists() and os.path.samefile(target, source), f"--write_copy {target} is this script; name "
+           "another file")
+    refuse(target.is_dir(), f"--write_copy {target} is a folder; name a file")
+    refuse(target.exists() and not args.overwrite, f"--write_copy {target} exists; pass --overwrite to replace it")
+    text = source.read_text(encoding="utf-8")
+    header = copy_header(keep, VERSION, hashlib.sha256(text.encode()).hexdigest()[:12])
+    text = trimmed_source(text, {o.name: [n for names, _ in o.flags for n in names] for o in OPTIONS}, keep, header)
+    with writing(target):
+        write_text_atomic(target, text)
+        shutil.copymode(source, target)
+    print(f"wrote {target}: {len(text.splitlines())} lines, options: {', '.join(keep) or 'none'}")
+
+def copy_header(keep, version, digest):
+    """The comment lines that open a trimmed copy: what it is, what it came from, where the rest is."""
+    import textwrap
+    text = (f"A copy of train_dreambooth_lora_flux2.py (version {version}; the file it was trimmed from has SHA-256 "
+            f"{digest}...) written by --write_copy: Parts 1 and 2, and the options {', '.join(keep) or 'none'}. "
+            "The full script, with every option, is in the project's repository (README.md: Copy and edit); "
+            "--write_copy FILE --keep NAMES trims this copy further.")
+    return [line + "\n" for line in textwrap.wrap(text, 118, initial_indent="# ", subsequent_indent="# ")]
+
+def trimmed_source(source, options, keep, header):
+    """`source` with only the options `keep` of `options` ({name: its flags}): the others' sections go, and so do
+    the lines marked `# option: NAME` for them (a marked line that starts a statement takes the whole statement, a
+    definition with its decorators; any other marked line goes alone, e.g. an entry of a list) and the module
+    docstring's lines that name their flags. The reading map lists the options kept; `header` (comment lines)
+    replaces an earlier copy's, after the licence line."""
+    import ast
+    import tokenize
+    gone = {name: flags for name, flags in options.items() if name not in keep}
+    lines, drop, spans = source.splitlines(keepends=True), set(), {}
+    for i, line in enumerate(lines):  # a section: from its banner to the next banner
+        if (m := re.match(r"# Option: (\w+)", line)) and m.group(1) in gone:
+            drop.update(range(i - 1, next(j for j in range(i + 1, len(lines)) if lines[j].startswith(
+                ("# ---", "# ===", "if __name__")))))
+    tree = ast.parse(source)
+    for node in (n for n in ast.walk(tree) if isinstance(n, ast.stmt)):
+        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        for start in {first, node.lineno}:  # outermost statement first: ast.walk goes breadth first
+            spans.setdefault(start - 1, range(first - 1, node.end_lineno))
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT and (m := re.fullmatch(r"# option: (\w+)", token.string)) and (
+                m.group(1) in gone):
+            drop.update(spans.get(token.start[0] - 1, [token.start[0] - 1]))
+    doc, flags = tree.body[0], [f for names in gone.values() for f in names]
+    drop.update(i for i in range(doc.lineno - 1, doc.end_lineno)
+                if any(re.search(rf"{f}(?![\w-])", lines[i]) for f in flags))
+    kept = [line for i, line in enumerate(lines) if i not in drop]
+    text = "".join(kept[:2] + header + kept[next(i for i, line in enumerate(kept) if line.startswith('"""')):])
+    return reading_map(text, [n for n in options if n in keep])
+
+def reading_map(text, names):
+    """`text` with the reading map's Part 3 paragraph listing the options `names`, wrapped as the docstring is."""
+    import textwrap
+
+    def fill(m):
+        words = f"{' '.join(m.group(1).split())} {', '.join(names) or 'none in this copy'}."
+        return textwrap.fill(words, 120, initial_indent="  ", subsequent_indent="    ") + "\n"
+    return re.sub(r"  (Part 3, the options .*?while it is on:) [^.]*\.\n", fill, text, count=1, flags=re.S)
+
+
 # ================================================================================================================
 # Part 3: options (delete what you do not use)
 # Each section is one feature: its flags and an Option class the recipe calls at its seams while the feature is on.
@@ -3864,14 +3947,14 @@ def push_to_hub(args, repo_id):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: the manifest (--from_manifest: train from the disk cache alone)
+# Option: manifest (--from_manifest: train from the disk cache alone)
 
 @option
 class FromManifest(Option):
     """The disk cache and a dataset_manifest.json (every run writes one: the data flags, the seed, the image records)
     replace the images, the text encoder and, unless validation needs it, the VAE. Cost: none."""
 
-    name = "the manifest"
+    name = "manifest"
     flags = [flag("--from_manifest", type=readable_file, help="Train from a dataset_manifest.json and the disk "
                   "cache alone: no images, no text encoder (needs --cache_latents).")]
     replaces_data = no_text_encoder = True
@@ -3972,14 +4055,14 @@ def apply_manifest(args, manifest):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: class images (--with_prior_preservation)
+# Option: class_images (--with_prior_preservation)
 
 @option
 class ClassImages(Option):
     """DreamBooth's prior preservation: class images (missing ones generated by the base model) train beside the
     instance images under the class prompt, so the class keeps its look. Cost: a class row per instance row."""
 
-    name = "class images"
+    name = "class_images"
     flags = [
         flag("--with_prior_preservation", action="store_true", help="Also train on class images of the class."),
         flag("--class_data_dir", type=folder_to_write, help="Class images; missing ones are generated into it."),
@@ -4086,7 +4169,7 @@ def pipeline_placement(component_bytes, free_bytes, offload):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: edit training (--cond_data_dir, --cond_image_column: image-to-image LoRAs)
+# Option: edit (--cond_data_dir, --cond_image_column: image-to-image LoRAs)
 
 def image_file(value):
     """An image Pillow recognises, from its header (the pixels are decoded once, when the run uses them)."""
@@ -4099,7 +4182,7 @@ class EditTraining(Option):
     the noisy target's in the sequence, as Flux2Pipeline appends a reference image's (the dataset, collate and the
     step carry them in Part 1); validation edits --validation_image. Cost: the references' tokens in every step."""
 
-    name = "edit training"
+    name = "edit"
     flags = [
         flag("--cond_data_dir", type=existing_folder, help="Condition images: x.* pairs with the target x.*"),
         flag("--cond_image_column", help="Condition image column of --dataset_name (a list: several references)."),
@@ -4190,7 +4273,7 @@ def pair_conditions(targets, conditions, target_folder, cond_folder):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: EMA (--use_ema: an exponential moving average of the LoRA)
+# Option: ema (--use_ema: an exponential moving average of the LoRA)
 
 RAW_LORA_WEIGHTS_NAME = "pytorch_lora_weights_raw.safetensors"  # with --use_ema: the last weights before averaging
 
@@ -4205,7 +4288,7 @@ class EMA(Option):
     """An exponential moving average of the LoRA, validated and saved as the LoRA (the last raw weights beside it),
     checkpointed with the run. Cost: a float32 copy of the LoRA (on the CPU by default) and its update per step."""
 
-    name = "EMA"
+    name = "ema"
     switches = ("use_ema",)
     flags = [
         flag("--use_ema", action="store_true", help="Keep an EMA of the LoRA; it is validated and saved as the LoRA."),
@@ -4291,7 +4374,7 @@ class LoraEMA:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: adapters and the ComfyUI file (--init_lora, DoRA, LoKr, LoHa, --lora_format)
+# Option: adapters (--init_lora, DoRA, LoKr, LoHa, --lora_format)
 
 COMFYUI_WEIGHTS_NAME = "pytorch_lora_weights_comfyui.safetensors"  # --lora_format both: beside the diffusers file
 # FLUX.2's linear layers: diffusers names (inside transformer_blocks.N / single_transformer_blocks.N, or global) ->
@@ -4318,7 +4401,7 @@ class Adapters(Option):
     """--init_lora (continue a LoRA of any layout diffusers reads), DoRA, LyCORIS' LoKr and LoHa (PEFT), and a final
     file in ComfyUI's layout (--lora_format). Cost: DoRA, LoKr and LoHa compute their weight update every forward."""
 
-    name = "adapters and the ComfyUI file"
+    name = "adapters"
     switches = ("adapter", "use_dora", "init_lora", "lora_format")
     resume_flags = ("adapter", "use_dora", "lokr_factor", "lokr_decompose_both")
     requires = "--adapter lokr"  # of its flags, only LoKr's are not switches
@@ -4593,7 +4676,7 @@ def pattern_value(pattern, module, default):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: trigger words and output preservation (--trigger_word, --output_preservation)
+# Option: trigger_words (--trigger_word, --output_preservation)
 
 TRIGGER = "[trigger]"  # the placeholder ai-toolkit's captions use
 
@@ -4610,7 +4693,7 @@ class TriggerWords(Option):
     prediction for the caption with the word replaced by --class_word toward the base model's (same noisy latents).
     Cost: output preservation adds a forward without gradients and P more rows to the trained forward and backward."""
 
-    name = "trigger words and output preservation"
+    name = "trigger_words"
     placeholder = TRIGGER  # a [trigger] without --trigger_word turns this on, to refuse it
     switches, requires = ("trigger_word", "output_preservation", "class_word"), "--output_preservation"
     prompt_flags = ("instance_prompt", "class_prompt", "validation_prompt", "final_validation_prompt")
@@ -4715,7 +4798,7 @@ def preservation_text(text, word, class_word):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: text encoders (remote, quantised, sharded over the processes), for precompute
+# Option: text_encoders (remote, quantised, sharded over the processes), for precompute
 
 def http_url(value):
     return re.fullmatch(r"https?://[^/\s]+(/\S*)?", value) is not None
@@ -4725,7 +4808,7 @@ class TextEncoders(Option):
     """Prompts encoded without a whole text encoder on each GPU: [dev]'s remote encoder (a Hugging Face endpoint),
     int8 (torchao) or NF4 (bitsandbytes) weights, or sharded with FSDP2. Precompute only: no cost per step."""
 
-    name = "text encoders"
+    name = "text_encoders"
     switches = ("remote_text_encoder", "text_encoder_quantization", "fsdp_text_encoder")
     requires = "--remote_text_encoder"
     flags = [
@@ -4830,7 +4913,7 @@ def remote_prompt_embeds(url, prompt, token):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: Prodigy (--optimizer prodigy)
+# Option: prodigy (--optimizer prodigy)
 
 true_or_false = Accepts("true or false", convert=boolean)
 
@@ -4839,7 +4922,7 @@ class Prodigy(Option):
     """Prodigy (the prodigyopt package) finds its own step size; its learning rate multiplies it (usually 1.0).
     Cost: about twice AdamW's optimizer state."""
 
-    name = "Prodigy"
+    name = "prodigy"
     switches, requires = ("optimizer",), "--optimizer prodigy"
     replaces_optimizer = True
     flags = [
@@ -4870,14 +4953,14 @@ class Prodigy(Option):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: FSDP (accelerate's FSDP: each process holds a shard of the model)
+# Option: fsdp (accelerate's FSDP: each process holds a shard of the model)
 
 @option
 class FSDP(Option):
     """Training under accelerate's FSDP (its config turns it on): the LoRA and the optimizer state are gathered from
     the shards to save them and scattered to resume. Cost: those collectives at each checkpoint."""
 
-    name = "FSDP"
+    name = "fsdp"
     env = "ACCELERATE_USE_FSDP"
     places_transformer = True  # accelerate moves and shards one wrapped block at a time
 
@@ -4942,14 +5025,14 @@ def fsdp_lora_params(transformer):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: block swapping (--blocks_to_swap)
+# Option: block_swap (--blocks_to_swap)
 
 @option
 class BlockSwapping(Option):
     """The frozen weights of the last N blocks live in pinned host memory, each copied in just before it runs: a peak
     N - 2 blocks lower. Cost: their weights cross the bus once a forward and a backward (mostly hidden by compute)."""
 
-    name = "block swapping"
+    name = "block_swap"
     places_transformer = True  # the swapped blocks are placed once their LoRA exists
     flags = [flag("--blocks_to_swap", type=non_negative_int, default=0, help="Keep the frozen weights of the last "
                   "N blocks in host memory (CUDA, with --gradient_checkpointing).")]
@@ -5110,7 +5193,7 @@ class _BeforeBackward(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: attention backends (--attention_backend)
+# Option: attention (--attention_backend)
 
 # diffusers attention backends with a backward pass (sage and the NPU/XLA/AMD kernels are inference or other hardware)
 TRAINING_ATTENTION_BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math", "flex",
@@ -5147,7 +5230,7 @@ class AttentionBackends(Option):
     """Another attention kernel for training and validation than native SDPA (diffusers' attention dispatch). Cost:
     none of its own; docs/speed.md measures what each kernel gains."""
 
-    name = "attention backends"
+    name = "attention"
     usable = ", ".join(b for b in TRAINING_ATTENTION_BACKENDS if b not in BROKEN_ATTENTION_BACKENDS)
     flags = [flag("--attention_backend", default="native", help="Attention kernel (one whose package or GPU is "
                   "missing is refused).", type=Accepts(f"a diffusers attention backend with a backward pass that "
@@ -5159,7 +5242,7 @@ class AttentionBackends(Option):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: compile, fp8 and 8-bit (--compile, --do_fp8_training, --bnb_quantization_config_path, --use_8bit_adam)
+# Option: compile (--compile, --do_fp8_training, --bnb_quantization_config_path, --use_8bit_adam)
 
 def read_bnb_config(path):
     if path == "nf4":  # what --memory_plan auto chooses: 4-bit NormalFloat, as QLoRA
@@ -5178,7 +5261,7 @@ class SpeedAndMemory(Option):
     (QLoRA, bitsandbytes) and bitsandbytes' 8-bit AdamW. Costs: a one-off compile; fp8 and NF4 change the
     numbers a little (NF4 costs dequantisation in every matmul); docs/speed.md and docs/memory.md measure them."""
 
-    name = "compile, fp8 and 8-bit"
+    name = "compile"
     flags = [
         flag("--compile", action="store_true", help="torch.compile the blocks: a one-off compile, then faster steps."),
         flag("--do_fp8_training", action="store_true", help="torchao float8 matmuls (CUDA, compute capability 8.9+)."),
@@ -5249,7 +5332,7 @@ class SpeedAndMemory(Option):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: validation extras (--validation_prompts_file, --validation_lora_scales)
+# Option: validation_extras (--validation_prompts_file, --validation_lora_scales)
 
 @functools.cache
 def read_validation_prompts(path):
@@ -5285,7 +5368,7 @@ class ValidationExtras(Option):
     """More validation prompts (each with its own size, seed, steps, guidance) and the LoRA at several strengths:
     a row of the progress sheet per prompt and strength. Cost: their images at every validation."""
 
-    name = "validation extras"
+    name = "validation_extras"
     flags = [
         flag("--validation_prompts_file", type=Accepts("a readable text file of prompts (checked line by line)",
              lambda v: read_validation_prompts(v) is not None), help="More validation prompts, one a line, each "
@@ -5321,7 +5404,7 @@ class ValidationExtras(Option):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: memory plan (--memory_plan auto: the fastest settings that fit this GPU; --plan_only, --gpu_memory)
+# Option: memory_plan (--memory_plan auto: the fastest settings that fit this GPU; --plan_only, --gpu_memory)
 
 from accelerate import PartialState
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -5566,7 +5649,7 @@ class MemoryPlan(Option):
     card (free memory, the least over the processes; --gpu_memory) and host RAM is taken. Cost: a few seconds at
     start-up, none per step; --plan_only shows every candidate and stops."""
 
-    name = "memory plan"
+    name = "memory_plan"
     switches, requires = ("memory_plan",), "--memory_plan auto"
     flags = [
         flag("--memory_plan", choices=["off", "auto"], default="off", help="auto: checkpointing, block swapping, NF4 "
@@ -5784,7 +5867,7 @@ def available_host_memory():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: validation metrics (--validation_metrics: subject, prompt and drift scores at each validation; --keep_best)
+# Option: metrics (--validation_metrics: subject, prompt and drift scores at each validation; --keep_best)
 
 METRICS = {"dino": "subject", "clip": "prompt", "drift": "drift"}  # a flag's word -> the score it adds
 
@@ -5910,7 +5993,7 @@ class ValidationMetrics(Option):
     .png, the trackers, the model card; --keep_best keeps the best scored LoRA in best/. Cost: its models (about 1 GB,
     on the GPU only while they score), a forward pass of each a validation."""
 
-    name, run, models, references, photos, others = "validation metrics", None, None, None, (), ()
+    name, run, models, references, photos, others = "metrics", None, None, None, (), ()
     switches, requires = ("validation_metrics",), "--validation_metrics"
     flags = [
         flag("--validation_metrics", type=Accepts("none, all, or some of dino, clip, drift (comma-separated)",
@@ -6110,8 +6193,8 @@ class ValidationMetrics(Option):
             ["", f"`best/` holds the LoRA of step {best['step']} (--keep_best {args.keep_best})."] if best else [])
 
 if __name__ == "__main__":
-    try:
-        main()
+    try:  # --write_copy FILE: this script trimmed to the options kept (README.md: Copy and edit); else a run
+        (write_copy if "--write_copy" in {a.split("=")[0] for a in sys.argv[1:]} else main)(sys.argv[1:])
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
