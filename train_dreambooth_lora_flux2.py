@@ -223,8 +223,6 @@ def optimisation_flags(p):
 
 def output_flags(p):
     g = p.add_argument_group("checkpointing and outputs")
-    g.add_argument("--config", type=readable_file, help="Flags from a YAML, TOML or JSON file; the command line wins.")
-    g.add_argument("--print_config", action="store_true", help="Print the resolved flags (a --config file) and stop.")
     g.add_argument("--output_dir", type=output_folder, default="flux2-dreambooth-lora",
                    help="Where the LoRA, checkpoints, validation images and logs go.")
     g.add_argument("--overwrite_output_dir", action="store_true", help="Start over in a folder of an earlier run.")
@@ -255,7 +253,9 @@ def validation_flags(p):
     g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
 
 def parse_args(argv=None):
-    args = parse_with_config(argv)  # a --config file's flags first: the command line wins
+    parse = build_parser().parse_args
+    parse = parse_with_config  # option: config (a config file's flags first: the command line wins)
+    args = parse(argv)
     args.given_flags = given_flags(argv) if args.memory_plan == "auto" else None  # option: memory_plan
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
     args.resolutions = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
@@ -292,8 +292,8 @@ def validate_args(args, hooks=None):
            "this machine")
     refuse(args.mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported(),
            "--mixed_precision bf16 is not supported by this GPU; use fp16")
-    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir and not prints_only(args)
-           and args.resume_from_checkpoint is None, f"--output_dir {args.output_dir} already holds a finished LoRA "
+    refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir
+           and not hooks.flag("prints_only") and args.resume_from_checkpoint is None, f"--output_dir {args.output_dir} already holds a finished LoRA "
            f"({LORA_WEIGHTS_NAME}); choose another folder, pass --overwrite_output_dir, or --resume_from_checkpoint "
            "to continue it")
     refuse(args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")),
@@ -320,7 +320,7 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "adapter_config", "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra",
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
-    "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged"}
+    "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged", "resolved"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -336,7 +336,8 @@ class Option:
     show what each receives). On while one of its `switches` (default: all its flags) is not its default, its `env`
     variable is "true", or a flag, prompt or caption holds its `placeholder`; never called while off, when its other
     flags are refused (they would do nothing). Hooks.flag reads: replaces_data, no_text_encoder, places_transformer,
-    sharded_text_encoder. Another option's flag is read with vars(args).get(name): gone once that option is."""
+    sharded_text_encoder, prints_only. Another option's flag is read with vars(args).get(name): gone once that option
+    is."""
 
     name, flags, switches, env, placeholder = "", (), (), None, None
     resume_flags = ()  # its flags a resumed run must share with its checkpoint (the adapter's)
@@ -1013,15 +1014,14 @@ def prepare_data(args, accelerator, cache, hooks=None):
                   "image(s) have no .txt caption")
         raise UsageError(f"{source} ({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
                          "--instance_prompt for them")
-    checkpoint = find_resume_checkpoint(args)
+    checkpoint = find_resume_checkpoint(args, hooks.flag("prints_only"))
     check_resume_processes(args, checkpoint, accelerator)
     seed = agree_seed(args, checkpoint, accelerator)
     set_seed(seed)  # LoRA init and dropout draw from the global generators
     # the batch size, before class images are generated: more class images than asked for only add samples
     batches = check_batches_early(args, instances, seed, accelerator.num_processes, hooks.first("class_count") or 0)
     family = resolve_model_flags(args, hooks)
-    if args.print_config:  # the resolved flags, before class images are generated and any model loads
-        print_config(args, seed, batches, accelerator)
+    hooks.each("resolved", seed, batches, accelerator)  # before class images are generated and any model loads
     check_resume_flags(args, checkpoint)  # the adapter a checkpoint was trained with
     instances = hooks.chain("images", instances)  # its refusals, and the prompts file's, before class images are made
     specs = option_validation_specs(hooks)
@@ -1784,7 +1784,7 @@ def main(argv=None):
         cache = open_cache(args)
         data = prepare_data(args, accelerator, cache, hooks)  # resolves the flags, then freezes them
         lock = hold_output_dir(args, accelerator)  # noqa: F841 - held while it is open: one run per output folder
-        write_config(args, data, args.output_dir, accelerator)  # the resolved flags: --config repeats the run
+        write_config(args, data, args.output_dir, accelerator)  # the resolved flags: a config to repeat the run
         caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, cache)
         run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
         global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
@@ -1906,9 +1906,9 @@ def refuse(condition, message):
     if condition:
         raise UsageError(message)
 
-class Switch(argparse._StoreTrueAction):
+class Switch(argparse._StoreTrueAction):  # option: config
     """action="store_true": on when given bare (the diffusers example's command lines), and it also takes true or
-    false, so the command line can turn off what a --config file turned on."""
+    false, so the command line can turn off what a config file turned on."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -1923,7 +1923,7 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.register("action", "store_true", Switch)  # the groups share the registry: every switch
+        self.register("action", "store_true", Switch)  # option: config
 
     def error(self, message):
         raise UsageError(f"{message} (see --help)")
@@ -1944,67 +1944,9 @@ class _Parser(argparse.ArgumentParser):
 
 VERSION = "2026.11.26"  # written into every resolved config
 
-def config_tokens(argv):
-    """--config FILE (YAML, TOML or JSON: flag names, with or without --, - or _, and their values as on the command
-    line; lists for flags of several values, true for switches) -> (FILE, {flag: its tokens}, argv without --config):
-    the file's tokens go ahead of argv, so the command line wins and every value meets the parser's own checks. A
-    problem names the file; an unknown key, the nearest flag too."""
-    import difflib
-    argv = list(sys.argv[1:] if argv is None else argv)
-    i = max((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), default=None)
-    if i is None or argv[i:] == ["--config"]:
-        return None, {}, argv  # none, or no value: argparse says so
-    path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-        data = (json.loads(text) if path.endswith(".json") else __import__("tomllib").loads(text)
-                if path.endswith(".toml") else __import__("yaml").safe_load(text))
-    except Exception as e:  # noqa: BLE001 - unreadable or not the format its name says
-        raise UsageError(f"--config {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    refuse(not isinstance(data, dict), f"--config {path}: expected a mapping of flag names to values")
-    parser = build_parser()
-    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-    tokens = {}
-    for key, value in data.items():
-        name = str(key).lstrip("-").replace("-", "_")
-        if name in ("version", "run") or value is None:  # what a resolved config holds besides flags
-            continue
-        if name not in actions:
-            hint = "".join(f" (did you mean --{near}?)" for near in difflib.get_close_matches(name, actions, 1))
-            raise UsageError(f"--config {path}: {key!r} is not a flag{hint}")
-        action, flag_name = actions[name], actions[name].option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            refuse(not isinstance(value, bool), f"--config {path}: {flag_name} {value!r}: expected true or false")
-            tokens[name] = [flag_name] if value else []
-        elif action.nargs in ("+", "*"):
-            tokens[name] = [flag_name, *map(str, value if isinstance(value, list) else [value])]
-        else:
-            text = ",".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(
-                value, bool) else str(value)
-            tokens[name] = [f"{flag_name}={text}"]  # with =: a negative number is a value, not a flag
-    for action in parser._actions:  # the file alone, checked as the command line is (its required flags may follow)
-        action.required = False
-    try:
-        parser.parse_args([t for flag_tokens in tokens.values() for t in flag_tokens])
-    except UsageError as e:
-        raise UsageError(f"--config {path}: {e}") from None
-    return path, tokens, argv
-
-def parse_with_config(argv):
-    """The flags of a --config file, then argv's: argv wins, over the file's settings of an option it turns off too
-    (--memory_plan off): those are dropped (surprising_values warns); its own are kept, refused by validate_args."""
-    path, file_tokens, argv = config_tokens(argv)
-    parser = build_parser()
-    args = parser.parse_args([t for ts in file_tokens.values() for t in ts] + argv)
-    ignored = sorted({n for o in OPTIONS for n in o.stray_flags(args)} & set(file_tokens)) if file_tokens else ()
-    if ignored:
-        args = parser.parse_args([t for n, ts in file_tokens.items() if n not in ignored for t in ts] + argv)
-        args.config_ignored = (path, ignored)
-    return args
-
 def resolved_config(args, seed, accelerator, max_train_steps=None, run_id=None):
     """Every flag's final value (what the family, the options and the manifest resolved included, never the Hub
-    token), the seed used and the script's version: a --config file that repeats the run."""
+    token), the seed used and the script's version: a config file that repeats the run."""
     config = {}
     for action in build_parser()._actions:
         value = vars(args).get(action.dest)
@@ -2022,15 +1964,6 @@ def write_config(args, data, folder, accelerator, run_id=None):
     if accelerator.is_main_process:
         config = resolved_config(args, data.seed, accelerator, run_id=run_id)
         Path(folder, "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
-
-def print_config(args, seed, batches, accelerator):
-    """--print_config: the resolved config (the step count as the images found give it), then exit 0."""
-    import yaml
-    steps = args.max_train_steps or optimizer_steps(args.num_train_epochs, batches, args.gradient_accumulation_steps)
-    if accelerator.is_main_process:
-        config = resolved_config(args, seed, accelerator, steps)
-        print(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), end="")
-    raise SystemExit(0)
 
 def parse_buckets(text):
     """'h1,w1;h2,w2' -> [(h1, w1), (h2, w2)]; every side a positive multiple of 16."""
@@ -2216,7 +2149,6 @@ def surprising_values(args, hooks=None):
     """Legal values that are probably not what the user meant -> one warning line each (the options' too). hooks: the
     run's options (default: those `args` turns on)."""
     hooks, cores = hooks or Hooks(args), cpu_cores()
-    path, ignored = vars(args).get("config_ignored", (None, []))  # parse_args dropped them
     notes = [
         (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
                                      "empty prompt, so the subject is barely tied to its prompt"),
@@ -2238,19 +2170,15 @@ def surprising_values(args, hooks=None):
         (args.validation_prompt and args.final_validation_prompt, "--final_validation_prompt is ignored with "
          "--validation_prompt (as in the diffusers example): every validation, the final one too, uses the latter"),
         (args.rank > 256, f"--rank {args.rank}: a LoRA this large trains like a full fine-tune, at its memory cost"),
-        (ignored, f"--config {path}: ignored {', '.join('--' + n for n in ignored)} (settings of an option now off)"),
     ]
     return [note for surprising, note in notes if surprising] + hooks.collect("notes")
 
-def prints_only(args):
-    """--print_config, --plan_only: they print and stop, so an earlier run's files in --output_dir are no obstacle."""
-    return args.print_config or vars(args).get("plan_only", False)
-
-def find_resume_checkpoint(args):
+def find_resume_checkpoint(args, prints_only=False):
     """The checkpoint to resume from, checked before any model loads. `latest` passes over damaged checkpoints (with
-    a warning each) to the newest whole one; a damaged checkpoint named by path is refused."""
+    a warning each) to the newest whole one; a damaged checkpoint named by path is refused. prints_only: the run
+    prints and stops (an option's), so an earlier run's checkpoints are no obstacle."""
     if args.resume_from_checkpoint is None:  # a fresh run among an earlier run's checkpoints would mix with them
-        found = [] if args.overwrite_output_dir or prints_only(args) else list_checkpoints(args.output_dir)
+        found = [] if args.overwrite_output_dir or prints_only else list_checkpoints(args.output_dir)
         if found:
             raise UsageError(f"--output_dir {args.output_dir} holds an earlier run's checkpoints (newest: "
                              f"{found[-1].name}); continue it with --resume_from_checkpoint latest, choose another "
@@ -3914,10 +3842,14 @@ def trimmed_source(source, options, keep, header):
             drop.update(range(i - 1, next(j for j in range(i + 1, len(lines)) if lines[j].startswith(
                 ("# ---", "# ===", "if __name__")))))
     tree = ast.parse(source)
-    for node in (n for n in ast.walk(tree) if isinstance(n, ast.stmt)):
-        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
-        for start in {first, node.lineno}:  # outermost statement first: ast.walk goes breadth first
-            spans.setdefault(start - 1, range(first - 1, node.end_lineno))
+    for node in ast.walk(tree):  # breadth first: the outermost statement or entry starting on a line is found first
+        entries = ([(node, node)] if isinstance(node, ast.stmt) else [(e, e) for e in node.elts] if isinstance(
+            node, (ast.List, ast.Tuple, ast.Set)) else [(k or v, v) for k, v in zip(node.keys, node.values)]
+            if isinstance(node, ast.Dict) else [])
+        for head, entry in entries:  # a statement (a definition from its first decorator), or an entry of a literal
+            first = min([head.lineno, *(d.lineno for d in getattr(entry, "decorator_list", []))])
+            for start in {first, entry.lineno}:
+                spans.setdefault(start - 1, range(first - 1, entry.end_lineno))
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT and (m := re.fullmatch(r"# option: (\w+)", token.string)) and (
                 m.group(1) in gone):
@@ -3944,6 +3876,98 @@ def reading_map(text, names):
 # Each section is one feature: its flags and an Option class the recipe calls at its seams while the feature is on.
 # Deleting a section (and any line elsewhere marked `# option: NAME`) leaves a script that trains.
 # ================================================================================================================
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: config (--config: flags from a file; --print_config; switches that take false)
+
+@option
+class ConfigFile(Option):
+    """Flags from a YAML, TOML or JSON file, the command line's on top (every run writes its resolved flags to
+    config.yaml, a file that repeats it); --print_config shows them resolved and stops; a switch takes true or false,
+    so the command line can undo the file. Cost: none (parse_args reads the file; Switch is in Part 2)."""
+
+    name, switches = "config", ("config", "print_config")
+    flags = [flag("--config", type=readable_file, help="Flags from a YAML, TOML or JSON file; the command line wins."),
+             flag("--print_config", action="store_true", help="Print the resolved flags (a --config file) and stop.")]
+    prints_only = property(lambda self: self.args.print_config)
+
+    def notes(self):
+        path, ignored = vars(self.args).get("config_ignored", (None, []))  # parse_with_config dropped them
+        return [f"--config {path}: ignored {', '.join('--' + n for n in ignored)} (settings of an option now off)"
+                ] if ignored else []
+
+    def resolved(self, seed, batches, accelerator):
+        if self.args.print_config:
+            print_config(self.args, seed, batches, accelerator)
+
+def config_tokens(argv):
+    """--config FILE (YAML, TOML or JSON: flag names, with or without --, - or _, and their values as on the command
+    line; lists for flags of several values, true for switches) -> (FILE, {flag: its tokens}, argv without --config):
+    the file's tokens go ahead of argv, so the command line wins and every value meets the parser's own checks. A
+    problem names the file; an unknown key, the nearest flag too."""
+    import difflib
+    argv = list(sys.argv[1:] if argv is None else argv)
+    i = max((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), default=None)
+    if i is None or argv[i:] == ["--config"]:
+        return None, {}, argv  # none, or no value: argparse says so
+    path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = (json.loads(text) if path.endswith(".json") else __import__("tomllib").loads(text)
+                if path.endswith(".toml") else __import__("yaml").safe_load(text))
+    except Exception as e:  # noqa: BLE001 - unreadable or not the format its name says
+        raise UsageError(f"--config {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    refuse(not isinstance(data, dict), f"--config {path}: expected a mapping of flag names to values")
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    tokens = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name in ("version", "run") or value is None:  # what a resolved config holds besides flags
+            continue
+        if name not in actions:
+            hint = "".join(f" (did you mean --{near}?)" for near in difflib.get_close_matches(name, actions, 1))
+            raise UsageError(f"--config {path}: {key!r} is not a flag{hint}")
+        action, flag_name = actions[name], actions[name].option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            refuse(not isinstance(value, bool), f"--config {path}: {flag_name} {value!r}: expected true or false")
+            tokens[name] = [flag_name] if value else []
+        elif action.nargs in ("+", "*"):
+            tokens[name] = [flag_name, *map(str, value if isinstance(value, list) else [value])]
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(
+                value, bool) else str(value)
+            tokens[name] = [f"{flag_name}={text}"]  # with =: a negative number is a value, not a flag
+    for action in parser._actions:  # the file alone, checked as the command line is (its required flags may follow)
+        action.required = False
+    try:
+        parser.parse_args([t for flag_tokens in tokens.values() for t in flag_tokens])
+    except UsageError as e:
+        raise UsageError(f"--config {path}: {e}") from None
+    return path, tokens, argv
+
+def parse_with_config(argv):
+    """The flags of a --config file, then argv's: argv wins, over the file's settings of an option it turns off too
+    (an option's switch set off): those are dropped (its notes say so); its own are kept, refused by validate_args."""
+    path, file_tokens, argv = config_tokens(argv)
+    parser = build_parser()
+    args = parser.parse_args([t for ts in file_tokens.values() for t in ts] + argv)
+    ignored = sorted({n for o in OPTIONS for n in o.stray_flags(args)} & set(file_tokens)) if file_tokens else ()
+    if ignored:
+        args = parser.parse_args([t for n, ts in file_tokens.items() if n not in ignored for t in ts] + argv)
+        args.config_ignored = (path, ignored)
+    args.config = path  # taken out of argv: the file's tokens stand in for it
+    return args
+
+def print_config(args, seed, batches, accelerator):
+    """--print_config: the resolved config (the step count as the images found give it), then exit 0."""
+    import yaml
+    steps = args.max_train_steps or optimizer_steps(args.num_train_epochs, batches, args.gradient_accumulation_steps)
+    if accelerator.is_main_process:
+        config = resolved_config(args, seed, accelerator, steps)
+        print(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), end="")
+    raise SystemExit(0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
