@@ -139,10 +139,6 @@ def data_flags(p):
     g = p.add_argument_group("data")
     g.add_argument("--instance_data_dir", type=existing_folder,
                    help="The subject's images; x.txt is x's caption (UTF-8), x_mask.png its loss mask.")
-    g.add_argument("--dataset_name", help="A Hugging Face `datasets` name or folder, instead of --instance_data_dir.")
-    g.add_argument("--dataset_config_name", help="Config of --dataset_name; default: its only one.")
-    g.add_argument("--image_column", default="image", help="Image column of --dataset_name.")
-    g.add_argument("--caption_column", help="Caption column of --dataset_name; default: --instance_prompt.")
     g.add_argument("--instance_prompt", help="Prompt of images without a caption, e.g. 'a photo of sks dog'.")
     g.add_argument("--repeats", type=positive_int, default=1, help="Samples per instance image in one epoch.")
     g.add_argument("--resolution", type=sides, default=512,
@@ -174,8 +170,6 @@ def quality_flags(p):
     g = p.add_argument_group("training quality")
     g.add_argument("--caption_dropout", type=probability, default=0.0,
                    help="Probability of training an instance sample on the empty prompt.")
-    g.add_argument("--masked_loss", action="store_true",
-                   help="Weight the loss by x_mask.png beside an image, else its alpha channel.")
 
 def lora_flags(p):
     g = p.add_argument_group("LoRA")
@@ -276,13 +270,9 @@ def validate_args(args, hooks=None):
            "distinct layers")
     refuse(not folder_can_be(Path(args.output_dir, args.logging_dir)), f"--logging_dir {args.logging_dir}: "
            f"{Path(args.output_dir, args.logging_dir)} cannot be a folder (a file is in the way)")
-    if not hooks.flag("replaces_data"):
-        refuse((args.instance_data_dir is None) == (args.dataset_name is None),
-               "give exactly one of --instance_data_dir or --dataset_name")
-        refuse(not args.instance_prompt and args.dataset_name and not args.caption_column,
-               "--instance_prompt is required (unless --from_manifest, or captions cover every image)")
-        refuse(args.caption_column and not args.dataset_name, "--caption_column is a column of --dataset_name; "
-               "--instance_data_dir reads same-stem .txt captions")
+    sources = ["--instance_data_dir", *(o.source for o in OPTIONS if o.source)]  # where images can come from
+    refuse(args.instance_data_dir is None and not hooks.flag("replaces_data"),
+           f"give exactly one of {' or '.join(sources)} (the subject's images)")
     for option in OPTIONS:  # an option's setting without its switch would be ignored: say so
         for name in option.stray_flags(args)[:1]:
             raise UsageError(f"--{name} has no effect without "
@@ -293,9 +283,9 @@ def validate_args(args, hooks=None):
     refuse(args.mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported(),
            "--mixed_precision bf16 is not supported by this GPU; use fp16")
     refuse(Path(args.output_dir, LORA_WEIGHTS_NAME).exists() and not args.overwrite_output_dir
-           and not hooks.flag("prints_only") and args.resume_from_checkpoint is None, f"--output_dir {args.output_dir} already holds a finished LoRA "
-           f"({LORA_WEIGHTS_NAME}); choose another folder, pass --overwrite_output_dir, or --resume_from_checkpoint "
-           "to continue it")
+           and not hooks.flag("prints_only") and args.resume_from_checkpoint is None, f"--output_dir "
+           f"{args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose another folder, pass "
+           "--overwrite_output_dir, or --resume_from_checkpoint to continue it")
     refuse(args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")),
            "--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
@@ -340,6 +330,7 @@ class Option:
     is."""
 
     name, flags, switches, env, placeholder = "", (), (), None, None
+    source = None  # the flag of another source of images than --instance_data_dir, if it is one
     resume_flags = ()  # its flags a resumed run must share with its checkpoint (the adapter's)
     requires = ""  # what its other flags need, in words (default: one of its switches)
 
@@ -541,12 +532,13 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     condition images travel with it. Slot i is sample i's instance part, N + i its class part: a batch's layout."""
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), seed=0, center_crop=False,
-                 random_flip=False, with_pixels=True, fixed_crops=False, with_masks=False):
+                 random_flip=False, with_pixels=True, fixed_crops=False):
         refuse(not instances, "no instance images found")
         self.instances, self.classes, self.instance_prompt = list(instances), list(classes), instance_prompt
         (self.ladders, self.buckets), self.seed = ladder_buckets(buckets), seed
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
-        self.fixed_crops, self.with_masks = fixed_crops, with_masks  # fixed: crops drawn once (epoch 0), flips live
+        self.fixed_crops = fixed_crops  # crops drawn once (epoch 0), flips live
+        self.with_masks = False  # option: masked_loss (sets it: each item's loss mask too)
         self.num_samples = count_samples(len(self.instances), len(self.ladders), repeats, len(self.classes))
         self.image_buckets = image_buckets(self.instances, self.ladders)  # [R][I]
         # edit training: condition images numbered in one list; instance image i has the ids cond_ids[i]
@@ -631,7 +623,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         keys = [self.latent_key(s, epoch) for s in self.slots([index])]
         if self.with_pixels:
             item["pixel_values"] = torch.stack([self.pixels(k) for k in keys])
-            if self.with_masks:
+            if self.with_masks:  # option: masked_loss
                 item["masks"] = torch.stack([key_mask(self, k) for k in keys])
             conditions = self.condition_keys(keys[0])
             if conditions:
@@ -687,10 +679,9 @@ def collate(examples):
     laid out as DreamBoothDataset.slots (all instance parts, then all class parts); edit training adds
     "cond_pixels": [R * B, 3, H, W], reference by reference (the first reference of every row, then the second...)."""
     batch = {"indices": [ex["index"] for ex in examples], "epoch": examples[0]["epoch"]}
-    for name in ("pixel_values", "masks", "cond_pixels"):
-        if name in examples[0]:
-            parts = examples[0][name].shape[0]  # 1, or 2 with a class image
-            batch[name] = torch.stack([ex[name][k] for k in range(parts) for ex in examples])
+    for name in (name for name, value in examples[0].items() if torch.is_tensor(value)):
+        parts = examples[0][name].shape[0]  # 1, or 2 with a class image
+        batch[name] = torch.stack([ex[name][k] for k in range(parts) for ex in examples])
     return batch
 
 def drop_captions(keys, num_instance, probability, rng):
@@ -781,9 +772,8 @@ def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight,
     instance samples). pred, target: [B, L, C] packed tokens; weighting: [B]; mask: [B, L, 1] token weights in [0, 1]
     or None: a masked sample's loss is its mean over the mask, so its scale does not depend on the mask's area."""
     err = weighting.float().view(-1, 1, 1) * (pred.float() - target.float()) ** 2
-    if mask is None:
-        per_sample = err.flatten(1).mean(1)
-    else:
+    per_sample = err.flatten(1).mean(1)
+    if mask is not None:  # option: masked_loss
         mask = mask.float()
         per_sample = (err * mask).flatten(1).sum(1) / (mask.flatten(1).sum(1) * err.shape[-1]).clamp_min(1e-8)
     loss = per_sample[:num_instance].mean()
@@ -846,7 +836,7 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
     pred = transformer(**inputs, return_dict=False)[0][:, : packed.shape[1]]  # target tokens (references untrained)
     target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction, float32
     weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
-    mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
+    mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # option: masked_loss ([B, h*w, 1])
     loss = flow_matching_loss(pred[:bsz], target, weighting, num_instance, cfg.prior_loss_weight, mask)
     return loss if extra_loss is None else loss + extra_loss(pred[bsz:])
 
@@ -923,7 +913,7 @@ class Caches:
 
     prompts: SampleCache
     latents: SampleCache | None = None
-    masks: SampleCache | None = None
+    masks: SampleCache | None = None  # option: masked_loss
 
 @dataclass(frozen=True)
 class Run:
@@ -986,8 +976,8 @@ def build_data(args, instances, classes, seed, accelerator):
     """Dataset, sampler and loader. Raises UsageError when the batch size leaves no batch."""
     dataset = DreamBoothDataset(instances, args.instance_prompt, resolve_buckets(args), repeats=args.repeats,
                                 classes=classes, seed=seed, center_crop=args.center_crop, random_flip=args.random_flip,
-                                with_pixels=not args.cache_latents, fixed_crops=args.cache_latents,
-                                with_masks=args.masked_loss)
+                                with_pixels=not args.cache_latents, fixed_crops=args.cache_latents)
+    dataset.with_masks = args.masked_loss  # option: masked_loss
     sampler = BucketBatchSampler(dataset.sample_buckets(), args.train_batch_size, seed, drop_last=True,
                                  num_replicas=accelerator.num_processes, rank=accelerator.process_index)
     if accelerator.is_main_process:
@@ -1007,13 +997,6 @@ def prepare_data(args, accelerator, cache, hooks=None):
     instances = agreed_refusal(accelerator, lambda: hooks.first("load_images", cache, accelerator, default=lambda: (
         load_instance_images(args, cache, accelerator))))  # a machine's own folder refused: every process says why
     hooks.wake(args, [r.caption for r in instances] + [s.prompt for s in hooks.collect("validation_specs")])
-    uncaptioned = [r.name for r in instances if not r.caption]
-    if uncaptioned and not args.instance_prompt:
-        source = (f"--caption_column {args.caption_column}: {len(uncaptioned)} row(s) have no caption"
-                  if args.dataset_name else f"--instance_data_dir {args.instance_data_dir}: {len(uncaptioned)} "
-                  "image(s) have no .txt caption")
-        raise UsageError(f"{source} ({', '.join(uncaptioned[:5])}{', ...' if len(uncaptioned) > 5 else ''}); give "
-                         "--instance_prompt for them")
     checkpoint = find_resume_checkpoint(args, hooks.flag("prints_only"))
     check_resume_processes(args, checkpoint, accelerator)
     seed = agree_seed(args, checkpoint, accelerator)
@@ -1187,8 +1170,9 @@ def precompute(args, accelerator, data, weight_dtype, cache):
         precompute_prompts(args, accelerator, data, weight_dtype, prompts, progress)
         vae, latent_stats = prepare_latents(args, accelerator, data, weight_dtype, latents, progress)
         progress.check(accelerator)  # a signal during the last batch still stops before training
-    masks = prepare_masks(dataset, latents) if latents is not None and args.masked_loss else None
-    caches = Caches(prompts, latents, masks)
+    caches = Caches(prompts, latents)
+    if latents is not None and args.masked_loss:  # option: masked_loss (the masks of the cached crops)
+        caches = dataclasses.replace(caches, masks=prepare_masks(dataset, latents))
     cache.settle(args, accelerator, data, caches)
     return caches, vae, latent_stats
 
@@ -1387,10 +1371,10 @@ class StepInputs:
     # cached: [V, 4C, h, w] latents ([V, 2, 4C, h, w] mean and std); else pixels [B'(1 + R), 3, H, W]
     images: torch.Tensor
     image_rows: torch.Tensor  # [B'(1 + R)] long, row -> images: the B' targets, then R references of B' rows each
-    masks: torch.Tensor | None  # loss masks beside `images`: [V, 1, h, w] cached, [B', 1, H, W] in pixels
     encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
     references: int = 0  # edit training: condition images per row (R)
     extra_rows: int = 0  # an option's prompts (output preservation): the last P of embed_rows
+    masks: torch.Tensor | None = None  # option: masked_loss ([V, 1, h, w] beside cached `images`, else [B', 1, H, W])
 
 def gather_inputs(batch, dataset, caches, caption_dropout, rng, extra_texts=None):
     """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout;
@@ -1403,20 +1387,24 @@ def gather_inputs(batch, dataset, caches, caption_dropout, rng, extra_texts=None
     if caches.latents is None:
         cond = batch.get("cond_pixels")
         images = batch["pixel_values"] if cond is None else torch.cat([batch["pixel_values"], cond])
-        return StepInputs(embeds, embed_rows, images, torch.arange(len(images)), batch.get("masks"), encoded=False,
-                          references=len(images) // len(slots) - 1, extra_rows=len(extra))
+        inputs = StepInputs(embeds, embed_rows, images, torch.arange(len(images)), encoded=False,
+                            references=len(images) // len(slots) - 1, extra_rows=len(extra))
+        inputs.masks = batch.get("masks")  # option: masked_loss
+        return inputs
     keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
     references = [dataset.condition_keys(k) for k in keys]  # [B'][R]
     keys += [refs[r] for r in range(len(references[0])) for refs in references]  # reference-major, as collate
     latents, image_rows = caches.latents.gather_unique(keys)
-    masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None
-    return StepInputs(embeds, embed_rows, latents, image_rows, masks, encoded=True, references=len(references[0]),
-                      extra_rows=len(extra))
+    inputs = StepInputs(embeds, embed_rows, latents, image_rows, encoded=True, references=len(references[0]),
+                        extra_rows=len(extra))
+    inputs.masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None  # option: masked_loss
+    return inputs
 
 def each_tensor(inputs, fn):
-    """A copy of StepInputs with fn applied to every tensor (pin, move to the device)."""
-    names = ("embeds", "embed_rows", "images", "image_rows", "masks")
-    return dataclasses.replace(inputs, **{n: fn(getattr(inputs, n)) for n in names if getattr(inputs, n) is not None})
+    """A copy of StepInputs with fn applied to every tensor field (pin, move to the device): a field added to
+    StepInputs travels without a list to edit."""
+    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    return dataclasses.replace(inputs, **{name: fn(v) for name, v in fields.items() if torch.is_tensor(v)})
 
 class Prefetcher:
     """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a side
@@ -1458,14 +1446,14 @@ def model_inputs(inputs, run, generator, offload, latent_sampling):
     [B', L, D], loss mask [B', 1, h, w] or None, condition latents (R of [B', 4C, h, w]: the posterior mean, as the
     pipeline encodes references). Uncached pixels are encoded here; `generator` draws posterior samples."""
     embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # expanded on the device
-    rows = len(inputs.embed_rows) - inputs.extra_rows
+    rows, mask = len(inputs.embed_rows) - inputs.extra_rows, None
     if inputs.encoded:
         params = inputs.images[inputs.image_rows]
-        mask = None if inputs.masks is None else inputs.masks[inputs.image_rows[:rows]]
+        mask = None if inputs.masks is None else inputs.masks[inputs.image_rows[:rows]]  # option: masked_loss
     else:
         with torch.no_grad(), on_device(run.vae, inputs.images.device, offload):
             params = encode_images(run.vae, inputs.images, *run.latent_stats, latent_sampling)
-        mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])
+        mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])  # option: masked_loss
     params = params.float()  # float32: the step casts at the transformer
     means = params if params.ndim == 4 else params[:, 0]  # references: the posterior mean
     references = [means[rows * r: rows * (r + 1)] for r in range(1, 1 + inputs.references)]
@@ -2653,8 +2641,8 @@ def inspect_image(path):
 
 def scan_image_folder(folder, read_captions=True, index=None, progress=False, with_masks=False):
     """Sorted image records of `folder`; hidden and non-image files are ignored, `stem.txt` is the caption,
-    `stem_mask.*` the loss mask (read only `with_masks`, for --masked_loss: then decoded like the images and refused
-    unless of its image's displayed shape, which training would stretch it to).
+    `stem_mask.*` the loss mask (read only `with_masks`, for the masked loss: then decoded like the images and
+    refused unless of its image's displayed shape, which training would stretch it to).
 
     Every image is decoded and hashed once, on as many threads as cores, so a corrupt, truncated, empty or oversized
     (decompression-bomb) file is reported now, all of them in one message; files `index` (a ScanIndex, updated in
@@ -2687,9 +2675,8 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False, wi
     for path in (p for p in images if p.name in found):
         _, size, sha = found[path.name]
         caption, txt, mask = None, captions.get(path.stem, path.with_suffix(".txt")), masks.get(path.stem)
-        if with_masks and mask is not None and mask.name in found and not mask_fits(found[mask.name][1], size):
-            bad.append(f"{mask}: the mask is {'x'.join(map(str, found[mask.name][1]))}, its image {path.name} "
-                       f"{'x'.join(map(str, size))} (as displayed): training would stretch it; save it in that shape")
+        if with_masks and mask is not None and mask.name in found:  # option: masked_loss
+            bad += mask_problem(mask, found[mask.name][1], path.name, size)
         if read_captions and txt.is_file():
             try:
                 caption = txt.read_text(encoding="utf-8-sig").strip() or None  # BOM, CRLF, trailing blanks
@@ -2705,12 +2692,6 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False, wi
         warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
                       "those images use --instance_prompt", stacklevel=2)
     return records
-
-def mask_fits(mask_size, image_size):
-    """Whether a mask of `mask_size` (width, height) has the shape of an image of `image_size`, up to a pixel of
-    rounding on either side: a mask saved at another scale is fine, one of another aspect ratio would be stretched."""
-    (mw, mh), (w, h) = mask_size, image_size
-    return abs(mw * h - mh * w) <= max(w, h)  # |mh - h * mw / w| <= 1 or |mw - w * mh / h| <= 1
 
 class ScanIndex:
     """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
@@ -2749,115 +2730,20 @@ def scan_folder(folder, cache, accelerator, read_captions=True, with_masks=False
                 f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
     return records
 
-def load_instance_images(args, cache, accelerator, cond_column=None):
-    """The instance images: --instance_data_dir's files, or --dataset_name's rows (with `cond_column`, each record
-    carries its row's condition images: edit training)."""
-    if args.dataset_name:
-        return load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
-                               args.cache_dir, cond_column, progress=accelerator.is_local_main_process)
-    records = scan_folder(args.instance_data_dir, cache, accelerator, with_masks=args.masked_loss)
+def load_instance_images(args, cache, accelerator):
+    """The instance images: --instance_data_dir's files, each with a caption or --instance_prompt."""
+    records = scan_folder(args.instance_data_dir, cache, accelerator, with_masks=vars(args).get("masked_loss"))
     refuse(not records, f"--instance_data_dir {args.instance_data_dir}: no images found "
                         f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    check_captioned(records, args.instance_prompt, f"--instance_data_dir {args.instance_data_dir}", "image(s) have "
+                    "no .txt caption")
     return records
 
-def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None, progress=False):
-    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
-    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references). Rows are
-    decoded one at a time, so a bad one is named: every bad row in one message, as the folder scan lists bad files."""
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
-    try:
-        splits = load_dataset(name, config, cache_dir=cache_dir)
-    except (FileNotFoundError, ConnectionError, ValueError) as e:  # a wrong name or config, no data, no network
-        raise UsageError(f"--dataset_name {name}{f' (config {config})' if config else ''}: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    refuse("train" not in splits, f"--dataset_name {name}: no train split (splits: {', '.join(splits)})")
-    split = splits["train"]
-    for flag_name, column in (("--image_column", image_column), ("--caption_column", caption_column),
-                              ("--cond_image_column", cond_column)):
-        refuse(column is not None and column not in split.column_names,
-               f"{flag_name} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
-    split = split.select_columns(list(dict.fromkeys(c for c in (image_column, caption_column, cond_column) if c)))
-    records, empty, bad = [], [], []
-    for i in tqdm(range(len(split)), desc="Reading dataset rows", unit="row", disable=not progress):
-        try:
-            row = split[i]  # decodes the row's images (a file that cannot be read raises here), not other columns'
-        except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
-            bad.append(f"row {i}{''.join(f' ({f})' for f in row_files(split, i))}: {e}")
-            continue
-        cond = row[cond_column] if cond_column else ()
-        cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
-        if cond_column and not cond:
-            empty.append(str(i))
-        for flag_name, column, cells in (("--image_column", image_column, [row[image_column]]),
-                                         ("--cond_image_column", cond_column, cond)):
-            wrong = [c for c in cells if not isinstance(c, Image.Image)]
-            if wrong:  # a text column, or one `datasets` was not told holds images
-                raise UsageError(f"{flag_name} {column!r}: row {i} holds {type(wrong[0]).__name__}, not images "
-                                 f"(feature {split.features[column]}); cast the column to datasets.Image() (in a "
-                                 "metadata.jsonl, name it <something>_file_name)")
-        refs = tuple(row_record(f"{name}[{i}].{cond_column}[{j}]", c) for j, c in enumerate(cond))
-        caption = row[caption_column] if caption_column else None
-        cells = [c for c in (caption if isinstance(caption, (list, tuple)) else [caption]) if c is not None]
-        if any(not isinstance(c, str) for c in cells):  # a label or an image column: no caption to read
-            raise UsageError(f"--caption_column {caption_column!r}: row {i} holds {type(caption).__name__}, not text "
-                             f"(feature {split.features[caption_column]})")
-        # a cell is one caption (a line break in it a space); a list's entries are alternatives, a caption file's lines
-        caption = "\n".join(" ".join(line.strip() for line in c.splitlines() if line.strip()) for c in cells)
-        records.append(row_record(f"{name}[{i}]", row[image_column], conditions=refs,
-                                  caption=caption.strip() or None))
-    refuse(bad, f"--dataset_name {name}: cannot use {len(bad)} row(s); fix or remove them:\n  " + "\n  ".join(bad))
-    refuse(empty, f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no condition image "
-                  f"(rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
-    return records
-
-def row_record(name, image, **fields):
-    """The record of an image a `datasets` row holds, decoded once: its size and content hash are those of
-    ImageRecord.load's pixels (a record without a hash would decode and hash them at every cache lookup)."""
-    record = ImageRecord(name=name, size=None, image=image, **fields)
-    pixels = record.load()
-    return dataclasses.replace(record, size=pixels.size, sha256=hashlib.sha256(pixels.tobytes()).hexdigest())
-
-def row_files(split, i):
-    """The files row i's images were read from, where `datasets` knows them (its decoders' errors seldom say)."""
-    cells = split.with_format("arrow")[i].to_pylist()[0].values()
-    return [c["path"] for cell in cells for c in (cell if isinstance(cell, list) else [cell])
-            if isinstance(c, dict) and c.get("path")]
-
-def load_mask(record):
-    """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
-    if record.mask_path is not None:
-        return grey8(ImageOps.exif_transpose(Image.open(record.mask_path))).convert("L")  # a 16-bit mask's 0.25 too
-    image = ImageOps.exif_transpose(Image.open(record.path) if record.path is not None else record.image)
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        return image.convert("RGBA").getchannel("A")
-    return None
-
-def key_mask(dataset, key):
-    """The loss mask of a latent key, transformed like its pixels -> [1, H, W] in [0, 1] (ones: no mask)."""
-    kind, image_id, bucket, (rh, rw), top, left, flip = key
-    mask = load_mask(dataset.record(kind, image_id)) if kind == "instance" else None
-    if mask is None:
-        return torch.ones(1, *bucket)
-    mask = mask.resize((rw, rh), Image.Resampling.BILINEAR).crop((left, top, left + bucket[1], top + bucket[0]))
-    if flip:
-        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
-
-def reduce_mask(mask, latent_hw):
-    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
-    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
-
-def prepare_masks(dataset, latents):
-    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
-    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
-    cache = SampleCache()
-    for key in dict.fromkeys(dataset.cached_latent_keys()):
-        cache.put(key, reduce_mask(key_mask(dataset, key)[None], latents[key].shape[-2:]))
-    return cache
-
+def check_captioned(records, instance_prompt, source, what):
+    """Refuse records without a caption when --instance_prompt does not stand in: `source` has N `what`."""
+    missing = [r.name for r in records if not r.caption]
+    refuse(missing and not instance_prompt, f"{source}: {len(missing)} {what} ({', '.join(missing[:5])}"
+           f"{', ...' if len(missing) > 5 else ''}); give --instance_prompt for them")
 
 # ----------------------------------------------------------------------------------------------------------------
 # The disk cache: content-addressed entries, leases, eviction, the scan index, the dataset manifest
@@ -3851,7 +3737,7 @@ def trimmed_source(source, options, keep, header):
             for start in {first, entry.lineno}:
                 spans.setdefault(start - 1, range(first - 1, entry.end_lineno))
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT and (m := re.fullmatch(r"# option: (\w+)", token.string)) and (
+        if token.type == tokenize.COMMENT and (m := re.match(r"# option: (\w+)\b", token.string)) and (
                 m.group(1) in gone):
             drop.update(spans.get(token.start[0] - 1, [token.start[0] - 1]))
     doc, flags = tree.body[0], [f for names in gone.values() for f in names]
@@ -3971,6 +3857,163 @@ def print_config(args, seed, batches, accelerator):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Option: dataset (--dataset_name: the images and captions of a Hugging Face `datasets` dataset)
+
+@option
+class HubDataset(Option):
+    """The instance images (and captions) are the train split's rows of a `datasets` dataset (a Hub name or a local
+    folder) instead of --instance_data_dir's files; edit training names its condition column (read with the rows).
+    `datasets` is imported only here. Cost: every row decoded and hashed at start-up."""
+
+    name, switches, source, replaces_data = "dataset", ("dataset_name",), "--dataset_name", True
+    requires = "--dataset_name (its columns; --instance_data_dir reads same-stem .txt captions)"
+    flags = [flag("--dataset_name", help="A Hugging Face `datasets` name or folder, instead of --instance_data_dir."),
+             flag("--dataset_config_name", help="Config of --dataset_name; default: its only one."),
+             flag("--image_column", default="image", help="Image column of --dataset_name."),
+             flag("--caption_column", help="Caption column of --dataset_name; default: --instance_prompt.")]
+
+    def check(self):
+        args = self.args
+        refuse(args.instance_data_dir is not None, "give exactly one of --instance_data_dir or --dataset_name")
+        refuse(not args.instance_prompt and not args.caption_column, "--instance_prompt is required with "
+               "--dataset_name and no --caption_column (unless captions cover every image)")
+
+    def load_images(self, cache, accelerator):
+        args = self.args
+        records = load_hf_dataset(args.dataset_name, args.dataset_config_name, args.image_column, args.caption_column,
+                                  args.cache_dir, vars(args).get("cond_image_column"),
+                                  progress=accelerator.is_local_main_process)
+        check_captioned(records, args.instance_prompt, f"--caption_column {args.caption_column}", "row(s) have no "
+                        "caption")
+        return records
+
+def load_hf_dataset(name, config, image_column, caption_column, cache_dir, cond_column=None, progress=False):
+    """Image records from a `datasets` dataset (Hub name or local folder); `datasets` is imported only here. With
+    `cond_column`, each record carries its row's condition image(s) (a list in the cell: several references). Rows are
+    decoded one at a time, so a bad one is named: every bad row in one message, as the folder scan lists bad files."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UsageError("--dataset_name needs the `datasets` package: pip install datasets") from None
+    try:
+        splits = load_dataset(name, config, cache_dir=cache_dir)
+    except (FileNotFoundError, ConnectionError, ValueError) as e:  # a wrong name or config, no data, no network
+        raise UsageError(f"--dataset_name {name}{f' (config {config})' if config else ''}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    refuse("train" not in splits, f"--dataset_name {name}: no train split (splits: {', '.join(splits)})")
+    split = splits["train"]
+    for flag_name, column in (("--image_column", image_column), ("--caption_column", caption_column),
+                              ("--cond_image_column", cond_column),  # option: edit
+                              ):
+        refuse(column is not None and column not in split.column_names,
+               f"{flag_name} {column!r} is not a column of {name}; columns: {', '.join(split.column_names)}")
+    split = split.select_columns(list(dict.fromkeys(c for c in (image_column, caption_column, cond_column) if c)))
+    records, empty, bad = [], [], []
+    for i in tqdm(range(len(split)), desc="Reading dataset rows", unit="row", disable=not progress):
+        try:
+            row = split[i]  # decodes the row's images (a file that cannot be read raises here), not other columns'
+        except Exception as e:  # noqa: BLE001 - any decoder failure means the same thing to the user
+            bad.append(f"row {i}{''.join(f' ({f})' for f in row_files(split, i))}: {e}")
+            continue
+        cond = row[cond_column] if cond_column else ()
+        cond = [c for c in (cond if isinstance(cond, (list, tuple)) else [cond]) if c is not None]
+        if cond_column and not cond:
+            empty.append(str(i))
+        for flag_name, column, cells in (("--image_column", image_column, [row[image_column]]),
+                                         ("--cond_image_column", cond_column, cond),  # option: edit
+                                         ):
+            wrong = [c for c in cells if not isinstance(c, Image.Image)]
+            if wrong:  # a text column, or one `datasets` was not told holds images
+                raise UsageError(f"{flag_name} {column!r}: row {i} holds {type(wrong[0]).__name__}, not images "
+                                 f"(feature {split.features[column]}); cast the column to datasets.Image() (in a "
+                                 "metadata.jsonl, name it <something>_file_name)")
+        refs = tuple(row_record(f"{name}[{i}].{cond_column}[{j}]", c) for j, c in enumerate(cond))
+        caption = row[caption_column] if caption_column else None
+        cells = [c for c in (caption if isinstance(caption, (list, tuple)) else [caption]) if c is not None]
+        if any(not isinstance(c, str) for c in cells):  # a label or an image column: no caption to read
+            raise UsageError(f"--caption_column {caption_column!r}: row {i} holds {type(caption).__name__}, not text "
+                             f"(feature {split.features[caption_column]})")
+        # a cell is one caption (a line break in it a space); a list's entries are alternatives, a caption file's lines
+        caption = "\n".join(" ".join(line.strip() for line in c.splitlines() if line.strip()) for c in cells)
+        records.append(row_record(f"{name}[{i}]", row[image_column], conditions=refs,
+                                  caption=caption.strip() or None))
+    refuse(bad, f"--dataset_name {name}: cannot use {len(bad)} row(s); fix or remove them:\n  " + "\n  ".join(bad))
+    refuse(empty, f"--cond_image_column {cond_column!r}: {len(empty)} row(s) of {name} have no "  # option: edit
+                  f"condition image (rows {', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''})")
+    return records
+
+def row_record(name, image, **fields):
+    """The record of an image a `datasets` row holds, decoded once: its size and content hash are those of
+    ImageRecord.load's pixels (a record without a hash would decode and hash them at every cache lookup)."""
+    record = ImageRecord(name=name, size=None, image=image, **fields)
+    pixels = record.load()
+    return dataclasses.replace(record, size=pixels.size, sha256=hashlib.sha256(pixels.tobytes()).hexdigest())
+
+def row_files(split, i):
+    """The files row i's images were read from, where `datasets` knows them (its decoders' errors seldom say)."""
+    cells = split.with_format("arrow")[i].to_pylist()[0].values()
+    return [c["path"] for cell in cells for c in (cell if isinstance(cell, list) else [cell])
+            if isinstance(c, dict) and c.get("path")]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: masked_loss (--masked_loss: weight the loss by a mask beside each image)
+
+@option
+class MaskedLoss(Option):
+    """The loss of each instance sample is weighted by its mask (x_mask.png beside x.png, else x's alpha channel):
+    pixels outside train nothing. The scan decodes and checks the masks; the dataset carries each item's mask (the
+    cache, with cached latents, each crop's at latent resolution) and the step weights its tokens (Part 1's lines
+    marked for it). Cost: a mask decoded with each image."""
+
+    name = "masked_loss"
+    flags = [flag("--masked_loss", action="store_true",
+                  help="Weight the loss by x_mask.png beside an image, else its alpha channel.")]
+
+def mask_problem(mask, mask_size, image, size):
+    """[why] a scanned mask of `mask_size` cannot weight its image's loss, or []: it has another aspect ratio than
+    the image `image` of `size` (width, height, as displayed), up to a pixel of rounding on either side (a mask saved
+    at another scale is fine; one of another aspect ratio would be stretched)."""
+    (mw, mh), (w, h) = mask_size, size
+    if abs(mw * h - mh * w) <= max(w, h):  # |mh - h * mw / w| <= 1 or |mw - w * mh / h| <= 1
+        return []
+    return [f"{mask}: the mask is {mw}x{mh}, its image {image} {w}x{h} (as displayed): training would stretch it; "
+            "save it in that shape"]
+
+def load_mask(record):
+    """The loss mask as a greyscale image (255 = train here): the mask file, else the alpha channel, else None."""
+    if record.mask_path is not None:
+        return grey8(ImageOps.exif_transpose(Image.open(record.mask_path))).convert("L")  # a 16-bit mask's 0.25 too
+    image = ImageOps.exif_transpose(Image.open(record.path) if record.path is not None else record.image)
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        return image.convert("RGBA").getchannel("A")
+    return None
+
+def key_mask(dataset, key):
+    """The loss mask of a latent key, transformed like its pixels -> [1, H, W] in [0, 1] (ones: no mask)."""
+    kind, image_id, bucket, (rh, rw), top, left, flip = key
+    mask = load_mask(dataset.record(kind, image_id)) if kind == "instance" else None
+    if mask is None:
+        return torch.ones(1, *bucket)
+    mask = mask.resize((rw, rh), Image.Resampling.BILINEAR).crop((left, top, left + bucket[1], top + bucket[0]))
+    if flip:
+        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
+
+def reduce_mask(mask, latent_hw):
+    """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
+    return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
+
+def prepare_masks(dataset, latents):
+    """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
+    [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
+    cache = SampleCache()
+    for key in dict.fromkeys(dataset.cached_latent_keys()):
+        cache.put(key, reduce_mask(key_mask(dataset, key)[None], latents[key].shape[-2:]))
+    return cache
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Option: manifest (--from_manifest: train from the disk cache alone)
 
 @option
@@ -3992,8 +4035,8 @@ class FromManifest(Option):
                "come from the cache)")
         refuse(resolve_cache_dir(args.precompute_cache_dir, os.environ) is None,
                "--from_manifest needs the disk cache; --precompute_cache_dir none keeps nothing")
-        refuse(args.masked_loss, "--from_manifest cannot train with --masked_loss: masks are made from the source "
-               "images")
+        refuse(vars(args).get("masked_loss"),  # option: masked_loss
+               "--from_manifest cannot train with --masked_loss: masks are made from the source images")
 
     def load_images(self, cache, accelerator):
         self.manifest = read_manifest(self.args.from_manifest)
@@ -4209,26 +4252,27 @@ class EditTraining(Option):
     name = "edit"
     flags = [
         flag("--cond_data_dir", type=existing_folder, help="Condition images: x.* pairs with the target x.*"),
-        flag("--cond_image_column", help="Condition image column of --dataset_name (a list: several references)."),
+        flag("--cond_image_column",  # option: dataset
+             help="Condition image column of --dataset_name (a list: several references)."),
         flag("--validation_image", type=Accepts("a readable image file", image_file),
              help="The condition image validation edits, fitted into its bucket.")]
 
     def check(self):
-        args = self.args
-        refuse(args.cond_data_dir and not args.instance_data_dir, "--cond_data_dir pairs with --instance_data_dir; "
-               "with --dataset_name use --cond_image_column")
-        refuse(args.cond_image_column and not args.dataset_name, "--cond_image_column is a column of --dataset_name; "
-               "with --instance_data_dir use --cond_data_dir")
-        same_folder = args.cond_data_dir and args.instance_data_dir and (
-            Path(args.cond_data_dir).resolve() == Path(args.instance_data_dir).resolve())
-        refuse(same_folder or (args.cond_image_column and args.cond_image_column == args.image_column), "the "
-               "condition images are the targets (--cond_data_dir is --instance_data_dir, or --cond_image_column is "
-               "--image_column): the LoRA would learn to copy its input")
-        refuse((args.cond_data_dir or args.cond_image_column) and vars(args).get("with_prior_preservation"),
-               "--with_prior_preservation does not combine with edit training (--cond_data_dir, --cond_image_column): "
-               "its class images are text-to-image samples without a condition image, and a batch cannot mix rows "
-               "with and without reference tokens (every row of a batch has the same token count). Regularise an "
-               "edit LoRA with edit pairs of the class instead")
+        args, column = self.args, vars(self.args).get("cond_image_column")
+        refuse(args.cond_data_dir and vars(args).get("dataset_name"), "--cond_data_dir pairs with "  # option: dataset
+               "--instance_data_dir; with --dataset_name use --cond_image_column")
+        refuse(column and not args.dataset_name,  # option: dataset
+               "--cond_image_column is a column of --dataset_name; with --instance_data_dir use --cond_data_dir")
+        refuse(args.cond_data_dir and args.instance_data_dir and Path(args.cond_data_dir).resolve() == Path(
+            args.instance_data_dir).resolve(), "the condition images are the targets (--cond_data_dir is "
+               "--instance_data_dir): the LoRA would learn to copy its input")
+        refuse(column and column == args.image_column, "the condition images are the targets "  # option: dataset
+               "(--cond_image_column is --image_column): the LoRA would learn to copy its input")
+        refuse((args.cond_data_dir or column) and vars(args).get("with_prior_preservation"),  # option: class_images
+               "--with_prior_preservation does not combine with edit training: its class images are text-to-image "
+               "samples without a condition image, and a batch cannot mix rows with and without reference tokens "
+               "(every row of a batch has the same token count). Regularise an edit LoRA with edit pairs of the "
+               "class instead")
 
     def notes(self):
         args = self.args
@@ -4240,11 +4284,10 @@ class EditTraining(Option):
     def load_images(self, cache, accelerator):
         """The targets with their conditions: a row's condition column, or x.* of --cond_data_dir for target x.*."""
         args = self.args
-        records = load_instance_images(args, cache, accelerator, cond_column=args.cond_image_column)
-        if args.cond_data_dir:
+        if args.cond_data_dir:  # a dataset's condition column: the dataset option reads it with the rows
             conditions = scan_folder(args.cond_data_dir, cache, accelerator, read_captions=False)
-            records = pair_conditions(records, conditions, args.instance_data_dir, args.cond_data_dir)
-        return records
+            return pair_conditions(load_instance_images(args, cache, accelerator), conditions, args.instance_data_dir,
+                                   args.cond_data_dir)
 
     def condition(self, dataset, validates):
         """--validation_image, decoded once and fitted into its bucket -> (image, bucket), or None; refused when the
@@ -5747,7 +5790,8 @@ def text_fit(text_rows, card, host_free):
 def given_flags(argv):
     """The flags given in a --config file (a switch set false too) or on the command line, which is parsed again with
     no defaults: one given at its default value (to keep a plan's choice on resume, say) is given all the same."""
-    _, file_tokens, argv = config_tokens(argv)
+    file_tokens = {}
+    _, file_tokens, argv = config_tokens(argv)  # option: config
     parser = build_parser()
     for action in parser._actions:
         action.default, action.required = argparse.SUPPRESS, False

@@ -170,7 +170,7 @@ def test_print_config_and_plan_only_work_in_a_finished_output_folder(printing, t
         args = T.parse_args(argv + extra)
         if extra:
             T.validate_args(args)
-            assert T.find_resume_checkpoint(args) is None
+            assert T.find_resume_checkpoint(args, T.Hooks(args).flag("prints_only")) is None
         else:
             with pytest.raises(T.UsageError, match="already holds a finished LoRA"):
                 T.validate_args(args)
