@@ -267,7 +267,7 @@ def _manifest_file(tmp_path, kind="M"):
 
 @pytest.mark.parametrize("extra, message", [
     (["--dataset_name", "d"], "--instance_prompt is required"),
-    (["--instance_data_dir", ".", "--instance_prompt", "p", "--caption_column", "text"], "--caption_column is a column of --dataset_name"),
+    (["--instance_data_dir", ".", "--instance_prompt", "p", "--caption_column", "text"], "--caption_column has no effect without --dataset_name"),
     (["--from_manifest", "M", "--cache_latents", "--instance_data_dir", "."], "--from_manifest replaces --instance_data_dir"),
     (["--from_manifest", "M"], "--from_manifest needs --cache_latents"),
     (["--from_manifest", "M", "--cache_latents", "--precompute_cache_dir", "none"], "--from_manifest needs the disk cache"),

@@ -145,7 +145,8 @@ def test_mask_files_and_alpha_become_masks_that_follow_crop_and_flip(tmp_path):
     records = T.scan_image_folder(tmp_path)
     assert [r.name for r in records] == ["a.png", "b.png", "lonely_mask.png"]
     assert records[0].mask_path.endswith("a_mask.png") and records[1].mask_path is None
-    ds = T.DreamBoothDataset(records, "p", [(32, 32)], random_flip=True, with_masks=True, seed=0)
+    ds = T.DreamBoothDataset(records, "p", [(32, 32)], random_flip=True, seed=0)
+    ds.with_masks = True
     for epoch in range(6):
         key = ds.latent_key(0, epoch)
         pixels, m = ds.pixels(key), T.key_mask(ds, key)
@@ -166,8 +167,8 @@ def test_a_16_bit_mask_keeps_its_soft_weights(tmp_path):
     mask[:, 16:] = 16384
     Image.fromarray(mask).save(tmp_path / "dog_mask.png")
     assert Image.open(tmp_path / "dog_mask.png").mode.startswith("I;16")
-    ds = T.DreamBoothDataset(T.scan_image_folder(tmp_path, with_masks=True), "p", [(32, 32)], center_crop=True,
-                             with_masks=True)
+    ds = T.DreamBoothDataset(T.scan_image_folder(tmp_path, with_masks=True), "p", [(32, 32)], center_crop=True)
+    ds.with_masks = True
     row = T.key_mask(ds, ds.latent_key(0, 0))[0, 0]
     assert row[:16].tolist() == [1.0] * 16 and row[16:] == pytest.approx([64 / 255] * 16)
 
