@@ -37,9 +37,9 @@ Reading map: three parts, drawn by what runs.
     checkpoint files, the FLUX.2 families, image files and the folder scan, the disk cache, small helpers, several
     processes, the outputs (progress sheet, model card), trimmed copies.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
-    banner '# Option: NAME', with its own flags, called only through the seam while it is on: manifest, class_images,
-    edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp, block_swap, attention, compile, validation_extras,
-    memory_plan, metrics.
+    banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset,
+    masked_loss, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp, block_swap,
+    attention, compile, validation_extras, memory_plan, metrics.
 """
 
 # ================================================================================================================
@@ -310,7 +310,8 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "adapter_config", "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra",
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
-    "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged", "resolved"}
+    "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged", "resolved",
+    "lora_loading"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -1832,9 +1833,6 @@ def sides_ok(value):
     values = (value,) if isinstance(value, int) else value
     return len(set(values)) == len(values) and all(16 <= v <= 4096 and v % 16 == 0 for v in values)
 
-def numbers(text):
-    return [float(x) for x in text.split(",")]
-
 def folder_can_be(path, writable=False):
     """Whether `path` is a folder (writable, if asked) or could be made: its nearest existing parent writable."""
     path = Path(path).absolute()
@@ -2249,22 +2247,14 @@ def adapter_settings(accelerator, transformer):
     return accelerator.unwrap_model(transformer).peft_config["default"]
 
 def portable_lora(state, config):
-    """Fold each module's scale (alpha / its rank; rank_pattern: --init_lora's ranks) into one factor of its update (a
-    LoRA's lora_B; a LoKr's w1, or w1_a when decomposed; a LoHa's w1_a), so the file means the same to every loader:
-    diffusers and PEFT read alpha from the file's metadata (written as alpha = rank: scale 1), while ComfyUI, the
-    main consumer of FLUX.2 LoRAs, reads it only from `.alpha` tensors, else applies scale 1."""
+    """Fold each module's scale (alpha / its rank; rank_pattern: an option's ranks per module) into its lora_B, so
+    the file means the same to every loader: diffusers and PEFT read alpha from the file's metadata (written as
+    alpha = rank: scale 1), while ComfyUI, the main consumer of FLUX.2 LoRAs, reads it only from `.alpha` tensors,
+    else applies scale 1. -> (state, config): the file's tensors and its PEFT config."""
     ranks = {m.strip("^$"): r for m, r in config["rank_pattern"].items()}
-    if config["peft_type"] == "LORA":
-        return {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"]))
-                if ".lora_B." in k else v for k, v in state.items()}
-    out = dict(state)  # LoKr, LoHa
-    for key, value in state.items():
-        module, part = key.rsplit(".", 1)
-        lokr = "lokr_w1" if f"{module}.lokr_w1" in state else "lokr_w1_a"
-        if part == ("hada_w1_a" if config["peft_type"] == "LOHA" else lokr):
-            scale = config["alpha_pattern"].get(module, config["alpha"]) / ranks.get(module, config["r"])
-            out[key] = value.float() * scale
-    return out
+    state = {k: v.float() * (config["lora_alpha"] / ranks.get(k.rsplit(".lora_", 1)[0], config["r"]))
+             if ".lora_B." in k else v for k, v in state.items()}
+    return state, {**config, "lora_alpha": config["r"], "alpha_pattern": dict(config["rank_pattern"])}  # scales 1
 
 def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=LORA_WEIGHTS_NAME, run_id=None):
     """The adapter as diffusers' FLUX.2 LoRA file (what Flux2Pipeline.save_lora_weights writes: transformer.<name>
@@ -2272,10 +2262,10 @@ def save_lora(accelerator, transformer, state, folder, dtype=None, weight_name=L
     (default: its own); in a checkpoint, with the run's identity."""
     from safetensors.torch import save_file
     config = adapter_settings(accelerator, transformer).to_dict()
-    if config["peft_type"] in ("LORA", "LOKR", "LOHA"):
-        state = portable_lora(state, config)
-        alpha = "lora_alpha" if config["peft_type"] == "LORA" else "alpha"
-        config.update({alpha: config["r"], "alpha_pattern": dict(config["rank_pattern"])})  # every scale 1
+    if config["peft_type"] == "LORA":
+        state, config = portable_lora(state, config)
+    if config["peft_type"] in ("LOKR", "LOHA"):  # option: adapters
+        state, config = portable_lycoris(state, config)
     config.update(target_modules=sorted(config["target_modules"]))
     config = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(config, indent=2, sort_keys=True)}
@@ -2749,8 +2739,10 @@ def check_captioned(records, instance_prompt, source, what):
 # The disk cache: content-addressed entries, leases, eviction, the scan index, the dataset manifest
 
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
-RECOMPUTE_ADVICE = ("rerunning the same command recomputes it (add --resume_from_checkpoint latest to keep the steps "
-                    "done; a --from_manifest run cannot recompute: rerun the command that wrote its manifest first)")
+RECOMPUTE_ADVICE = "; ".join([
+    "rerunning the same command recomputes it (add --resume_from_checkpoint latest to keep the steps done",
+    "a --from_manifest run cannot recompute: rerun the command that wrote its manifest first",  # option: manifest
+]) + ")"
 
 class DiskStore:
     """A persistent, content-addressed mapping: key -> <folder>/<digest[:2]>/<digest>.safetensors, `digest(key)`
@@ -3043,9 +3035,9 @@ class DiskCache:
         return todo
 
     def settle(self, args, accelerator, data, caches):
-        """After precompute: bound the folder, say what was reused and written, and leave the dataset manifest."""
+        """After precompute: bound the folder, say what was reused and written (and leave the dataset manifest)."""
         settle_cache(accelerator, self, [entry for paths in self.paths.values() for entry in paths.values()])
-        write_manifest(args, accelerator, data, self)
+        write_manifest(args, accelerator, data, self)  # option: manifest
 
     def unwritable(self, error):
         if self.write_error is None:
@@ -3172,19 +3164,21 @@ def report_memory_copies(caches, processes):
     else:
         logger.info(note)
 
-MANIFEST_NAME = "dataset_manifest.json"
-MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"
+# The dataset manifest every run writes beside its LoRA, for the manifest option (--from_manifest: train again from
+# the disk cache alone); every run writes it, so it is here, each definition marked for that option.
+MANIFEST_NAME = "dataset_manifest.json"  # option: manifest
+MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"  # option: manifest
 # the flags that shaped a manifest's cache entries or the samples drawn from them (--from_manifest takes them from it:
 # a replay with another caption dropout trains another LoRA); an option's may be absent
-MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats", "resolution",
-                       "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers",
+MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats",  # option: manifest
+                       "resolution", "center_crop", "random_flip", "max_sequence_length", "text_encoder_out_layers",
                        "latent_sampling", "caption_dropout")
 
-def manifest_record(record):
+def manifest_record(record):  # option: manifest
     row = {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
     return {**row, "conditions": [manifest_record(c) for c in record.conditions]} if record.conditions else row
 
-def build_manifest(data, model, instances, classes, prompt_entries, latent_entries, cache):
+def build_manifest(data, model, instances, classes, prompt_entries, latent_entries, cache):  # option: manifest
     """The dataset manifest: the settings that shaped the data, the model identity, every source image (name, size,
     caption, SHA-256) and every cache entry training reads. prompt_entries: [(text, entry)]; latent_entries:
     [((kind, image name, bucket, resized, top, left, flip), entry)]."""
@@ -3194,7 +3188,7 @@ def build_manifest(data, model, instances, classes, prompt_entries, latent_entri
             "entries": {"prompts": [{"text": text, "entry": entry} for text, entry in prompt_entries],
                         "latents": [{**dict(zip(fields, key)), "entry": entry} for key, entry in latent_entries]}}
 
-def write_manifest(args, accelerator, data, disk):
+def write_manifest(args, accelerator, data, disk):  # option: manifest
     """<output_dir>/dataset_manifest.json (main process): enough to train again from the cache alone
     (--from_manifest), with the images gone."""
     if not accelerator.is_main_process:
@@ -3278,16 +3272,23 @@ def validation_oom(step):
     try:
         yield
     except torch.OutOfMemoryError:
+        less = ", ".join(["--offload (the VAE waits on the CPU)",
+                          "smaller images (--size WxH in a --validation_prompts_file)",  # option: validation_extras
+                          "or none (--skip_final_inference, no --validation_prompt)"])
         raise TrainingStopped(f"out of GPU memory making the validation images of step {step} (the checkpoints are "
                               "intact; at the end the LoRA is saved and the model card written without them). Less "
-                              "validation memory: --offload (the VAE waits on the CPU), smaller images (--size WxH "
-                              "in a --validation_prompts_file), or none (--skip_final_inference, no "
-                              "--validation_prompt)") from None
+                              f"validation memory: {less}") from None
 
-OOM_ADVICE = ("out of GPU memory. Flags that reduce memory: --gradient_checkpointing, --cache_latents (the VAE is "
-              "freed), a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the "
-              "effective batch), --use_8bit_adam, --mixed_precision bf16, a lower --rank, --blocks_to_swap (with "
-              "--gradient_checkpointing), a 4-bit --bnb_quantization_config_path")
+OOM_ADVICE = ", ".join([
+    "out of GPU memory. Flags that reduce memory: --gradient_checkpointing",
+    "--cache_latents (the VAE is freed)",
+    "a smaller --resolution or --train_batch_size (raise --gradient_accumulation_steps to keep the effective batch)",
+    "--use_8bit_adam",  # option: compile
+    "--mixed_precision bf16",
+    "a lower --rank",
+    "--blocks_to_swap (with --gradient_checkpointing)",  # option: block_swap
+    "a 4-bit --bnb_quantization_config_path",  # option: compile
+])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3359,11 +3360,13 @@ def check_same_images(accelerator, instances, classes):
     seen = gather_object([(len(instances), len(classes), digest(instances), digest(classes))])
     if len(set(seen)) > 1:
         counts = "; ".join(f"process {r}: {n} instance and {c} class images" for r, (n, c, _, _) in enumerate(seen))
-        raise UsageError(f"the processes see different images, captions or condition images ({counts}): every "
-                         "machine must see the same files at the same path. Share --instance_data_dir and "
-                         "--class_data_dir between machines or copy them; class images are generated by every process "
-                         "into its --class_data_dir, each its share, so with a folder per machine copy each machine's "
-                         "new class images into the others' folders")
+        raise UsageError(" ".join([
+            f"the processes see different images, captions or condition images ({counts}): every machine must see the "
+            "same files at the same path. Share --instance_data_dir between machines or copy it.",
+            "Class images are generated by every process into "  # option: class_images
+            "its --class_data_dir, each its share: with a folder per machine copy each machine's new class images "
+            "into the others' folders.",
+        ]))
 
 class Progress:
     """How far precompute got: entries needed, cached when it started, written since by this process."""
@@ -3586,7 +3589,9 @@ def write_model_card(args, image_paths, run, repo_id=None):
     if edit:
         use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
                f"image = pipe(image=condition, prompt={shown!r}, {guidance}).images[0]")
-    load = lora_loading(args, kind, repo_id or args.hub_model_id)
+    source = repo_id or args.hub_model_id or args.output_dir
+    load = run.hooks.first("lora_loading", source, bool(repo_id or args.hub_model_id), default=lambda: (
+        f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"))
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
 library_name: diffusers
@@ -3633,29 +3638,6 @@ def markdown_text(text):
     """`text` shown as written in Markdown (alt text, captions): one line, its markup characters escaped."""
     return re.sub(r"([\\`*_\[\]<>|#!])", r"\\\1", " ".join(text.split()))
 
-def lora_loading(args, kind, hub_id):
-    """The model card's lines that load the LoRA into `pipe` from `hub_id` (None: --output_dir): load_lora_weights, or
-    for a LoHa, which diffusers cannot read (README: adapters and files), PEFT with its metadata's settings."""
-    source = hub_id or args.output_dir
-    if kind != "LoHa":
-        return f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"
-    if vars(args).get("lora_format") == "comfyui":
-        return (f"# {LORA_WEIGHTS_NAME} is a LoHa in ComfyUI's (LyCORIS) layout: ComfyUI's LoRA loader reads it; "
-                "diffusers cannot")
-    path, hub = (f"hf_hub_download({source!r}, {LORA_WEIGHTS_NAME!r})", "from huggingface_hub import hf_hub_download\n"
-                 ) if hub_id else (repr(str(Path(source, LORA_WEIGHTS_NAME))), "")
-    return f"""# a LoHa: diffusers' load_lora_weights cannot read it; PEFT can, with the settings in the file's metadata
-import json
-{hub}from peft import LoHaConfig, set_peft_model_state_dict
-from safetensors import safe_open
-
-with safe_open({path}, "pt") as f:
-    state = {{k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}}
-    config = {{k.removeprefix("transformer."): v for k, v in json.loads(f.metadata()["lora_adapter_metadata"]).items()}}
-fields = ("r", "alpha", "target_modules", "rank_pattern", "alpha_pattern")
-pipe.transformer.add_adapter(LoHaConfig(**{{k: config[k] for k in fields}}))
-set_peft_model_state_dict(pipe.transformer, state)"""
-
 def hub_repository(args):
     """--push_to_hub's repository, made if missing (default: the output folder's name in the token's account)."""
     from huggingface_hub import create_repo
@@ -3665,8 +3647,10 @@ def push_to_hub(args, repo_id):
     from huggingface_hub import upload_folder
     upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
                   commit_message="DreamBooth LoRA",  # what names local paths or this machine stays, as checkpoints do
-                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", MANIFEST_NAME,
-                                   "config.yaml", RUN_LOCK, "validation/scored/**"])
+                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", "config.yaml",
+                                   RUN_LOCK, "validation/scored/**",
+                                   MANIFEST_NAME,  # option: manifest
+                                   ])
     logger.info(f"pushed to https://huggingface.co/{repo_id}")
 
 
@@ -3739,7 +3723,12 @@ def trimmed_source(source, options, keep, header):
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT and (m := re.match(r"# option: (\w+)\b", token.string)) and (
                 m.group(1) in gone):
-            drop.update(spans.get(token.start[0] - 1, [token.start[0] - 1]))
+            span = spans.get(token.start[0] - 1, range(token.start[0] - 1, token.start[0]))
+            above = span.start  # the comment lines just above a statement are about it
+            while above > 1 and lines[above - 1].lstrip().startswith("#") and not (
+                    lines[above - 1].startswith(("# ---", "# ===")) or lines[above - 2].startswith(("# ---", "# ==="))):
+                above -= 1
+            drop.update(range(above, span.stop))
     doc, flags = tree.body[0], [f for names in gone.values() for f in names]
     drop.update(i for i in range(doc.lineno - 1, doc.end_lineno)
                 if any(re.search(rf"{f}(?![\w-])", lines[i]) for f in flags))
@@ -4606,17 +4595,52 @@ class Adapters(Option):
             save_lora(accelerator, transformer, state, folder, dtype)
         name = LORA_WEIGHTS_NAME if layout == "comfyui" else COMFYUI_WEIGHTS_NAME
         config = adapter_settings(accelerator, transformer)
-        state = (to_comfyui(portable_lora(state, config.to_dict())) if config.peft_type.value == "LORA"
+        state = (to_comfyui(portable_lora(state, config.to_dict())[0]) if config.peft_type.value == "LORA"
                  else to_lycoris(state, config))
         save_file({k: v.to(dtype or v.dtype).contiguous() for k, v in state.items()}, str(Path(folder, name)),
                   metadata={"format": "pt"})
         follow_umask(Path(folder, name))
         return True
 
+    def lora_loading(self, source, on_hub):
+        """The model card's lines loading a LoHa, which diffusers cannot read (README: adapters and files): PEFT with
+        the settings in the file's metadata (None: the usual load_lora_weights)."""
+        if self.kind != "LoHa":
+            return None
+        if self.args.lora_format == "comfyui":
+            return (f"# {LORA_WEIGHTS_NAME} is a LoHa in ComfyUI's (LyCORIS) layout: ComfyUI's LoRA loader reads it; "
+                    "diffusers cannot")
+        path, hub = (f"hf_hub_download({source!r}, {LORA_WEIGHTS_NAME!r})", "from huggingface_hub import "
+                     "hf_hub_download\n") if on_hub else (repr(str(Path(source, LORA_WEIGHTS_NAME))), "")
+        return ("# a LoHa: diffusers' load_lora_weights cannot read it; PEFT can, with the settings in the file's "
+                f"""metadata
+import json
+{hub}from peft import LoHaConfig, set_peft_model_state_dict
+from safetensors import safe_open
+
+with safe_open({path}, "pt") as f:
+    state = {{k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}}
+    config = {{k.removeprefix("transformer."): v for k, v in json.loads(f.metadata()["lora_adapter_metadata"]).items()}}
+fields = ("r", "alpha", "target_modules", "rank_pattern", "alpha_pattern")
+pipe.transformer.add_adapter(LoHaConfig(**{{k: config[k] for k in fields}}))
+set_peft_model_state_dict(pipe.transformer, state)""")
+
     def describe(self, dataset):
         return {"comfyui": [f"`{LORA_WEIGHTS_NAME}` is in ComfyUI's layout (ComfyUI's LoRA loader reads it)."],
                 "both": [f"ComfyUI: `{COMFYUI_WEIGHTS_NAME}` (its LoRA loader reads it); diffusers: "
                          f"`{LORA_WEIGHTS_NAME}`."]}.get(self.args.lora_format, [])
+
+def portable_lycoris(state, config):
+    """A LoKr's or LoHa's portable_lora: each module's scale (alpha / rank) folded into one factor of its update (a
+    LoKr's w1, or w1_a when decomposed; a LoHa's w1_a), the config's alphas made its ranks -> (state, config)."""
+    ranks, out = {m.strip("^$"): r for m, r in config["rank_pattern"].items()}, dict(state)
+    for key, value in state.items():
+        module, part = key.rsplit(".", 1)
+        lokr = "lokr_w1" if f"{module}.lokr_w1" in state else "lokr_w1_a"
+        if part == ("hada_w1_a" if config["peft_type"] == "LOHA" else lokr):
+            out[key] = value.float() * config["alpha_pattern"].get(module, config["alpha"]) / ranks.get(module,
+                                                                                                      config["r"])
+    return out, {**config, "alpha": config["r"], "alpha_pattern": dict(config["rank_pattern"])}  # scales 1
 
 def bfl_name(module):
     """diffusers module name -> (BFL module name, row block of the fused qkv or None); ValueError saying why not.
@@ -5400,6 +5424,9 @@ class SpeedAndMemory(Option):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Option: validation_extras (--validation_prompts_file, --validation_lora_scales)
+
+def numbers(text):
+    return [float(x) for x in text.split(",")]
 
 @functools.cache
 def read_validation_prompts(path):
