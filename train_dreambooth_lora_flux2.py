@@ -89,15 +89,11 @@ logger = get_logger(__name__)
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jfif", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
-TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
 # The double-stream blocks' image attention: all that the copy of diffusers' [dev] example we checked adapts by
 # default, and only 8 of [dev]'s 56 blocks. The `default` preset adds every single-stream block (about 73% of [dev]'s
 # weights), as diffusers #13011 and its [klein] example do.
 ATTENTION_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 LORA_PRESETS = ("attention", "default", "all-linear")
-# A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), two or three
-# captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
-DEFAULT_CACHE_MAX_GB = 50.0
 
 class UsageError(Exception):
     """A problem with the user's flags or files: reported as one message, exit status 2, no traceback."""
@@ -159,10 +155,6 @@ def data_flags(p):
 def caching_flags(p):
     g = p.add_argument_group("caching")
     g.add_argument("--cache_latents", action="store_true", help="Encode every (image, crop) once before training.")
-    g.add_argument("--precompute_cache_dir", type=cache_folder,
-                   help=f"Disk cache that later runs reuse; default: $XDG_CACHE_HOME/{TRAINER_NAME}.")
-    g.add_argument("--precompute_cache_max_gb", type=non_negative, default=DEFAULT_CACHE_MAX_GB,
-                   help="Bound of the disk cache: least-recently-used entries are deleted.")
     g.add_argument("--latent_sampling", choices=["mode", "sample"], default="mode",
                    help="Train on the VAE posterior's mean, or a draw from it at every use.")
 
@@ -332,6 +324,7 @@ class Option:
 
     name, flags, switches, env, placeholder = "", (), (), None, None
     source = None  # the flag of another source of images than --instance_data_dir, if it is one
+    needs = ()  # the options it cannot do without (a copy that keeps it keeps them)
     resume_flags = ()  # its flags a resumed run must share with its checkpoint (the adapter's)
     requires = ""  # what its other flags need, in words (default: one of its switches)
 
@@ -1026,9 +1019,11 @@ def prepare_data(args, accelerator, cache, hooks=None):
 # Stage 2: precompute (prompt embeddings, latents)
 
 def open_cache(args):
-    """The run's cache (MemoryCache or DiskCache, Part 2): the disk cache by default, per user; 'none': memory."""
-    root = resolve_cache_dir(args.precompute_cache_dir, os.environ)
-    return MemoryCache() if root is None else DiskCache.open(root, args)
+    """The run's cache (Part 2): entries in memory, or (the disk cache option, on by default) on disk, per user."""
+    cache = MemoryCache()
+    if (root := resolve_cache_dir(args.precompute_cache_dir, os.environ)) is not None:  # option: disk_cache
+        cache = DiskCache.open(root, args)
+    return cache
 
 def option_validation_specs(hooks):
     """The options' validation prompts (--validation_prompts_file), filled by the options ([trigger])."""
@@ -1157,8 +1152,7 @@ def precompute(args, accelerator, data, weight_dtype, cache):
     """Prompt embeddings (always) and latents (--cache_latents) into the run's cache -> (Caches, the VAE if still
     needed, its statistics). A signal stops every process once the entries being written are complete."""
     dataset, hooks = data.dataset, data.hooks
-    prompts, latents = cache.stores(args, dataset, lambda: hooks.first(
-        "cache_identity", weight_dtype, data.family, default=lambda: cache_identity(args, weight_dtype, data.family)))
+    prompts, latents = cache.stores(args, data, weight_dtype)
     needed = {"prompts": (prompts, needed_prompts(args, data))}
     if latents is not None:
         needed["latents"] = (latents, list(dict.fromkeys(dataset.cached_latent_keys())))
@@ -1855,7 +1849,8 @@ readable_file = Accepts("a readable file", lambda v: Path(v).is_file() and os.ac
 folder_to_write = Accepts("a folder, existing or to be created", folder_can_be)
 output_folder = Accepts("a folder, existing or to be created, that this user can write",
                         lambda v: folder_can_be(v, writable=True))
-cache_folder = Accepts("none, or a folder (one that cannot be written warns and keeps entries in memory)")
+cache_folder = Accepts(  # option: disk_cache
+    "none, or a folder (one that cannot be written warns and keeps entries in memory)")
 checkpoint_name = Accepts("a checkpoint folder, the name of one in --output_dir, or 'latest' "
                           "(checked with --output_dir)")
 logging_folder = Accepts("a folder, relative to --output_dir (checked with it)")
@@ -2736,15 +2731,75 @@ def check_captioned(records, instance_prompt, source, what):
            f"{', ...' if len(missing) > 5 else ''}); give --instance_prompt for them")
 
 # ----------------------------------------------------------------------------------------------------------------
-# The disk cache: content-addressed entries, leases, eviction, the scan index, the dataset manifest
+# Caches: in memory, or on disk (content-addressed entries, leases, eviction, the scan index); the dataset manifest
 
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
-RECOMPUTE_ADVICE = "; ".join([
+
+class MemoryCache:
+    """Entries in each process's memory: a run holds and leaves nothing (the disk cache option's --precompute_cache_dir
+    none, or a copy without it). The recipe reaches a cache only through this interface, which DiskCache implements:
+    scan_index(folder, accelerator) (a context: what earlier scans learnt about a folder's files), stores() (the
+    prompt and latent mappings), hold() (before anyone looks at the entries: -> what is missing) and settle()."""
+
+    persistent = False  # a stopped precompute keeps its entries
+
+    @contextlib.contextmanager
+    def scan_index(self, folder, accelerator):
+        yield ScanIndex()
+
+    def stores(self, args, data, weight_dtype):
+        return SampleCache(), SampleCache() if args.cache_latents else None
+
+    def hold(self, accelerator, needed):
+        return {name: store.todo(keys) for name, (store, keys) in needed.items()}
+
+    def settle(self, args, accelerator, data, caches):
+        report_memory_copies(caches, local_processes(accelerator))
+
+def report_memory_copies(caches, processes):
+    """The in-memory cache is copied into every process: say what that costs, as a warning once it is large."""
+    if processes < 2:
+        return
+    stores = [c.store for c in (caches.prompts, caches.latents, caches.masks) if c is not None]
+    per_process = sum(v.numel() * v.element_size() for store in stores for v in store.values())
+    note = (f"in-memory precompute cache: {human_bytes(per_process)} per process, copied into each of {processes} "
+            f"processes on this machine ({human_bytes(per_process * processes)} of host RAM)")
+    if per_process * processes >= DUPLICATED_RAM_WARN_BYTES:
+        logger.warning("".join([
+            note,
+            "; the disk cache (leave out --precompute_cache_dir none) keeps one copy on disk "  # option: disk_cache
+            "and each process reads the entries of its batch",
+        ]))
+    else:
+        logger.info(note)
+
+def safetensors_header(path):
+    """The header of a safetensors file, checked against the file's length (no tensor bytes read) -> dict of tensor
+    name -> {dtype, shape, data_offsets} (and __metadata__). Raises ValueError (or OSError) for a file that is not
+    one, or is cut short."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 2 <= length <= 100 << 20:
+            raise ValueError(f"not a safetensors file (header length {length})")
+        header = json.loads(f.read(length))
+    tensors = [t for k, t in header.items() if k != "__metadata__"] if isinstance(header, dict) else None
+    if tensors is None or not isinstance(header.get("__metadata__", {}), dict) or not all(
+            isinstance(t, dict) and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+            and all(isinstance(o, int) for o in t["data_offsets"]) for t in tensors):
+        raise ValueError("not a safetensors file")
+    end = max((t["data_offsets"][1] for t in tensors), default=0)
+    if os.path.getsize(path) != 8 + length + end:
+        raise ValueError(f"{os.path.getsize(path)} bytes where its header says {8 + length + end}: cut short?")
+    return header
+
+# The disk cache, an option on by default (--precompute_cache_dir): every run uses it, so it is here, each of
+# its definitions marked for it; a copy without it keeps its entries in memory.
+RECOMPUTE_ADVICE = "; ".join([  # option: disk_cache
     "rerunning the same command recomputes it (add --resume_from_checkpoint latest to keep the steps done",
     "a --from_manifest run cannot recompute: rerun the command that wrote its manifest first",  # option: manifest
 ]) + ")"
 
-class DiskStore:
+class DiskStore:  # option: disk_cache
     """A persistent, content-addressed mapping: key -> <folder>/<digest[:2]>/<digest>.safetensors, `digest(key)`
     hashing all that determines the value (content, transform, model identity, settings): renamed inputs hit, edited
     ones miss. Writes are atomic (a unique temporary file, then a rename): a killed run or two runs sharing the folder
@@ -2842,7 +2897,7 @@ class DiskStore:
     def __len__(self):
         return len(self.present) + len(self.memory)
 
-@contextlib.contextmanager
+@contextlib.contextmanager  # option: disk_cache
 def folder_lock(root):
     """Exclusive lock of a cache folder (flock on <root>/.lock, dropped by the kernel if the holder dies): taking a
     lease and evicting exclude each other. Where the file system has no locks (ENOLCK), runs sharing the folder are
@@ -2853,7 +2908,7 @@ def folder_lock(root):
             fcntl.flock(f, fcntl.LOCK_EX)
         yield
 
-def lease_is_live(path):
+def lease_is_live(path):  # option: disk_cache
     """A lease is live while its run holds the flock on it; the kernel drops the lock when the process dies (even on
     SIGKILL), so no heartbeat or clock is needed. Locks that cannot be probed count as live."""
     import fcntl
@@ -2866,7 +2921,7 @@ def lease_is_live(path):
         return True
     return False
 
-def take_lease(root, entries):
+def take_lease(root, entries):  # option: disk_cache
     """Record that this process uses `entries` (paths relative to `root`) until it exits: <root>/leases/<host>-<pid>-
     <random>.json names them, and this process keeps an exclusive flock on it -> the open lease file (the lock lives
     as long as it stays open). Raises OSError when the folder cannot be written."""
@@ -2883,12 +2938,12 @@ def take_lease(root, entries):
         f.flush()
     return f
 
-def release_lease(lease):
+def release_lease(lease):  # option: disk_cache
     with contextlib.suppress(OSError):
         Path(lease.name).unlink()
         lease.close()
 
-@dataclass
+@dataclass  # option: disk_cache
 class Eviction:
     """What evict_lru found and did (bytes)."""
 
@@ -2900,7 +2955,7 @@ class Eviction:
     strays: int = 0  # temporary files of writes a killed run never finished, deleted
     stray_bytes: int = 0
 
-def cache_entries(root):
+def cache_entries(root):  # option: disk_cache
     """-> [(mtime, bytes, path relative to root)] of every entry under root (prompts/, latents/, ...)."""
     found = []
     for path in Path(root).glob("*/*/*.safetensors"):  # <kind>/<shard>/<entry>
@@ -2909,9 +2964,10 @@ def cache_entries(root):
             found.append((st.st_mtime, st.st_size, path.relative_to(root).as_posix()))
     return found
 
-STRAY_SECONDS = 3600  # a temporary entry file this old is a killed run's: a live write takes seconds
+# a temporary entry file this old is a killed run's: a live write takes seconds
+STRAY_SECONDS = 3600  # option: disk_cache
 
-def remove_stray_writes(root):
+def remove_stray_writes(root):  # option: disk_cache
     """Delete the temporary files (.<entry>.<pid>.<hex>.tmp) that runs killed while writing left behind (an hour
     old: a write takes seconds) -> (how many, bytes)."""
     count = nbytes = 0
@@ -2923,7 +2979,7 @@ def remove_stray_writes(root):
                 count, nbytes = count + 1, nbytes + st.st_size
     return count, nbytes
 
-def evict_lru(root, max_bytes, keep=()):
+def evict_lru(root, max_bytes, keep=()):  # option: disk_cache
     """Delete least-recently-used entries of `root` until it holds at most `max_bytes`, never one in `keep` (the
     calling run's) or in a live lease (another run's); stale leases (their run is gone) are removed. -> Eviction."""
     protected, blind = set(keep), False
@@ -2950,28 +3006,7 @@ def evict_lru(root, max_bytes, keep=()):
                 evicted, evicted_bytes, size = evicted + 1, evicted_bytes + nbytes, size - nbytes
     return Eviction(before, size, evicted, evicted_bytes, sum(e[1] for e in entries if e[2] in protected), *strays)
 
-class MemoryCache:
-    """--precompute_cache_dir none: the entries live in each process's memory, and a run holds and leaves nothing.
-    The recipe reaches a cache only through this interface, which DiskCache (below) implements too:
-    scan_index(folder, accelerator) (a context: what earlier scans learnt about a folder's files), stores() (the
-    prompt and latent mappings), hold() (before anyone looks at the entries: -> what is missing) and settle()."""
-
-    persistent = False  # a stopped precompute keeps its entries
-
-    @contextlib.contextmanager
-    def scan_index(self, folder, accelerator):
-        yield ScanIndex()
-
-    def stores(self, args, dataset, identity):
-        return SampleCache(), SampleCache() if args.cache_latents else None
-
-    def hold(self, accelerator, needed):
-        return {name: store.todo(keys) for name, (store, keys) in needed.items()}
-
-    def settle(self, args, accelerator, data, caches):
-        report_memory_copies(caches, local_processes(accelerator))
-
-class DiskCache:
+class DiskCache:  # option: disk_cache
     """The disk cache of a run (--precompute_cache_dir): its entry stores, the scan index of image folders, its lease
     and bound; the recipe reaches it through the interface MemoryCache describes. Nothing here may stop a run: the
     first write that fails warns once, naming the folder and the error, and from then on new entries stay in memory
@@ -3010,9 +3045,12 @@ class DiskCache:
                 except OSError as e:
                     self.unwritable(e)
 
-    def stores(self, args, dataset, identity):
-        """-> (prompt cache, latent cache or None) over this folder: entries named by their key and identity()."""
-        self.identity = identity = identity()
+    def stores(self, args, data, weight_dtype):
+        """-> (prompt cache, latent cache or None) over this folder: entries named by their key and the run's identity
+        (the models, the settings and the code that make them; an option's, e.g. the manifest's)."""
+        dataset, hooks = data.dataset, data.hooks
+        self.identity = identity = hooks.first("cache_identity", weight_dtype, data.family, default=lambda: (
+            cache_identity(args, weight_dtype, data.family)))
         prompts = self.store("prompts", lambda text: json_digest("prompt", identity.prompts, text))
         latents = self.store("latents", lambda key: json_digest(  # the image by its bytes: stable across renames
             "latent", identity.latents, [dataset.record(*key[:2]).content_hash(), *key[2:]]))
@@ -3051,7 +3089,7 @@ class DiskCache:
     def relative(self, path):
         return Path(path).relative_to(self.root).as_posix()
 
-def resolve_cache_dir(value, environ):
+def resolve_cache_dir(value, environ):  # option: disk_cache
     """--precompute_cache_dir: None -> the per-user folder ($XDG_CACHE_HOME when absolute, as the XDG spec asks,
     else ~/.cache); 'none' -> None (in memory); else the folder given."""
     if value is None:
@@ -3059,26 +3097,7 @@ def resolve_cache_dir(value, environ):
         return Path(base if os.path.isabs(base) else Path(environ.get("HOME") or Path.home(), ".cache"), TRAINER_NAME)
     return None if value.lower() == "none" else Path(value).expanduser()
 
-def safetensors_header(path):
-    """The header of a safetensors file, checked against the file's length (no tensor bytes read) -> dict of tensor
-    name -> {dtype, shape, data_offsets} (and __metadata__). Raises ValueError (or OSError) for a file that is not
-    one, or is cut short."""
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        if not 2 <= length <= 100 << 20:
-            raise ValueError(f"not a safetensors file (header length {length})")
-        header = json.loads(f.read(length))
-    tensors = [t for k, t in header.items() if k != "__metadata__"] if isinstance(header, dict) else None
-    if tensors is None or not isinstance(header.get("__metadata__", {}), dict) or not all(
-            isinstance(t, dict) and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
-            and all(isinstance(o, int) for o in t["data_offsets"]) for t in tensors):
-        raise ValueError("not a safetensors file")
-    end = max((t["data_offsets"][1] for t in tensors), default=0)
-    if os.path.getsize(path) != 8 + length + end:
-        raise ValueError(f"{os.path.getsize(path)} bytes where its header says {8 + length + end}: cut short?")
-    return header
-
-def component_folder(args, subfolder):
+def component_folder(args, subfolder):  # option: disk_cache
     """Local folder of a checkpoint component; for a Hub id, the snapshot loading would use (downloaded if absent)."""
     root = Path(args.pretrained_model_name_or_path)
     if root.is_dir():
@@ -3087,7 +3106,7 @@ def component_folder(args, subfolder):
     return Path(snapshot_download(args.pretrained_model_name_or_path, revision=args.revision, cache_dir=args.cache_dir,
                                   allow_patterns=[f"{subfolder}/*"])) / subfolder
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # option: disk_cache
 def fingerprint_folder(folder):
     """Identity of a model component without loading it: every file's name and size, small files whole, the first and
     last MiB of larger ones (other or retrained weights differ there). Milliseconds, even for 48 GB."""
@@ -3104,14 +3123,14 @@ def fingerprint_folder(folder):
                 digest.update(f.read())
     return digest.hexdigest()
 
-@dataclass
+@dataclass  # option: disk_cache
 class CacheIdentity:
     """What shapes the cache entries besides their key: the models and settings, hashed into every entry's name."""
 
     prompts: list  # text encoder and tokenizer fingerprints (or an option's), length, layers, dtype, family
     latents: list | None  # VAE fingerprint, dtype, --latent_sampling; None without --cache_latents
 
-def cache_identity(args, weight_dtype, family, encoder=None):
+def cache_identity(args, weight_dtype, family, encoder=None):  # option: disk_cache
     """The identity of this run's entries; `encoder` identifies the text encoder (default: its files' and the
     tokenizer's fingerprints)."""
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
@@ -3122,7 +3141,7 @@ def cache_identity(args, weight_dtype, family, encoder=None):
                if args.cache_latents else None)
     return CacheIdentity(prompts, latents)
 
-def settle_cache(accelerator, disk, entries):
+def settle_cache(accelerator, disk, entries):  # option: disk_cache
     """After precompute: each machine's first process bounds the folder (evict_lru), the main one logs what it did."""
     accelerator.wait_for_everyone()  # every process has written its share
     if not accelerator.is_local_main_process:
@@ -3150,24 +3169,12 @@ def settle_cache(accelerator, disk, entries):
                      "uses (raise --precompute_cache_max_gb)")
     logger.info(line)  # the main process's
 
-def report_memory_copies(caches, processes):
-    """The in-memory cache is copied into every process: say what that costs, as a warning once it is large."""
-    if processes < 2:
-        return
-    stores = [c.store for c in (caches.prompts, caches.latents, caches.masks) if c is not None]
-    per_process = sum(v.numel() * v.element_size() for store in stores for v in store.values())
-    note = (f"in-memory precompute cache: {human_bytes(per_process)} per process, copied into each of {processes} "
-            f"processes on this machine ({human_bytes(per_process * processes)} of host RAM)")
-    if per_process * processes >= DUPLICATED_RAM_WARN_BYTES:
-        logger.warning(note + "; the disk cache (leave out --precompute_cache_dir none) keeps one copy on disk and "
-                       "each process reads the entries of its batch")
-    else:
-        logger.info(note)
-
 # The dataset manifest every run writes beside its LoRA, for the manifest option (--from_manifest: train again from
 # the disk cache alone); every run writes it, so it is here, each definition marked for that option.
 MANIFEST_NAME = "dataset_manifest.json"  # option: manifest
+
 MANIFEST_FORMAT = "train_dreambooth_lora_flux2 dataset manifest"  # option: manifest
+
 # the flags that shaped a manifest's cache entries or the samples drawn from them (--from_manifest takes them from it:
 # a replay with another caption dropout trains another LoRA); an option's may be absent
 MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservation", "repeats",  # option: manifest
@@ -3380,7 +3387,7 @@ class Progress:
         if signum:
             message = (f"cached {self.cached + written} of {self.needed} entries; rerun the same command to continue"
                        if self.persistent else f"stopped by {signal.Signals(signum).name} during precompute; the "
-                       "in-memory cache (--precompute_cache_dir none) keeps nothing")
+                       "in-memory cache keeps nothing")
             logger.warning(message, main_process_only=False)
             raise TrainingStopped(message, 128 + signum)
 
@@ -3395,7 +3402,7 @@ def share_entries(cache, keys, accelerator):
         return
     accelerator.wait_for_everyone()
     store = cache.store
-    unseen = {k for k in keys if not (store.visible(k) if isinstance(store, DiskStore) else k in store)}
+    unseen = {k for k in keys if not (store.visible(k) if hasattr(store, "visible") else k in store)}
     if not any(gather_object([len(unseen)])):
         return
     shares = [keys[r::accelerator.num_processes] for r in range(accelerator.num_processes)]
@@ -3674,7 +3681,8 @@ def write_copy(argv):
     unknown = [w for w in words if w not in (*names, "none", "all", *OPTION_SETS)]
     refuse(unknown, f"--keep {args.keep}: no option {', '.join(unknown)}; this script's options are "
            f"{', '.join(names) or 'none'} (or none, all, {', '.join(OPTION_SETS)})")
-    keep = [n for n in names if "all" in words or n in words or any(n in OPTION_SETS.get(w, ()) for w in words)]
+    keep = {n for n in names if "all" in words or n in words or any(n in OPTION_SETS.get(w, ()) for w in words)}
+    keep = [n for n in names if n in keep or any(n in o.needs for o in OPTIONS if o.name in keep)]
     source, target = Path(__file__), Path(args.write_copy)
     refuse(target.exists() and os.path.samefile(target, source), f"--write_copy {target} is this script; name "
            "another file")
@@ -3721,7 +3729,7 @@ def trimmed_source(source, options, keep, header):
             for start in {first, entry.lineno}:
                 spans.setdefault(start - 1, range(first - 1, entry.end_lineno))
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT and (m := re.match(r"# option: (\w+)\b", token.string)) and (
+        if token.type == tokenize.COMMENT and (m := re.search(r"# option: (\w+)\b", token.string)) and (
                 m.group(1) in gone):
             span = spans.get(token.start[0] - 1, range(token.start[0] - 1, token.start[0]))
             above = span.start  # the comment lines just above a statement are about it
@@ -4003,6 +4011,29 @@ def prepare_masks(dataset, latents):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Option: disk_cache (--precompute_cache_dir: a cache on disk that later runs reuse, on by default)
+
+TRAINER_NAME = "train_dreambooth_lora_flux2"  # the per-user cache folder is named after it
+# A bound on the disk cache, not a reservation: about 3,000 [dev] prompt embeddings (15.7 MB each), two or three
+# captioned datasets of 1,000 images with their latents; the [dev] checkpoint it saves reloading is 100+ GB
+DEFAULT_CACHE_MAX_GB = 50.0
+
+@option
+class DiskCacheOption(Option):
+    """Prompt embeddings and latents in a folder per user that later runs (and other users of a shared folder) reuse:
+    content-addressed entries, leases that keep live runs' entries from eviction, a least-recently-used bound, the
+    scan index. On by default: every run uses it (--precompute_cache_dir none keeps the entries in memory), so its
+    code is Part 2's disk cache, each definition marked for it; a copy without it keeps the entries in memory. Cost:
+    none (it saves the encoders' loading and work on every later run)."""
+
+    name = "disk_cache"
+    flags = [flag("--precompute_cache_dir", type=cache_folder,
+                  help=f"Disk cache that later runs reuse; default: $XDG_CACHE_HOME/{TRAINER_NAME}."),
+             flag("--precompute_cache_max_gb", type=non_negative, default=DEFAULT_CACHE_MAX_GB,
+                  help="Bound of the disk cache: least-recently-used entries are deleted.")]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Option: manifest (--from_manifest: train from the disk cache alone)
 
 @option
@@ -4010,7 +4041,7 @@ class FromManifest(Option):
     """The disk cache and a dataset_manifest.json (every run writes one: the data flags, the seed, the image records)
     replace the images, the text encoder and, unless validation needs it, the VAE. Cost: none."""
 
-    name = "manifest"
+    name, needs = "manifest", ("disk_cache",)
     flags = [flag("--from_manifest", type=readable_file, help="Train from a dataset_manifest.json and the disk "
                   "cache alone: no images, no text encoder (needs --cache_latents).")]
     replaces_data = no_text_encoder = True
@@ -4931,7 +4962,7 @@ class TextEncoders(Option):
         if self.args.remote_text_encoder and family.pipeline != "Flux2Pipeline":
             raise UsageError(f"--remote_text_encoder serves FLUX.2 [dev] embeddings only, not {family.name}")
 
-    def cache_identity(self, weight_dtype, family):
+    def cache_identity(self, weight_dtype, family):  # option: disk_cache
         args = self.args
         identity = cache_identity(args, weight_dtype, family, ["remote", args.remote_text_encoder_url]
                                   if args.remote_text_encoder else None)

@@ -65,6 +65,7 @@ def without_options(source, names=None):
     """`source` without the options `names` (default: all): the script's own trimmer (--write_copy), no header."""
     options = {o.name: option_flags(o) for o in T.OPTIONS}
     gone = set(options) if names is None else set(names)
+    gone |= {o.name for o in T.OPTIONS if gone & set(o.needs)}  # an option goes with one it needs
     return T.trimmed_source(source, options, [n for n in options if n not in gone], [])
 
 
@@ -182,7 +183,8 @@ def test_each_option_deletes_alone(option, tmp_path, tiny_model):
     source = without_options(SOURCE, [option.name])
     assert undefined_globals(source) == set(), option.name
     module = load(source, f"without_{option.__name__}")
-    assert [o.name for o in module.OPTIONS] == [o.name for o in T.OPTIONS if o is not option]
+    assert [o.name for o in module.OPTIONS] == [o.name for o in T.OPTIONS
+                                                if o is not option and option.name not in o.needs]
     help_text = module.build_parser().format_help()
     for name in option_flags(option):
         assert re.search(rf"{name}\b", help_text) is None, name
