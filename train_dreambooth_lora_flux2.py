@@ -113,7 +113,9 @@ def build_parser():
     """Flags by group; names and meanings follow the diffusers example where it has them."""
     p = _Parser(description="DreamBooth LoRA training for FLUX.2 [dev] and [klein] (README.md: commands per GPU size).",
                 usage="accelerate launch %(prog)s --pretrained_model_name_or_path MODEL --instance_data_dir DIR "
-                      "--instance_prompt TEXT [flags]", formatter_class=_HelpFormatter)
+                      "--instance_prompt TEXT [flags]", formatter_class=_HelpFormatter,
+                epilog="A copy to read and edit, with only the options you keep: %(prog)s --write_copy FILE --keep "
+                       "NAMES (README.md: Copy and edit).")
     for add_flags in (model_flags, data_flags, caching_flags, quality_flags,
                       lora_flags, optimisation_flags, output_flags, validation_flags):
         add_flags(p)
@@ -374,8 +376,14 @@ class Hooks:
         self.options += [cls(args) for cls in off if cls.wanted(args, texts)]
         self.options.sort(key=lambda o: OPTIONS.index(type(o)))
 
+    def _with(self, seam):
+        """The options on that define `seam`; a misspelt seam would reach none: refused, as a misspelt definition is."""
+        if seam not in SEAMS:
+            raise TypeError(f"{seam!r} is not a seam of the recipe (SEAMS)")
+        return [o for o in self.options if hasattr(o, seam)]
+
     def _calls(self, seam, *args):
-        return (getattr(o, seam)(*args) for o in self.options if hasattr(o, seam))
+        return (getattr(o, seam)(*args) for o in self._with(seam))
 
     def each(self, seam, *args):
         return list(self._calls(seam, *args))
@@ -385,8 +393,8 @@ class Hooks:
         return default() if answer is None and default is not None else answer
 
     def chain(self, seam, value, *args):
-        for o in self.options:
-            value = getattr(o, seam)(value, *args) if hasattr(o, seam) else value
+        for o in self._with(seam):
+            value = getattr(o, seam)(value, *args)
         return value
 
     def collect(self, seam, *args):
@@ -629,7 +637,12 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     a pure function of (seed, e): shuffle within buckets, cut into batches (dropping a bucket's remainder when
     drop_last), shuffle the batches. With several processes each takes every num_replicas-th batch of that list,
     trimmed to a multiple of num_replicas so all ranks step together. Iteration is one flat stream: epoch after
-    epoch from the start set by set_epoch, so a DataLoader's workers (and their read-ahead) live across epochs."""
+    epoch from the start set by set_epoch, so a DataLoader's workers (and their read-ahead) live across epochs.
+
+    A replacement must keep: each epoch's batches a pure function of (seed, epoch), the same on every process (exact
+    resume and the precompute both rely on it); its own split over the processes (the loader is not passed to
+    accelerator.prepare, which would split it again); len() as this process's batches per epoch; set_epoch(epoch,
+    start) to resume mid-epoch; by_bucket ({(bucket, references): sample indices}, read by check_batches)."""
 
     def __init__(self, sample_buckets, batch_size, seed, drop_last=True, num_replicas=1, rank=0):
         self.by_bucket = {}
@@ -3136,10 +3149,20 @@ def cache_identity(args, weight_dtype, family, encoder=None):  # option: disk_ca
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
     encoder = encoder or [fingerprint_folder(component_folder(args, name)) for name in ("text_encoder", "tokenizer")]
     prompts = [*encoder, args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype),
-               family.pipeline, SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None]
-    latents = ([fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling]
-               if args.cache_latents else None)
+               family.pipeline, SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None,
+               code_identity(prompt_encoder, encode_prompts)]
+    latents = ([fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling,
+                code_identity(load_vae, encode_images, DreamBoothDataset.pixels, ImageRecord.load, to_rgb, grey8,
+                              image_to_tensor, transform_image)] if args.cache_latents else None)
     return CacheIdentity(prompts, latents)
+
+def code_identity(*functions):  # option: disk_cache
+    """What computes an entry besides the models: the source of the functions (a copy edited to encode otherwise
+    makes other entries, never the old ones) and the versions of the libraries that run them."""
+    import diffusers
+    import transformers
+    return [json_digest(*map(inspect.getsource, functions)), torch.__version__, diffusers.__version__,
+            transformers.__version__]
 
 def settle_cache(accelerator, disk, entries):  # option: disk_cache
     """After precompute: each machine's first process bounds the folder (evict_lru), the main one logs what it did."""
