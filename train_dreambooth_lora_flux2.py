@@ -969,8 +969,9 @@ def setup_accelerator(args):
     return accelerator
 
 def resolve_model_flags(args, hooks):
-    """The flags that depend on the checkpoint: the family's defaults, the options' (--init_lora's rank, the trigger
-    word), what must fit the model (its config files only), then the memory plan's choices -> the family."""
+    """The flags that depend on the checkpoint: the family's defaults, the options' (a LoRA to start from sets the
+    rank, the trigger word its prompts), what must fit the model (its config files only), then the memory plan's
+    choices -> the family."""
     family = detect_family(args)
     resolve_family_defaults(args, family)
     hooks.each("resolve", family)
@@ -1039,7 +1040,7 @@ def open_cache(args):
     return cache
 
 def option_validation_specs(hooks):
-    """The options' validation prompts (--validation_prompts_file), filled by the options ([trigger])."""
+    """The options' validation prompts (a prompts file's), filled by the options ([trigger])."""
     return tuple(dataclasses.replace(s, prompt=hooks.chain("prompt", s.prompt))
                  for s in hooks.collect("validation_specs"))
 
@@ -2749,8 +2750,8 @@ def check_captioned(records, instance_prompt, source, what):
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
 
 class MemoryCache:
-    """Entries in each process's memory: a run holds and leaves nothing (the disk cache option's --precompute_cache_dir
-    none, or a copy without it). The recipe reaches a cache only through this interface, which DiskCache implements:
+    """Entries in each process's memory: a run holds and leaves nothing (without the disk cache, or with it set to
+    none). The recipe reaches a cache only through this interface, which DiskCache implements too:
     scan_index(folder, accelerator) (a context: what earlier scans learnt about a folder's files), stores() (the
     prompt and latent mappings), hold() (before anyone looks at the entries: -> what is missing) and settle()."""
 
@@ -3379,7 +3380,7 @@ def agreed_refusal(accelerator, load):
 
 def check_same_images(accelerator, instances, classes):
     """Every process must train on the same images, captions and condition images. Folders of each machine's own can
-    differ (stale copies; class images, which every process generates into its --class_data_dir, each its share):
+    differ (stale copies; class images, which every process generates into its class folder, each its share):
     the processes would build different datasets and fail or hang at their first collective that no longer matches,
     or train different samples silently (a caption or condition is shared by its key). Raises UsageError."""
     if accelerator.num_processes == 1:
@@ -4864,12 +4865,12 @@ class TriggerWords(Option):
             return
         refuse(not (args.trigger_word and args.class_word), "--output_preservation needs --trigger_word and "
                "--class_word (the preservation prompt is the caption with the one replaced by the other)")
-        refuse(vars(args).get("with_prior_preservation"), "--output_preservation and --with_prior_preservation are two "
-               "ways to the same end: choose one")
+        refuse(vars(args).get("with_prior_preservation"),  # option: class_images
+               "--output_preservation and --with_prior_preservation are two ways to the same end: choose one")
         refuse(vars(args).get("cond_data_dir") or vars(args).get("cond_image_column"),
                "--output_preservation is not supported for edit training")
-        refuse(vars(args).get("compile"), "--output_preservation is not supported with --compile (switching the "
-               "adapters off for the base prediction would compile the blocks twice)")
+        refuse(vars(args).get("compile"), "--output_preservation is not supported with --compile "  # option: compile
+               "(switching the adapters off for the base prediction would compile the blocks twice)")
         if mentions(args.class_word, args.trigger_word):
             raise UsageError(f"--class_word {args.class_word!r} contains --trigger_word {args.trigger_word!r}")
 
@@ -5090,7 +5091,7 @@ class Prodigy(Option):
     def optimizer(self, params, hyper):
         import prodigyopt
         args = self.args
-        if vars(args).get("use_8bit_adam"):
+        if vars(args).get("use_8bit_adam"):  # option: compile
             logger.warning("--use_8bit_adam applies to --optimizer adamw only; ignored with prodigy")
         return prodigyopt.Prodigy(params, **hyper, beta3=args.prodigy_beta3, decouple=args.prodigy_decouple,
                                   use_bias_correction=args.prodigy_use_bias_correction,
@@ -5799,6 +5800,7 @@ class MemoryPlan(Option):
 
     name = "memory_plan"
     switches, requires = ("memory_plan",), "--memory_plan auto"
+    prints_only = property(lambda self: self.args.plan_only)
     flags = [
         flag("--memory_plan", choices=["off", "auto"], default="off", help="auto: checkpointing, block swapping, NF4 "
              "weights and the text encoder's precision chosen to fit this GPU, fastest first; your flags stay."),
