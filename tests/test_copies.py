@@ -1,0 +1,206 @@
+"""Trimmed copies (issue 51): `--write_copy FILE --keep NAMES` writes the script with Parts 1 and 2 and only the
+options kept, for users who read and edit it.
+
+- Every copy (none, each single option, the diffusers example's scope, all) compiles, defines every name it reads,
+  holds exactly the options asked for (and those they need), lists only their flags in --help, and names no flag it
+  lacks in any string: messages, advice, docstrings, help.
+- `--keep all` is the full script under a header; the header says what the copy is; a copy trims itself again.
+- Refusals: an unknown option (listing the names), an existing file without --overwrite, the running script itself
+  (even with --overwrite, through a link too), a folder: exit 2, one `error:` line.
+- README.md's "Copy and edit" sizes are the copies' (tests/copy_sizes.py --write); the budgets are test_parts'.
+- The disk cache names entries by the code that computes them: an edited copy encodes every entry again, an unedited
+  copy reuses the full script's.
+
+test_parts.py trains the copy without options to the full script's LoRA; test_copy_runs.py trains each single-option
+copy's smallest run.
+"""
+
+import ast
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+import train_dreambooth_lora_flux2 as T
+from tests.conftest import ROOT, SCRIPT, SESSION_ENV, Zygote, base_args, make_images
+from tests.copy_sizes import README, render
+from tests.test_parts import option_flags, undefined_globals
+
+SOURCE = SCRIPT.read_text(encoding="utf-8")
+NAMES = [o.name for o in T.OPTIONS]
+KINDS = ["none", "all", *T.OPTION_SETS, *NAMES]
+COPY_FLAGS = {"--write_copy", "--keep", "--overwrite"}  # the copy command's own
+# Words that look like flags but belong to a file format an option reads: a prompts file line's own settings
+FORMATS = {"--size": "validation_extras", "--steps": "validation_extras", "--guidance": "validation_extras"}
+
+
+def expected(keep):
+    """The options a copy asked for `keep` holds, in the script's order (an option brings those it needs)."""
+    asked = {n for n in NAMES if keep == "all" or n == keep or n in T.OPTION_SETS.get(keep, ())}
+    return [n for n in NAMES if n in asked or any(n in o.needs for o in T.OPTIONS if o.name in asked)]
+
+
+def load_copy(source, path):
+    """A copy run as a module whose __file__ is its own file (write_copy reads it)."""
+    module = types.ModuleType(f"copy_{path.stem}")
+    module.__file__ = str(path)
+    sys.modules[module.__name__] = module  # dataclasses look their module up while it runs
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    return module
+
+
+def write(module, *argv):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        module.write_copy([str(a) for a in argv])
+    return out.getvalue()
+
+
+def literal_flags(source):
+    """{--flag: line} of every flag-like word in the string literals of `source` (f-strings' text too)."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for name in re.findall(r"(?<![\w-])--[a-z][a-z0-9_]*", node.value):
+                found.setdefault(name, node.lineno)
+    return found
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("copies")
+    for keep in KINDS:
+        write(T, "--write_copy", folder / f"{keep}.py", "--keep", keep)
+    return {keep: folder / f"{keep}.py" for keep in KINDS}
+
+
+@pytest.mark.parametrize("keep", KINDS)
+def test_a_copy_holds_its_options_and_names_no_flag_it_lacks(copies, keep):
+    source = copies[keep].read_text()
+    assert undefined_globals(source) == set(), keep
+    module = load_copy(source, copies[keep])
+    names = expected(keep)
+    assert [o.name for o in module.OPTIONS] == names
+    assert not re.search(rf"^# Option: (?!({'|'.join(names) or '$^'}) )", source, re.M)
+    parser = module.build_parser()
+    flags = {name for action in parser._actions for name in action.option_strings}
+    help_text = parser.format_help()
+    for option in T.OPTIONS:  # --help lists the options kept and none other
+        for name in option_flags(option):
+            assert (re.search(rf"{name}\b", help_text) is not None) == (option.name in names), (keep, name)
+    allowed = flags | COPY_FLAGS | {word for word, option in FORMATS.items() if option in names}
+    assert {name: line for name, line in literal_flags(source).items() if name not in allowed} == {}, keep
+    assert all(len(line) <= 120 for line in source.splitlines())
+
+
+def test_all_is_the_full_script_under_a_header_that_says_what_a_copy_is(copies):
+    full, lines = SOURCE.splitlines(), copies["all"].read_text().splitlines()
+    assert lines[:2] == full[:2] and lines[lines.index(full[2]):] == full[2:]  # full[2]: the docstring's first line
+    ema = copies["ema"].read_text().splitlines()
+    header = " ".join(line.removeprefix("# ") for line in ema[2:ema.index(full[2])])
+    for words in (f"version {T.VERSION}", "and the options ema.", "The full script, with every option,",
+                  "--write_copy FILE --keep NAMES trims this copy further"):
+        assert words in header, words
+
+
+def test_a_copy_trims_itself_again(copies, tmp_path):
+    """The copy with every option writes the same copies as the full script (their headers aside)."""
+    module = load_copy(copies["all"].read_text(), copies["all"])
+    for keep in ("ema", "manifest", "none"):
+        write(module, "--write_copy", tmp_path / f"{keep}.py", "--keep", keep)
+        again, first = (path.read_text().split('"""', 1)[1] for path in (tmp_path / f"{keep}.py", copies[keep]))
+        assert again == first, keep
+
+
+def test_a_copy_keeps_what_the_options_it_keeps_need(copies):
+    assert expected("manifest") == ["disk_cache", "manifest"]
+    assert "class DiskStore" in copies["manifest"].read_text() and "class DiskStore" not in copies["none"].read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--keep", "ema,emma,nope"], f"--keep ema,emma,nope: no option emma, nope; this script's options are "
+                                  f"{', '.join(NAMES)} (or none, all, diffusers)"),
+    (["--keep", "ema", "--unknown"], "unrecognized arguments: --unknown"),
+])
+def test_a_bad_keep_is_refused_listing_the_options(argv, message, tmp_path):
+    with pytest.raises(T.UsageError) as refused:
+        write(T, "--write_copy", tmp_path / "copy.py", *argv)
+    assert message in str(refused.value)
+    assert not (tmp_path / "copy.py").exists()
+
+
+def test_a_copy_neither_overwrites_a_file_nor_the_running_script(tmp_path):
+    """Refused, exit 2 and one error line, before anything is written; the script lives in tmp_path, so a failing check
+    would overwrite only that copy of it."""
+    script = tmp_path / "train.py"
+    script.write_text(SOURCE)
+    (tmp_path / "link.py").symlink_to(script)
+    (tmp_path / "mine.py").write_text("my own edits")
+    (tmp_path / "folder").mkdir()
+    cases = {"train.py": "is this script", "link.py": "is this script", "mine.py": "exists; pass --overwrite",
+             "folder": "is a folder"}
+    for name, message in cases.items():
+        extra = ["--overwrite"] if name.endswith("train.py") or name == "link.py" else []
+        proc = subprocess.run([sys.executable, str(script), "--write_copy", str(tmp_path / name), "--keep", "ema",
+                               *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                              env={**SESSION_ENV, "HF_HUB_OFFLINE": "1"})
+        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, (name, proc)
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert script.read_text() == SOURCE and (tmp_path / "mine.py").read_text() == "my own edits"
+    write(T, "--write_copy", tmp_path / "mine.py", "--keep", "ema", "--overwrite")
+    assert (tmp_path / "mine.py").read_text().startswith("#!/usr/bin/env python")
+    assert os.stat(tmp_path / "mine.py").st_mode & 0o777 == os.stat(SCRIPT).st_mode & 0o777
+
+
+def test_readme_gives_the_copies_sizes():
+    text = README.read_text(encoding="utf-8")
+    assert render() in text, "README.md's copy sizes are stale: run `python tests/copy_sizes.py --write`"
+
+
+@pytest.fixture(scope="module")
+def cached_runs(tiny_model, tmp_path_factory):
+    """The same run three times over one disk cache: the full script, an unedited copy keeping the disk cache, then
+    that copy with both encoders edited (a statement added to each: the code that makes every entry changed)."""
+    root = tmp_path_factory.mktemp("stale")
+    images = root / "images"
+    make_images(str(images))
+    copy = root / "copy.py"
+    write(T, "--write_copy", copy, "--keep", "disk_cache")
+    edited = root / "edited.py"
+    source = copy.read_text()
+    for name in ("encode_images", "encode_prompts"):
+        body = re.search(rf"^def {name}\(.*?\n    \"\"\".*?\"\"\"\n", source, re.M | re.S)
+        source = source[:body.end()] + "    _ = 'edited'  # a user's change\n" + source[body.end():]
+    edited.write_text(source)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    runs = {}
+    for name, script in (("full", SCRIPT), ("copy", copy), ("edited", edited)):
+        args = base_args(tiny_model, images, root / name, "--cache_latents", "--max_train_steps", "1",
+                         "--precompute_cache_dir", root / "cache")
+        cmd = [sys.executable, str(script), *args]
+        proc = (Zygote.run(cmd, env, 600) if Zygote.serves(env) else
+                subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = proc.stderr
+    return runs
+
+
+def encoded(log):
+    """(prompts encoded, of those missing), (images encoded, of those missing), from a run's log."""
+    prompts = re.search(r"encoded (\d+) of (\d+) missing prompts", log).groups()
+    images = re.search(r"encoded (\d+) of (\d+) missing images", log).groups()
+    return tuple(map(int, prompts)), tuple(map(int, images))
+
+
+def test_an_edited_copy_encodes_every_entry_again_and_an_unedited_one_reuses_them(cached_runs):
+    (prompts, _), (images, _) = encoded(cached_runs["full"])
+    assert prompts > 0 and images > 0
+    assert encoded(cached_runs["copy"]) == ((0, 0), (0, 0))  # same code, same keys: all found
+    assert encoded(cached_runs["edited"]) == ((prompts, prompts), (images, images))
