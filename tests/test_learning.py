@@ -501,8 +501,8 @@ def test_the_shipped_base_models_are_the_builders(name):
 def test_a_default_run_learns_the_subject(base_model, tmp_path):
     """Default LoRA targets, 1,000 CPU steps on one image: diffusers' Flux2Pipeline with the saved LoRA samples
     latents several times closer to the subject's than the base model does. Measured with `python
-    tests/learning.py OUT [flags]` (README, "Does it learn?"): default 1.211 -> 0.298 (4.1x); --lora_layers
-    attention 0.675 (1.8x); all-linear 0.168 (7.2x); --timestep_shift auto 0.258 (4.7x). Fails when the loss
+    tests/learning.py OUT [flags]` (docs/learning.md): default 1.205 -> 0.304 (4.0x); --lora_layers attention 0.675
+    (1.8x); all-linear 0.158 (7.6x); --timestep_shift auto 0.263 (4.6x), pipeline 0.258 (4.7x). Fails when the loss
     target, the timestep convention, the saved LoRA scale or the default targets break (each planted once)."""
     images = tmp_path / "subject"
     learning.make_subject(images)
