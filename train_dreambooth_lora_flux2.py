@@ -198,7 +198,7 @@ def optimisation_flags(p):
     g.add_argument("--weighting_scheme", default="none", choices=["sigma_sqrt", "logit_normal", "mode", "cosmap",
                    "none"], help="Density of the training noise levels and their loss weighting.")
     g.add_argument("--timestep_shift", type=timestep_shift, default="none",
-                   help="Shift of the training noise levels: none, auto (as the pipeline samples), or a number.")
+                   help="Shift of the training noise levels: auto as FLUX.2 was trained, pipeline as it samples.")
     g.add_argument("--logit_mean", type=finite, default=0.0, help="Mean of the logit_normal density.")
     g.add_argument("--logit_std", type=positive, default=1.0, help="Standard deviation of logit_normal.")
     g.add_argument("--mode_scale", type=mode_scale, default=1.29, help="Scale of the mode density.")
@@ -765,14 +765,14 @@ def shift_sigmas(sigmas, shift):
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 def timestep_shift_for(mode, image_tokens, num_steps):
-    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) latent tokens: None for none; auto: the FLUX.2
-    pipelines' exp(compute_empirical_mu(image_tokens, num_steps)), their shift at that size; else the number itself."""
-    if mode == "none":
-        return None
-    if mode == "auto":
+    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) noisy target tokens (edit conditions stay
+    clean: not counted), None for none. auto: FLUX.2's training schedule; pipeline: the FLUX.2 pipelines' shift."""
+    if mode == "auto":  # mu linear from 0.5 at 256 tokens to 1.15 at 4,096, unclamped (512²: shift 1.9; 1024²: 3.2)
+        return math.exp(0.5 + (1.15 - 0.5) * (image_tokens - 256) / (4096 - 256))
+    if mode == "pipeline":
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # [klein]'s is a copy of it
         return math.exp(compute_empirical_mu(image_tokens, num_steps))
-    return float(mode)
+    return None if mode == "none" else float(mode)
 
 def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight, mask=None):
     """Weighted MSE per sample -> instance loss + prior_loss_weight * class loss (the first `num_instance` rows are
@@ -799,7 +799,7 @@ class StepConfig:
     guidance_scale: float | None  # None for checkpoints without a guidance embedding
     prior_loss_weight: float = 1.0  # the class images' share of the loss
     timestep_shift: str | float = "none"  # --timestep_shift
-    shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift auto matches
+    shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift pipeline matches
 
 def reference_tokens(conditions, dtype):
     """Edit training: condition latents, a list of R [B, C, h, w], -> (tokens [B, R*h*w, C] in `dtype`, image ids
@@ -1830,7 +1830,7 @@ def boolean(text):
     return text.lower() in ("1", "true", "yes", "y")
 
 def shift(text):
-    return text if text in ("none", "auto") else float(text)
+    return text if text in ("none", "auto", "pipeline") else float(text)
 
 def side_list(text):
     """'512' -> 512; '512,768,1024' -> (512, 768, 1024)."""
@@ -1873,7 +1873,7 @@ sides = Accepts("sides from 16 to 4096, multiples of 16, distinct, comma-separat
 bucket_lists = Accepts("'h,w;h,w;...' with sides multiples of 16 (with several --resolution sides, a list per side, "
                        "separated by |)", lambda v: all(map(parse_buckets, v.split("|"))))
 layer_list = Accepts("presets and module names, comma-separated", lambda v: any(t.strip() for t in v.split(",")))
-timestep_shift = Accepts("none, auto or a number > 0", lambda v: v in ("none", "auto") or (
+timestep_shift = Accepts("none, auto, pipeline or a number > 0", lambda v: v in ("none", "auto", "pipeline") or (
     math.isfinite(v) and v > 0), shift)
 tracker_list = Accepts(f"none, all, or trackers among {', '.join(TRACKERS)} (comma-separated)",
                        lambda v: v in ("none", "all") or all(t in TRACKERS for t in v.split(",")))

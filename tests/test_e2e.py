@@ -199,11 +199,12 @@ def test_dataset_name_accepts_a_local_folder(tiny_model, tmp_path):
 
 def test_resume_from_latest_checkpoint_matches_a_straight_run(tiny_model, images, tmp_path):
     """5 batches per epoch, accumulation 2, a checkpoint inside epoch 0, an accumulation window across the epoch
-    boundary, warm-up and LoRA dropout (global RNG): the resumed LoRA equals the straight one bit for bit."""
+    boundary, warm-up, LoRA dropout (global RNG) and --timestep_shift auto (the resumed steps draw the same shifted
+    noise levels): the resumed LoRA equals the straight one bit for bit."""
     (images / "img_05.png").unlink()
     common = ["--gradient_accumulation_steps", "2", "--max_train_steps", "5", "--checkpointing_steps", "2",
               "--lr_scheduler", "linear", "--lr_warmup_steps", "2", "--lora_dropout", "0.1", "--random_flip",
-              "--use_ema", "--ema_decay", "0.9", "--caption_dropout", "0.3"]
+              "--use_ema", "--ema_decay", "0.9", "--caption_dropout", "0.3", "--timestep_shift", "auto"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch(base_args(tiny_model, images, straight, *common))
     assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]

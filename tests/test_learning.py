@@ -3,6 +3,7 @@ a LoRA file of the same strength in every loader, the progress sheet, a clean fi
 default run learns."""
 
 import json
+import math
 import os
 import re
 from types import SimpleNamespace
@@ -117,8 +118,25 @@ def _pipeline_sigmas(model, pipeline_class, height, width, steps, layers):
     return torch.tensor(seen, dtype=torch.float64), tokens
 
 
+def test_timestep_shift_auto_is_the_schedule_flux2_was_trained_with():
+    """mu linear in the target's token count, 0.5 at 256 and 1.15 at 4,096 (FLUX.1's, which OneTrainer, musubi-tuner
+    and SimpleTuner train FLUX.2 with; docs/learning.md), shift exp(mu), at four sizes; outside 256..4,096 extrapolated,
+    not clamped, as they do. Planted: auto as the pipelines' shift, and the token count clamped: both fail here."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift  # FLUX.1's, defaults 256, 4096, 0.5, 1.15
+
+    for tokens, mu in ((256, 0.5), (1024, 0.63), (2304, 0.5 + 0.65 * 2048 / 3840), (4096, 1.15)):  # 256² .. 1024²
+        assert T.timestep_shift_for("auto", tokens, 50) == pytest.approx(math.exp(mu), rel=1e-12)
+        assert T.timestep_shift_for("auto", tokens, 4) == pytest.approx(math.exp(calculate_shift(tokens)), rel=1e-12)
+    assert T.timestep_shift_for("auto", 1024, 50) == pytest.approx(1.878, abs=1e-3)  # 512²: the pipeline's is 5.5
+    assert T.timestep_shift_for("auto", 4096, 50) == pytest.approx(3.158, abs=1e-3)  # 1024²: the pipeline's is 7.6
+    assert T.timestep_shift_for("auto", 64, 50) == pytest.approx(math.exp(calculate_shift(64)))  # 128²: 1.60 < e^0.5
+    # 2048²: extrapolated to 25.3, where the pipelines' empirical mu (above 4,300 tokens) is this same line
+    assert T.timestep_shift_for("auto", 16384, 50) == pytest.approx(T.timestep_shift_for("pipeline", 16384, 50), rel=1e-4)
+    assert T.timestep_shift_for("auto", 16384, 50) == pytest.approx(math.exp(calculate_shift(16384)))
+
+
 @pytest.mark.parametrize("family", ["dev", "klein-distilled"])
-def test_timestep_shift_auto_reproduces_the_pipelines_own_sigmas(family, tiny_model, tmp_path):
+def test_timestep_shift_pipeline_reproduces_the_pipelines_own_sigmas(family, tiny_model, tmp_path):
     from tests.tiny_flux2 import build_tiny_flux2_klein
 
     if family == "dev":
@@ -133,7 +151,7 @@ def test_timestep_shift_auto_reproduces_the_pipelines_own_sigmas(family, tiny_mo
     for height, width in ((64, 48), (128, 128)):
         seen, tokens = _pipeline_sigmas(model, pipeline, height, width, steps, layers)
         unshifted = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)  # the pipelines' own grid
-        ours = T.shift_sigmas(unshifted, T.timestep_shift_for("auto", tokens, steps))
+        ours = T.shift_sigmas(unshifted, T.timestep_shift_for("pipeline", tokens, steps))
         torch.testing.assert_close(ours, seen, rtol=1e-5, atol=1e-6)
         assert (seen[1:] > unshifted[1:]).all() and (seen - unshifted).max() > 0.1  # a real shift, not the identity
 
@@ -483,8 +501,8 @@ def test_the_shipped_base_models_are_the_builders(name):
 def test_a_default_run_learns_the_subject(base_model, tmp_path):
     """Default LoRA targets, 1,000 CPU steps on one image: diffusers' Flux2Pipeline with the saved LoRA samples
     latents several times closer to the subject's than the base model does. Measured with `python
-    tests/learning.py OUT [flags]` (README, "Does it learn?"): default 1.211 -> 0.298 (4.1x); --lora_layers
-    attention 0.675 (1.8x); all-linear 0.168 (7.2x); --timestep_shift auto 0.258 (4.7x). Fails when the loss
+    tests/learning.py OUT [flags]` (docs/learning.md): default 1.205 -> 0.304 (4.0x); --lora_layers attention 0.675
+    (1.8x); all-linear 0.158 (7.6x); --timestep_shift auto 0.263 (4.6x), pipeline 0.258 (4.7x). Fails when the loss
     target, the timestep convention, the saved LoRA scale or the default targets break (each planted once)."""
     images = tmp_path / "subject"
     learning.make_subject(images)
