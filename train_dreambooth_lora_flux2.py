@@ -3,19 +3,21 @@
 """DreamBooth LoRA training for FLUX.2 [dev] and FLUX.2 [klein]: text-to-image, and edit (image-to-image).
 
 Trains PEFT LoRA adapters on the Flux2Transformer2DModel of a FLUX.2 checkpoint from a folder of images (a same-stem
-.txt file is an image's caption). FLUX.2 [klein] base 4B, fitted to the GPU by --memory_plan auto (README.md: what it
-chooses for cards of 16 to 141 GB):
+.txt file is an image's caption). FLUX.2 [klein] base 4B:
 
     accelerate launch train_dreambooth_lora_flux2.py \
       --pretrained_model_name_or_path black-forest-labs/FLUX.2-klein-base-4B \
       --instance_data_dir dog --instance_prompt "a photo of sks dog" --output_dir flux2-klein-dog-lora \
-      --mixed_precision bf16 --memory_plan auto --cache_latents --resolution 1024 --train_batch_size 1 \
+      --mixed_precision bf16 --cache_latents --resolution 1024 --train_batch_size 1 --timestep_shift auto \
       --gradient_accumulation_steps 4 --max_train_steps 500 --checkpointing_steps 100 \
+      --memory_plan auto \
       --validation_prompt "a photo of sks dog in a bucket" --validation_epochs 25
 
 FLUX.2 [dev]: the same flags with --pretrained_model_name_or_path black-forest-labs/FLUX.2-dev and
 --output_dir flux2-dog-lora (the family is read from model_index.json; its text-encoder layers and validation
-defaults from its diffusers pipeline). Edit LoRAs add --cond_data_dir (same-stem condition images).
+defaults from its diffusers pipeline).
+Edit LoRAs add --cond_data_dir (same-stem condition images).
+--memory_plan auto fits a run to the GPU (README.md: what it chooses on cards of 16 to 141 GB).
 
 What is cached and what stays random:
 - Samples are the instance images times --repeats (with prior preservation, at least one per class image). Each
@@ -38,8 +40,8 @@ Reading map: three parts, drawn by what runs.
     processes, the outputs (progress sheet, model card), trimmed copies.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
     banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset,
-    masked_loss, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp, block_swap,
-    attention, compile, validation_extras, memory_plan, metrics.
+    masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
+    block_swap, attention, compile, validation_extras, memory_plan, metrics.
 """
 
 # ================================================================================================================

@@ -2,7 +2,9 @@
 example's scope, and of the full script, measured by the script's own trimmer.
 
     python tests/copy_sizes.py            # print the table
-    python tests/copy_sizes.py --write    # and put it into README.md (tests/test_copies.py fails while it is stale)
+    python tests/copy_sizes.py --write    # put it into README.md, and the options into the script's reading map
+
+tests/test_copies.py fails while README.md's table is stale, tests/test_parts.py while the reading map is.
 """
 
 import sys
@@ -42,4 +44,7 @@ if __name__ == "__main__":
         text = README.read_text(encoding="utf-8")
         start, end = text.index(START), text.index(END) + len(END)
         README.write_text(text[:start] + table + text[end:], encoding="utf-8")
-        print(f"wrote {README}")
+        script = ROOT / "train_dreambooth_lora_flux2.py"
+        script.write_text(T.reading_map(script.read_text(encoding="utf-8"), [o.name for o in T.OPTIONS]),
+                          encoding="utf-8")
+        print(f"wrote {README} and the reading map of {script.name}")
