@@ -136,3 +136,16 @@ def test_latest_is_the_highest_step_and_the_limit_keeps_the_newest_k(checkpoint_
         T.save_checkpoint(args, accelerator, run, step)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-100", "checkpoint-11"]
     assert T.find_resume_checkpoint(args).name == "checkpoint-100"
+
+
+def test_each_tensor_moves_every_tensor_field_a_new_one_too():
+    """A tensor added to the step's inputs reaches the device without a second list to edit (issue 51)."""
+    import dataclasses
+
+    NewInputs = dataclasses.make_dataclass("NewInputs", [("weights", torch.Tensor, dataclasses.field(default=None))],
+                                           bases=(T.StepInputs,))
+    inputs = NewInputs(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), encoded=True,
+                       weights=torch.ones(2))
+    moved = T.each_tensor(inputs, lambda t: t + 1)
+    assert torch.equal(moved.weights, torch.full((2,), 2.0)) and torch.equal(moved.embeds, torch.ones(1))
+    assert moved.encoded is True and moved.masks is None and type(moved) is NewInputs

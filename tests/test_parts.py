@@ -10,6 +10,8 @@
 """
 
 import builtins
+import contextlib
+import io
 import json
 import os
 import re
@@ -137,8 +139,9 @@ def default_runs(tiny_model, tmp_path_factory):
                              *base_args(tiny_model, images, root / "full", *DEFAULT_RUN)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert traced.returncode == 0, traced.stderr[-4000:]
-    bare = root / "bare.py"
-    bare.write_text(without_options(SOURCE))
+    bare = root / "bare.py"  # the copy without options, as --write_copy writes it
+    with contextlib.redirect_stdout(io.StringIO()):
+        T.write_copy(["--write_copy", str(bare), "--keep", "none"])
     plain = subprocess.run([sys.executable, str(bare), *base_args(tiny_model, images, root / "bare", *DEFAULT_RUN)],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     return {"trace": json.loads((root / "trace.json").read_text()), "traced": traced, "bare": plain, "root": root}
@@ -230,3 +233,16 @@ def test_the_parts_are_under_their_banners_within_their_budgets_and_120_columns(
 def test_a_misspelt_seam_is_refused_when_the_option_is_defined():
     with pytest.raises(TypeError, match="after_optimiser_step"):
         type("Typo", (T.Option,), {"after_optimiser_step": lambda self, run: None})
+
+
+def test_a_misspelt_seam_call_is_refused_and_every_seam_the_script_calls_is_one():
+    import argparse
+
+    hooks = T.Hooks(argparse.Namespace())
+    for call in (hooks.each, hooks.first, hooks.chain, hooks.collect):
+        with pytest.raises(TypeError, match="'lora_loadin' is not a seam"):
+            call("lora_loadin", None)
+    with pytest.raises(TypeError, match="not a seam"), hooks.context("validation_weight"):
+        pass
+    called = set(re.findall(r'hooks\.(?:each|first|chain|collect|context)\("(\w+)"', SOURCE))
+    assert len(called) > 30 and called <= T.SEAMS, called - T.SEAMS
