@@ -1,7 +1,8 @@
 """Adapters users bring and take: --init_lora (ours, ai-toolkit/BFL and kohya files, through diffusers' own reader),
 DoRA, LoKr and LoHa (train, checkpoint, resume bit for bit, EMA, caches, two processes), the ComfyUI file (read back
-by diffusers' own converter: the fused weights equal our diffusers file's, for every --lora_layers preset), LyCORIS
-files reloaded through PEFT, and validation at several prompts and strengths."""
+by diffusers' own converter: the fused weights equal our diffusers file's, for every --lora_layers preset), our
+diffusers file as ComfyUI's loader applies it (its key map restated from ComfyUI's source), LyCORIS files reloaded
+through PEFT, and validation at several prompts and strengths."""
 
 import re
 from types import SimpleNamespace
@@ -111,6 +112,92 @@ def test_the_comfyui_file_read_by_diffusers_converter_gives_the_diffusers_files_
         torch.testing.assert_close(theirs[name], trained[name], rtol=1e-5, atol=1e-6)
 
 
+# ComfyUI's LoRA loader, restated from its source (the facts, not its code) as the oracle of the README's ComfyUI
+# column. comfy/lora.py at 17358c8f73b5 (model_lora_keys_unet): on a Flux model, FLUX.2's class included, a file's
+# "transformer.<diffusers name>" patches the weight that comfy/utils.py's flux_to_diffusers at 09708eae709a gives that
+# name; a key no entry names is skipped ("lora key not loaded"). Its q, k and v are row blocks of the fused qkv, and
+# norm_out.linear's update goes in with its halves swapped (swap_scale_shift: BFL holds shift, scale).
+COMFYUI_DOUBLE = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
+                  "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
+                  "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", None),
+                  "attn.to_add_out": ("txt_attn.proj", None), "ff.linear_in": ("img_mlp.0", None),
+                  "ff.linear_out": ("img_mlp.2", None), "ff_context.linear_in": ("txt_mlp.0", None),
+                  "ff_context.linear_out": ("txt_mlp.2", None)}
+COMFYUI_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}  # marked "# Flux 2" there
+# its global names are FLUX.1's: FLUX.2's time_guidance_embed.* and *_modulation.linear have no entry
+COMFYUI_GLOBAL = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+                  "norm_out.linear": "final_layer.adaLN_modulation.1"}
+
+
+def _comfyui_target(module):
+    """diffusers module name -> (the BFL weight ComfyUI patches, its row block of a fused qkv or None), or None."""
+    m = re.fullmatch(r"(single_)?transformer_blocks\.(\d+)\.(.+)", module)
+    if m and m[1]:
+        return (f"single_blocks.{m[2]}.{COMFYUI_SINGLE[m[3]]}", None) if m[3] in COMFYUI_SINGLE else None
+    if m:
+        return (f"double_blocks.{m[2]}.{COMFYUI_DOUBLE[m[3]][0]}", COMFYUI_DOUBLE[m[3]][1]) if m[3] in COMFYUI_DOUBLE \
+            else None
+    return (COMFYUI_GLOBAL[module], None) if module in COMFYUI_GLOBAL else None
+
+
+def _comfyui_applies(path, hidden):
+    """Our diffusers-layout file as ComfyUI's loader applies it to FLUX.2 (hidden: its width) at strength 1 -> (the
+    updates it makes, in diffusers' names by diffusers' own converter of BFL checkpoints; the modules it skips)."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    modules = {}
+    for key, value in load_file(str(path)).items():
+        module, part = re.fullmatch(r"transformer\.(.+?)\.(lora_[AB]\.weight|alpha|lokr_\w+|hada_\w+)", key).groups()
+        modules.setdefault(module, {})[part] = value
+    bfl, skipped = {}, set()
+    for module, parts in modules.items():
+        target = _comfyui_target(module)
+        if target is None:
+            skipped.add(module)
+            continue
+        (name, block), delta = target, _comfyui_delta(parts)
+        if name == "final_layer.adaLN_modulation.1":
+            delta = torch.cat(delta.chunk(2)[::-1])
+        if block is None:
+            bfl[name] = delta
+        else:  # rows [block * hidden, (block + 1) * hidden) of the fused [3 * hidden, in] weight
+            assert delta.shape[0] == hidden
+            fused = bfl.setdefault(name, delta.new_zeros(3 * hidden, delta.shape[1]))
+            fused[block * hidden:(block + 1) * hidden] += delta
+    return convert_flux2_transformer_checkpoint_to_diffusers({f"{k}.weight": v for k, v in bfl.items()}), skipped
+
+
+UNMAPPED = ("time_guidance_embed.timestep_embedder.linear_1", "double_stream_modulation_img.linear",
+            "single_stream_modulation.linear")
+
+
+@pytest.mark.parametrize("extra, skipped", [
+    (("--lora_layers", "attention"), ()), (("--lora_layers", "default"), ()), (("--lora_layers", "all-linear"), ()),
+    (("--adapter", "lokr", "--lora_layers", "all-linear"), ()),
+    (("--adapter", "loha", "--lora_layers", "all-linear"), ()),
+    (("--lora_layers", "attention,x_embedder,context_embedder,proj_out,norm_out.linear"), ()),
+    (("--lora_layers", ",".join(("attention", *UNMAPPED))), UNMAPPED)],
+    ids=["attention", "default", "all-linear", "lokr", "loha", "global-layers", "time-and-modulation"])
+def test_comfyui_applies_the_diffusers_file_as_trained(extra, skipped, tiny_model, accelerator, tmp_path):
+    """The default file in ComfyUI: every layer of the presets (single-stream blocks and feed-forwards included), for
+    LoRA, LoKr and LoHa, gets the update it trained; only the time embedder and the shared modulation are skipped."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    args, transformer = _adapted(tiny_model, accelerator, "--rank", "2", "--lora_alpha", "6", *extra)
+    _write(args, transformer, tmp_path)
+    config = transformer.config
+    applied, left_out = _comfyui_applies(tmp_path / T.LORA_WEIGHTS_NAME,
+                                         config.num_attention_heads * config.attention_head_dim)
+    assert left_out == set(skipped)
+    layers = {n: m for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)}
+    assert len(layers) >= 4
+    for name, layer in layers.items():
+        if name not in skipped:
+            torch.testing.assert_close(applied.pop(f"{name}.weight"), layer.get_delta_weight("default"), rtol=1e-5,
+                                       atol=1e-6)
+    assert not applied  # no other weight changes
+
+
 def test_comfyui_refuses_a_layer_without_an_exact_comfyui_name(tiny_model):
     args = _args(tiny_model, "--lora_layers", "attention,norm_out.linear", "--lora_format", "comfyui")
     with pytest.raises(T.UsageError, match="--lora_format comfyui: norm_out.linear: no exact ComfyUI .BFL. name"):
@@ -148,15 +235,21 @@ def _from_lycoris(state, config):
 
 
 def _comfyui_delta(parts):
-    """A module's update as ComfyUI computes it from a LyCORIS file (comfy/weight_adapter/lokr.py, loha.py): LoHa
-    scaled by alpha / rank; LoKr by alpha / dim only when a factor is decomposed (dim: that factor's rank), else 1."""
+    """A module's update as ComfyUI computes it (comfy/weight_adapter/lora.py, lokr.py, loha.py), alpha read only
+    from an `.alpha` tensor: a LoRA's B @ A and a LoHa's product scaled by alpha / rank, a LoKr's by alpha / dim only
+    when a factor is decomposed (dim: that factor's rank); without `.alpha`, by 1."""
+    alpha = parts.get("alpha")
+    if "lora_A.weight" in parts:
+        return (parts["lora_B.weight"] @ parts["lora_A.weight"]) * (
+            alpha / parts["lora_A.weight"].shape[0] if alpha is not None else 1.0)
     if "hada_w1_a" in parts:
         delta = (parts["hada_w1_a"] @ parts["hada_w1_b"]) * (parts["hada_w2_a"] @ parts["hada_w2_b"])
-        return delta * (parts["alpha"] / parts["hada_w1_b"].shape[0])
+        return delta * (alpha / parts["hada_w1_b"].shape[0] if alpha is not None else 1.0)
     w1 = parts["lokr_w1"] if "lokr_w1" in parts else parts["lokr_w1_a"] @ parts["lokr_w1_b"]
     w2 = parts["lokr_w2"] if "lokr_w2" in parts else parts["lokr_w2_a"] @ parts["lokr_w2_b"]
-    dim = parts["lokr_w2_b"].shape[0] if "lokr_w2_b" in parts else parts["lokr_w1_b"].shape[0] if "lokr_w1_b" in parts else None
-    return torch.kron(w1, w2) * (parts["alpha"] / dim if dim is not None and "alpha" in parts else 1.0)
+    dim = parts["lokr_w2_b"].shape[0] if "lokr_w2_b" in parts else \
+        parts["lokr_w1_b"].shape[0] if "lokr_w1_b" in parts else None
+    return torch.kron(w1, w2) * (alpha / dim if dim is not None and alpha is not None else 1.0)
 
 
 @pytest.mark.parametrize("adapter, rank, extra", [("lokr", 2, ()), ("lokr", 8, ()),  # rank 8: both factors full
