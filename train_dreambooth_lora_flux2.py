@@ -4512,7 +4512,8 @@ BFL_GLOBAL = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": 
 @option
 class Adapters(Option):
     """--init_lora (continue a LoRA of any layout diffusers reads), DoRA, LyCORIS' LoKr and LoHa (PEFT), and a final
-    file in ComfyUI's layout (--lora_format). Cost: DoRA, LoKr and LoHa compute their weight update every forward."""
+    file in the BFL layout (--lora_format comfyui; ComfyUI reads the diffusers file too). Cost: DoRA, LoKr and LoHa
+    compute their weight update every forward."""
 
     name = "adapters"
     switches = ("adapter", "use_dora", "init_lora", "lora_format")
@@ -4528,7 +4529,8 @@ class Adapters(Option):
         flag("--init_lora", help="Start from this LoRA (file, folder or Hub id: ours, ai-toolkit/BFL, kohya); its "
              "rank and layers become the run's."),
         flag("--lora_format", choices=["diffusers", "comfyui", "both"], default="diffusers",
-             help="Final file layout: diffusers', ComfyUI's (BFL names), or both (the ComfyUI file beside).")]
+             help="Final file layout: diffusers' (ComfyUI reads it too), BFL names (comfyui: for tools that read "
+                  "only those), or both.")]
 
     def __init__(self, args):
         super().__init__(args)
@@ -4553,7 +4555,7 @@ class Adapters(Option):
         refuse(args.use_dora and args.lora_format != "diffusers", "DoRA (--use_dora, or a DoRA --init_lora) with "
                "--lora_format comfyui/both: ComfyUI scales DoRA against the base weights' norms, PEFT against the "
                "adapted weights' (and ComfyUI's convention is changing), so no ComfyUI file is exact; keep "
-               "--lora_format diffusers")
+               "--lora_format diffusers (ComfyUI skips its lora_magnitude_vector: DoRA is for diffusers and PEFT)")
 
     def resolve(self, family):
         """--init_lora: its rank, targets and DoRA become the run's; a conflicting --rank, --lora_layers or
@@ -4602,7 +4604,7 @@ class Adapters(Option):
                 except ValueError as e:
                     problems.append(str(e))
         refuse(problems, f"--lora_format {args.lora_format}: {'; '.join(problems[:3])}; leave those layers out of "
-               "--lora_layers, or keep --lora_format diffusers")
+               "--lora_layers, or keep --lora_format diffusers (ComfyUI applies that file's norm_out.linear exactly)")
 
     def adapter_config(self, config, transformer):
         from peft import LoHaConfig, LoKrConfig
