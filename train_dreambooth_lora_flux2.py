@@ -960,6 +960,7 @@ def setup_accelerator(args):
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision,
         log_with=trackers or None, project_config=ProjectConfiguration(
             project_dir=args.output_dir, logging_dir=str(Path(args.output_dir, args.logging_dir))))
+    check_launch(accelerator, os.environ)  # a launcher's processes that accelerate left apart
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     for tracker in missing:  # accelerate's logger works once the Accelerator exists
         logger.warning(f"--report_to {tracker}: not installed, not reporting to it")
@@ -2469,6 +2470,20 @@ def check_resume_flags(args, checkpoint):
     changed = [f"--{k} {now[k]} (the checkpoint's: {saved[k]})" for k in now if k in saved and saved[k] != now[k]]
     refuse(changed, f"--resume_from_checkpoint {checkpoint}: {', '.join(changed)}; resume with the flags that "
                     "trained it")
+    warn_edited_config(Path(args.output_dir, "config.yaml"), checkpoint / "config.yaml")
+
+def warn_edited_config(folder_config, checkpoint_config):
+    """A config.yaml in --output_dir that differs from its checkpoint's (edited by hand, say) is not what a resume
+    trains with: say so, naming the differences (a missing or unreadable one: nothing to compare)."""
+    import yaml
+    with contextlib.suppress(OSError, yaml.YAMLError, AttributeError):
+        here, saved = (yaml.safe_load(Path(p).read_text(encoding="utf-8")) for p in (folder_config, checkpoint_config))
+        changed = sorted(k for k in here.keys() | saved.keys() if k != "run" and here.get(k) != saved.get(k))
+        listed = ", ".join(f"{k}: {here.get(k)!r} there, {saved.get(k)!r} in the checkpoint" for k in changed[:3])
+        if changed:
+            logger.warning(f"{folder_config} differs from {checkpoint_config} ({listed}): this run follows its command "
+                           "line and the checkpoint's flags, and writes config.yaml anew; a file edited to train "
+                           "otherwise is read only when given as the run's config file")
 
 def check_resume_point(args, checkpoint, images):
     """Refuse a checkpoint past the run's last step (its LoRA would be saved as the earlier step's); warn, naming
@@ -3339,6 +3354,15 @@ def fsdp_requested():
     """Whether accelerate was launched with FSDP (its config sets this), known before the Accelerator exists."""
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
 
+def check_launch(accelerator, environ):
+    """Refuse a launch whose processes accelerate did not join: torchrun on a machine without a GPU starts WORLD_SIZE
+    processes, and without ACCELERATE_USE_CPU accelerate makes each a run of its own (they would then fight over
+    --output_dir, or each train alone)."""
+    world = int(environ.get("WORLD_SIZE", "1") or 1)
+    refuse(world > 1 and accelerator.num_processes == 1, f"the launcher started {world} processes (WORLD_SIZE), but "
+           "accelerate made this one a run of its own: without a GPU it joins them only when told to run on the CPU; "
+           "set ACCELERATE_USE_CPU=true for torchrun, or launch with `accelerate launch --cpu`")
+
 def local_processes(accelerator):
     """Processes on this machine (torchrun and accelerate set LOCAL_WORLD_SIZE)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
@@ -3817,7 +3841,11 @@ def config_tokens(argv):
     problem names the file; an unknown key, the nearest flag too."""
     import difflib
     argv = list(sys.argv[1:] if argv is None else argv)
-    i = max((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), default=None)
+    given = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    files = [argv[i][9:] if "=" in argv[i] else " ".join(argv[i + 1:i + 2]) for i in given]
+    refuse(len(given) > 1, f"--config given {len(given)} times ({', '.join(files)}): one file a run; merge them, or "
+           "give the later one's flags on the command line, which wins over the file")
+    i = given[0] if given else None
     if i is None or argv[i:] == ["--config"]:
         return None, {}, argv  # none, or no value: argparse says so
     path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
@@ -3839,12 +3867,23 @@ def config_tokens(argv):
             hint = "".join(f" (did you mean --{near}?)" for near in difflib.get_close_matches(name, actions, 1))
             raise UsageError(f"--config {path}: {key!r} is not a flag{hint}")
         action, flag_name = actions[name], actions[name].option_strings[0]
+        refuse(isinstance(value, dict) or isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value),
+               f"--config {path}: {key}: {value!r} is a mapping or nested list; {flag_name} takes a value as on the "
+               "command line")
+        if isinstance(value, bool) and action.choices:  # YAML reads no, off and false as false, yes, on, true as true
+            words = [w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in action.choices]
+            refuse(not words, f"--config {path}: {key}: YAML reads {str(value).lower()} (or yes/no, on/off) as a "
+                   f"boolean, not one of {', '.join(action.choices)}; quote the word")
+            value = words[0]
         if isinstance(action, argparse._StoreTrueAction):
             refuse(not isinstance(value, bool), f"--config {path}: {flag_name} {value!r}: expected true or false")
             tokens[name] = [flag_name] if value else []
         elif action.nargs in ("+", "*"):
             tokens[name] = [flag_name, *map(str, value if isinstance(value, list) else [value])]
         else:
+            listed = isinstance(action.type, Accepts) and "comma-separated" in action.type.what
+            refuse(isinstance(value, list) and not listed, f"--config {path}: {key}: a list ({value!r}) for "
+                   f"{flag_name}, which takes one value")
             text = ",".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(
                 value, bool) else str(value)
             tokens[name] = [f"{flag_name}={text}"]  # with =: a negative number is a value, not a flag

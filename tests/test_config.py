@@ -77,11 +77,33 @@ def test_an_option_the_command_line_turns_off_drops_the_config_files_settings_of
     ({"lr_scheduler": "cosin"}, r"argument --lr_scheduler: invalid choice: 'cosin'"),
     ({"gradient_checkpointing": "yes"}, r"--gradient_checkpointing 'yes': expected true or false"),
     ({"config": "other.yaml"}, r"'config' is not a flag"),
+    # a list for a flag of one value was joined with commas ('a,b'), a mapping became its repr as the prompt
+    ({"validation_prompt": ["a", "b"]}, r"validation_prompt: a list \(\['a', 'b'\]\) for --validation_prompt, which "
+                                        r"takes one value"),
+    ({"validation_prompt": {"text": "a dog"}}, r"validation_prompt: \{'text': 'a dog'\} is a mapping or nested list; "
+                                               r"--validation_prompt takes a value as on the command line"),
+    ({"text_encoder_out_layers": [[1, 2]]}, r"text_encoder_out_layers: \[\[1, 2\]\] is a mapping or nested list"),
+    # YAML reads an unquoted no as false: a flag of words takes it back as its word, or says why it cannot
+    ({"lr_scheduler": False}, r"lr_scheduler: YAML reads false \(or yes/no, on/off\) as a boolean, not one of linear, "
+                              r"cosine, .*; quote the word"),
 ])
 def test_a_bad_key_or_value_in_a_config_file_is_refused_naming_the_file(data, message, tmp_path):
     config = _write(tmp_path / "run.yaml", {"pretrained_model_name_or_path": "m", **data})
     with pytest.raises(T.UsageError, match=rf"^--config {re.escape(str(config))}: {message}"):
         T.parse_args(["--config", str(config)])
+
+
+def test_yaml_booleans_are_read_back_as_the_words_a_flag_of_choices_takes(tmp_path):
+    (tmp_path / "run.yaml").write_text("pretrained_model_name_or_path: m\nmixed_precision: no\nlatent_sampling: mode\n")
+    assert T.parse_args(["--config", str(tmp_path / "run.yaml")]).mixed_precision == "no"
+
+
+def test_two_config_files_are_refused_naming_both(tmp_path):
+    """The first was dropped without a word."""
+    first, second = (_write(tmp_path / f"{n}.yaml", {"pretrained_model_name_or_path": "m"}) for n in ("a", "b"))
+    with pytest.raises(T.UsageError, match=rf"^--config given 2 times \({re.escape(str(first))}, "
+                                           rf"{re.escape(str(second))}\): one file a run"):
+        T.parse_args(["--config", str(first), f"--config={second}"])
 
 
 def test_a_config_file_that_is_not_one_is_refused(tmp_path):
@@ -174,6 +196,22 @@ def test_print_config_and_plan_only_work_in_a_finished_output_folder(printing, t
         else:
             with pytest.raises(T.UsageError, match="already holds a finished LoRA"):
                 T.validate_args(args)
+
+
+def test_a_resume_says_the_folders_edited_config_is_not_what_it_trains(configured, tmp_path):
+    """config.yaml edited by hand (rank 4 -> 8), resumed with the same flags: it trained rank 4 and wrote config.yaml
+    back without a word."""
+    out = tmp_path / "first"
+    shutil.copytree(configured.root / "first", out)
+    edited = yaml.safe_load((out / "config.yaml").read_text())
+    edited["rank"] = 8
+    (out / "config.yaml").write_text(yaml.safe_dump(edited))
+    resumed = launch(["--config", str(configured.root / "run.yaml"), "--output_dir", str(out),
+                      "--resume_from_checkpoint", "latest"])
+    assert (f"{out / 'config.yaml'} differs from {out / 'checkpoint-4' / 'config.yaml'} (rank: 8 there, 4 in the "
+            "checkpoint): this run follows its command line and the checkpoint's flags") in resumed.stderr
+    assert yaml.safe_load((out / "config.yaml").read_text())["rank"] == 4
+    assert "differs from" not in configured.second.stderr  # a fresh run in a fresh folder: nothing to compare
 
 
 def test_a_checkpoint_whose_config_another_run_wrote_is_refused(configured, tmp_path):
