@@ -8,9 +8,10 @@ on real shapes where no model can be downloaded (CPU proofs, offline GPU machine
 
 OUT gets transformer/, text_encoder/, vae/ (AutoencoderKLFlux2's defaults are the real VAE), scheduler/, tokenizer/
 and model_index.json, each written with save_pretrained in shards of --shard_size, so the script loads the folder
-exactly as it loads black-forest-labs/FLUX.2-klein-base-4B or FLUX.2-dev. The transformer's shapes are those of
-gpu_step.py (../shared/GPU.md); the text encoders carry the real models' configs (layer counts, widths, vocabulary);
-the tokenizer is the tests' offline BPE with the real chat template's structure (its ids fit any vocabulary).
+exactly as it loads black-forest-labs/FLUX.2-klein-base-4B or FLUX.2-dev. This module owns the real shapes
+(gpu_step.py imports them): the transformers' configs (../shared/GPU.md); the text encoders carry the real models'
+configs (layer counts, widths, vocabulary); the tokenizer is the tests' offline BPE with the real chat template's
+structure (its ids fit any vocabulary).
 Weights are made directly on --device in --dtype (no float32 copy) one model at a time, each freed before the next:
 klein4b on a 2-core CPU took 121 s at a peak RSS of 16.6 GB (the largest model and the copy save_pretrained writes
 from), 32 s on an H200.
@@ -29,7 +30,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 import tiny_flux2 as tiny  # noqa: E402 - the offline tokenizers, the model index and the tests' tiny configs
-from gpu_step import MODELS, build_transformer  # noqa: E402 - one owner of the transformers' shapes
+
+COMMON = dict(patch_size=1, in_channels=128, attention_head_dim=128, mlp_ratio=3.0, timestep_guidance_channels=256,
+              axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6)
+TRANSFORMERS = {  # Flux2Transformer2DModel's configs of the published checkpoints
+    "klein4b": dict(COMMON, num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680,
+                    guidance_embeds=False),
+    "klein9b": dict(COMMON, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288,
+                    guidance_embeds=False),
+    "dev": dict(COMMON, num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
+                guidance_embeds=True),
+}
 
 
 def qwen3(hidden, intermediate, tied, layers=36):
@@ -70,11 +81,12 @@ class Spec:
 
 
 SPECS = {
-    "klein4b": Spec("Flux2KleinPipeline", MODELS["klein4b"], "Qwen3ForCausalLM", lambda: qwen3(2560, 9728, True), {},
-                    (9, 18, 27)),
-    "klein9b": Spec("Flux2KleinPipeline", MODELS["klein9b"], "Qwen3ForCausalLM", lambda: qwen3(4096, 12288, False), {},
-                    (9, 18, 27)),
-    "dev": Spec("Flux2Pipeline", MODELS["dev"], "Mistral3ForConditionalGeneration", mistral_small, {}, (10, 20, 30)),
+    "klein4b": Spec("Flux2KleinPipeline", TRANSFORMERS["klein4b"], "Qwen3ForCausalLM",
+                    lambda: qwen3(2560, 9728, True), {}, (9, 18, 27)),
+    "klein9b": Spec("Flux2KleinPipeline", TRANSFORMERS["klein9b"], "Qwen3ForCausalLM",
+                    lambda: qwen3(4096, 12288, False), {}, (9, 18, 27)),
+    "dev": Spec("Flux2Pipeline", TRANSFORMERS["dev"], "Mistral3ForConditionalGeneration", mistral_small, {},
+                (10, 20, 30)),
 }
 TINY = {  # the tests' tiny_flux2.py models, same configs
     "klein4b": Spec("Flux2KleinPipeline", dict(tiny.TRANSFORMER, joint_attention_dim=tiny.KLEIN_JOINT_ATTENTION_DIM,
@@ -98,6 +110,12 @@ def made_on(device, dtype, build):
         torch.set_default_dtype(previous)
 
 
+def build_transformer(config, device, dtype):
+    """A random Flux2Transformer2DModel of `config`, made on `device` in `dtype`."""
+    from diffusers import Flux2Transformer2DModel
+    return made_on(device, dtype, lambda: Flux2Transformer2DModel(**config))
+
+
 def save(model, folder, shard_size):
     """save_pretrained in shards, then free the model (the next one is made in its place)."""
     model.save_pretrained(folder, max_shard_size=shard_size)
@@ -116,7 +134,7 @@ def write(spec, out, device, dtype=torch.bfloat16, shard_size="5GB", say=print, 
     out, device = Path(out), "meta" if configs_only else device
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    parts = (("transformer", lambda: build_transformer(spec.transformer, device, dtype, nf4=False)),
+    parts = (("transformer", lambda: build_transformer(spec.transformer, device, dtype)),
              ("text_encoder", lambda: made_on(device, dtype, lambda: getattr(transformers, spec.text_encoder)(
                  spec.text_config()))),
              ("vae", lambda: made_on(device, dtype, lambda: vae_with_statistics(AutoencoderKLFlux2(**spec.vae)))))

@@ -32,13 +32,26 @@ def test_real_shapes_have_the_real_models_sizes(model, transformer_b, text_encod
     spec = real_shapes.SPECS[model]
     with torch.device("meta"):
         text_encoder = getattr(transformers, spec.text_encoder)(spec.text_config())
-        transformer = real_shapes.build_transformer(spec.transformer, "meta", torch.bfloat16, nf4=False)
+        transformer = real_shapes.build_transformer(spec.transformer, "meta", torch.bfloat16)
     count = lambda m: sum(p.numel() for p in m.parameters()) / 1e9  # noqa: E731
     assert count(transformer) == pytest.approx(transformer_b, abs=0.01)
     assert count(text_encoder) == pytest.approx(text_encoder_b, abs=0.01)
     layers = text_encoder.config.get_text_config().num_hidden_layers
     assert max(spec.out_layers) < layers
     assert spec.transformer["joint_attention_dim"] == text_encoder.config.get_text_config().hidden_size * 3
+
+
+def test_the_real_shapes_have_one_owner_that_imports_no_benchmark():
+    """real_shapes.py owns the FLUX.2 shapes; gpu_step.py imports them (the two once imported each other)."""
+    import ast
+
+    import gpu_step
+
+    nodes = list(ast.walk(ast.parse(Path(real_shapes.__file__).read_text())))
+    imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported.isdisjoint(path.stem for path in (ROOT / "benchmarks").glob("*.py"))
+    assert all(gpu_step.MODELS[name] is spec.transformer for name, spec in real_shapes.SPECS.items())
 
 
 def test_real_shapes_tiny_writes_the_tests_model_in_bf16_shards(tmp_path):
