@@ -88,6 +88,38 @@ def test_real_shapes_tiny_writes_the_tests_model_in_bf16_shards(tmp_path):
     assert sorted(p.name for p in (dev / "tokenizer").iterdir()) == sorted(p.name for p in (tiny_dev / "tokenizer")
                                                                            .iterdir())
     assert json.loads((dev / "model_index.json").read_text())["tokenizer"] == ["transformers", "PixtralProcessor"]
+    # a folder it wrote is written again from scratch: --configs_only over those weights leaves none of them
+    real_shapes.main(["--tiny", "klein4b", str(out), "--configs_only"])
+    assert not list(out.rglob("*.safetensors")) and (out / "transformer" / "config.json").exists()
+
+
+@pytest.mark.parametrize("case", ["checkpoint", "file", "shard size", "device"])
+def test_real_shapes_refuses_before_writing(case, tmp_path, capsys):
+    """OUT holding another checkpoint (new configs over its weights break it), OUT a file, a --shard_size
+    save_pretrained cannot read (once after writing part of OUT), a device this machine lacks: exit 2, nothing
+    written. The checkpoint is written over with --overwrite."""
+    out, argv = tmp_path / "out", ["klein4b", str(tmp_path / "out"), "--tiny"]
+    if case == "checkpoint":
+        (out / "transformer").mkdir(parents=True)
+        (out / "model_index.json").write_text("{}")
+        argv, message = argv[:2] + ["--configs_only"], f"OUT {out}: the folder holds files this tool did not write"
+    elif case == "file":
+        out.write_text("mine")
+        message = f"OUT {out}: a file, not a folder"
+    elif case == "shard size":
+        argv, message = argv + ["--shard_size", "abc"], "argument --shard_size: 'abc': expected a size such as 5GB"
+    else:  # not compiled with CUDA here; an invalid device ordinal on a GPU machine
+        argv, message = argv + ["--device", "cuda:99"], "--device cuda:99: "
+    files = lambda: sorted((str(p), p.is_file() and p.read_text()) for p in tmp_path.rglob("*"))  # noqa: E731
+    before = files()
+    with pytest.raises(SystemExit) as refused:
+        real_shapes.main(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and f"error: {message}" in err and "Traceback" not in err, err
+    assert files() == before
+    if case == "checkpoint":
+        real_shapes.main(argv + ["--overwrite"])
+        assert json.loads((out / "model_index.json").read_text())["_class_name"] == "Flux2KleinPipeline"
 
 
 def test_set_flags_replaces_adds_and_removes_values():
