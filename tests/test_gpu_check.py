@@ -224,6 +224,19 @@ def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--budget_s", "-5"], ["error: argument --budget_s: '-5': expected seconds >= 0"]),  # was: the plan, exit 0
+    (["--skip", "build,nosuchrun"], ["error: --skip build,nosuchrun: no run named nosuchrun; the runs are build, "
+                                     "readme, nf4,", ", step_compile, upstream\n"]),
+])
+def test_gpu_check_refuses_a_negative_budget_and_an_unknown_run(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        gpu_check.main(["--dry-run", "--work", str(tmp_path / "work"), *flags])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and all(part in err for part in message), err
+    assert not (tmp_path / "work").exists()
+
+
 def test_the_whole_run_estimate_is_within_10_percent_of_the_h200_gpu_check():
     """benchmarks/gpu_check.sh on an H200 (2026-11-26), the README's first command on real [klein] 4B shapes (rank 4,
     the default targets): the training step peaked at 9.3 GiB with checkpointing and 22.7 without (its step lines),
