@@ -27,6 +27,7 @@ In order, each started only while its usual time fits what is left of the budget
   upstream  the diffusers example (benchmarks/upstream/train_dreambooth_lora_flux2_klein.py, fetched, kept out of git)
             on the same folder and flags, when present
   step_compile  gpu_step.py: [klein] 4B compiled, checkpointing, bf16
+--skip takes these names, comma-separated (an unknown one is refused, listing them), --budget_s seconds >= 0.
 Each run's log is OUT/NAME.log; each result a JSON line in OUT/gpu_check.jsonl (gpu_step's rows in OUT/gpu_step.jsonl).
 Whole-script peaks come from the process itself (torch.cuda.max_memory_allocated / max_memory_reserved at exit, through
 --measure), s/step is the median of the step lines after the first three (compilation and warm-up stay out).
@@ -233,6 +234,13 @@ def table(results, steps):
     return "\n".join(lines)
 
 
+def seconds(text):
+    value = float(text)
+    if not value >= 0:  # a negative budget (or nan) would skip every run and say nothing was wrong
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds >= 0")
+    return value
+
+
 def main(argv=None):
     if argv is None and sys.argv[1:2] == ["--measure"]:
         return measure(sys.argv[2:])
@@ -240,7 +248,7 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--tiny", action="store_true", help="the tests' tiny model on the CPU")
     p.add_argument("--skip", default="", help="runs not to start, comma-separated names")
-    p.add_argument("--budget_s", type=float, default=440, help="start no run whose usual time passes this")
+    p.add_argument("--budget_s", type=seconds, default=440, help="start no run whose usual time passes this")
     p.add_argument("--work", default=os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check"),
                    help="where the checkpoint folder, images and runs go")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="logs and JSON lines")
@@ -250,7 +258,12 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if cuda else "CPU"
     cuda_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 0
-    runs = [run for run in plan(args, work, out, cuda_gib) if run[0] not in args.skip.split(",")]
+    runs, skip = plan(args, work, out, cuda_gib), [name for name in args.skip.split(",") if name]
+    names = list(dict.fromkeys([run[0] for run in runs] + ["upstream"]))  # upstream: where its file is present
+    if set(skip) - set(names):
+        p.error(f"--skip {args.skip}: no run named {', '.join(sorted(set(skip) - set(names)))}; the runs are "
+                f"{', '.join(names)}")
+    runs = [run for run in runs if run[0] not in skip]
     if args.dry_run:
         for name, command, usual, *env in runs:
             print(f"# {name} (about {usual} s{', ' + str(env[0]) if env else ''})\n{shlex.join(command)}")

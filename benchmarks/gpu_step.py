@@ -49,21 +49,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shapes  # noqa: E402 - the owner of the real FLUX.2 shapes
 import train_dreambooth_lora_flux2 as T  # noqa: E402
 
-COMMON = dict(patch_size=1, in_channels=128, attention_head_dim=128, mlp_ratio=3.0, timestep_guidance_channels=256,
-              axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6)
-MODELS = {
-    "klein4b": dict(COMMON, num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680,
-                    guidance_embeds=False),
-    "klein9b": dict(COMMON, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288,
-                    guidance_embeds=False),
-    "dev": dict(COMMON, num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
-                guidance_embeds=True),
-    "tiny": dict(patch_size=1, in_channels=8, num_layers=1, num_single_layers=2, attention_head_dim=16,
-                 num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4),
-                 guidance_embeds=True),
-}
+MODELS = dict(real_shapes.TRANSFORMERS,  # and a tiny one for --tiny, this benchmark's own
+              tiny=dict(patch_size=1, in_channels=8, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                        num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=256,
+                        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True))
 TEXT_TOKENS = {"tiny": 16}  # real models: 512
 PATCH = 16  # pixels per latent token side: 8x VAE, 2x2 patchify
 
@@ -168,7 +160,6 @@ def text_encoder_gib(model, quantization, activations_gib=1.0):
 @functools.cache
 def text_encoder_size(model):
     """-> (parameters, those quantisation leaves alone) of a model's real text encoder (real_shapes.py)."""
-    import real_shapes
     spec = real_shapes.TINY["dev"] if model == "tiny" else real_shapes.SPECS[model]
     family = SimpleNamespace(text_encoder=spec.text_encoder)
     args = SimpleNamespace(pretrained_model_name_or_path="real", revision=None, cache_dir=None)
@@ -222,16 +213,9 @@ def fits(peak_gib):
 
 
 def build_transformer(config, device, dtype, nf4):
-    """Random real-shaped transformer made directly on the device, in `dtype` (no float32 copy, no download)."""
-    from diffusers import Flux2Transformer2DModel
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta" if nf4 else device):
-            transformer = Flux2Transformer2DModel(**config)
-    finally:
-        torch.set_default_dtype(previous)
+    """Random real-shaped transformer made directly on the device, in `dtype` (no float32 copy, no download); nf4:
+    every linear layer quantised as the script loads it."""
+    transformer = real_shapes.build_transformer(config, "meta" if nf4 else device, dtype)
     if nf4:
         quantize_nf4(transformer, dtype, torch.device(device))
     return transformer

@@ -8,18 +8,19 @@ Ray sets up the process group and the rank variables (RANK, WORLD_SIZE, LOCAL_RA
 so the script's Accelerator() works unchanged inside a worker; this launcher sets first what `accelerate launch`
 would have set from an accelerate config (its mixed precision; ACCELERATE_USE_CPU on CPU workers, without which
 each would believe it is alone). The flags are parsed and checked here, on the driver, before any worker starts: a
-bad one exits 2 with the script's own message. Every attempt runs with --resume_from_checkpoint latest (the first
-finds none and starts from scratch), so a restarted group continues at the last checkpoint exactly; the number of
-workers stays fixed (the script refuses a checkpoint of another number of processes). --output_dir must be storage
-every worker sees (NFS or similar), given as an absolute path on a cluster. Each checkpoint's step and the loss of
-its last step are reported to Ray (its dashboard shows them). The exit code is the script's: 0, 2 for bad input
-(found on a worker: the data; not retried), 1 when the failures outnumber --max_failures.
+bad one exits 2 with the script's own message, and so does a cluster without the GPUs (--use_gpu) or CPUs that
+--num_workers need (its nodes up at the start: Ray would wait for them, time out and retry forever). Every attempt
+runs with --resume_from_checkpoint latest (the first finds none and starts from scratch), so a restarted group
+continues at the last checkpoint exactly; the number of workers stays fixed (the script refuses a checkpoint of
+another number of processes). --output_dir must be storage every worker sees (NFS or similar), given as an absolute
+path on a cluster. Each checkpoint's step and the loss of its last step are reported to Ray (its dashboard shows
+them). The exit code is the script's: 0, 2 for bad input (found on a worker: the data; not retried), 1 when the
+failures outnumber --max_failures (-1: restarts without limit, said at the start).
 
 FSDP is refused: a hang of FSDP2 under Ray Train is reported upstream (ray-project/ray#57860), and it has not been
 verified here; use `accelerate launch` with an FSDP config for it. docs/multinode.md, "Ray cluster", has the rest.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -31,16 +32,20 @@ SCRIPT_EXIT = ".ray_exit.json"  # in --output_dir: a worker's bad-input refusal,
 
 
 def parse(argv):
-    """-> (the launcher's flags, the script's flags after `--`)."""
+    """-> (the launcher's flags, the script's flags after `--`). A bad value is the script's one-line UsageError."""
+    import train_dreambooth_lora_flux2 as T
+
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, script = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                usage="%(prog)s --num_workers N [options] -- <train_dreambooth_lora_flux2.py flags>")
-    p.add_argument("--num_workers", type=int, required=True, help="training processes (one per GPU with --use_gpu)")
+    p = T._Parser(description=__doc__.split("\n\n")[0],
+                  usage="%(prog)s --num_workers N [options] -- <train_dreambooth_lora_flux2.py flags>")
+    p.add_argument("--num_workers", type=T.integer(1), required=True,  # 0 would run Ray's local mode in the driver
+                   help="training processes (one per GPU with --use_gpu)")
     p.add_argument("--use_gpu", action="store_true", help="a GPU per worker (default: CPU workers)")
     p.add_argument("--address", help="the cluster: 'auto' (the one `ray start` made here) or ray://HOST:10001; "
                    "default: a local Ray started for this run")
-    p.add_argument("--max_failures", type=int, default=3, help="restarts of the worker group after a failure")
+    p.add_argument("--max_failures", type=T.integer(-1), default=3,
+                   help="restarts of the worker group after a failure; -1: without limit")
     p.add_argument("--accelerate_config", help="an accelerate config file: its mixed precision (FSDP is refused)")
     p.add_argument("--storage_path", help="where Ray keeps its run records (default: <--output_dir>/ray)")
     return p.parse_args(ours), script
@@ -109,12 +114,20 @@ def worker(config):
             Path(config["output_dir"], SCRIPT_EXIT).write_text(json.dumps({"code": 2, "error": str(error)}))
 
 
+def short_of(needed, offered):
+    """What the worker group needs (ScalingConfig.total_resources) and the cluster lacks -> a message, or None.
+    Ray would wait for them, time the group out after a minute and start it again, forever."""
+    if all(offered.get(name, 0) >= amount for name, amount in needed.items()):
+        return None
+    return (f"the workers need {', '.join(f'{amount:g} {name}' for name, amount in needed.items())}; the cluster has "
+            f"{', '.join(f'{offered.get(name, 0):g} {name}' for name in needed)}")
+
+
 def main(argv=None):
-    ours, flags = parse(argv)
-    sys.path.insert(0, str(ROOT))
     import train_dreambooth_lora_flux2 as T
 
     try:
+        ours, flags = parse(argv)
         env = accelerate_env(ours.accelerate_config, ours.use_gpu)
         if T.fsdp_requested():
             raise T.UsageError("ACCELERATE_USE_FSDP is set: FSDP is not supported under Ray Train here")
@@ -126,13 +139,21 @@ def main(argv=None):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    if ours.max_failures == -1:
+        print("ray_train: --max_failures -1: the worker group is started again after every failure, without limit",
+              file=sys.stderr)
+    ray.init(address=ours.address, log_to_driver=True)
+    scaling = ScalingConfig(num_workers=ours.num_workers, use_gpu=ours.use_gpu)
+    short = short_of(scaling.total_resources, ray.cluster_resources())  # the nodes up now: an autoscaler's are not
+    if short:
+        print(f"error: --num_workers {ours.num_workers}{' --use_gpu' * ours.use_gpu}: {short}", file=sys.stderr)
+        return 2
     output_dir = Path(args.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / SCRIPT_EXIT).unlink(missing_ok=True)
-    ray.init(address=ours.address, log_to_driver=True)
     trainer = TorchTrainer(
         worker, train_loop_config=dict(argv=flags, env=env, cwd=os.getcwd(), output_dir=str(output_dir)),
-        scaling_config=ScalingConfig(num_workers=ours.num_workers, use_gpu=ours.use_gpu),
+        scaling_config=scaling,
         run_config=RunConfig(name=output_dir.name, storage_path=ours.storage_path or str(output_dir / "ray"),
                              failure_config=FailureConfig(max_failures=ours.max_failures)))
     try:

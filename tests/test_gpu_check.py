@@ -32,13 +32,26 @@ def test_real_shapes_have_the_real_models_sizes(model, transformer_b, text_encod
     spec = real_shapes.SPECS[model]
     with torch.device("meta"):
         text_encoder = getattr(transformers, spec.text_encoder)(spec.text_config())
-        transformer = real_shapes.build_transformer(spec.transformer, "meta", torch.bfloat16, nf4=False)
+        transformer = real_shapes.build_transformer(spec.transformer, "meta", torch.bfloat16)
     count = lambda m: sum(p.numel() for p in m.parameters()) / 1e9  # noqa: E731
     assert count(transformer) == pytest.approx(transformer_b, abs=0.01)
     assert count(text_encoder) == pytest.approx(text_encoder_b, abs=0.01)
     layers = text_encoder.config.get_text_config().num_hidden_layers
     assert max(spec.out_layers) < layers
     assert spec.transformer["joint_attention_dim"] == text_encoder.config.get_text_config().hidden_size * 3
+
+
+def test_the_real_shapes_have_one_owner_that_imports_no_benchmark():
+    """real_shapes.py owns the FLUX.2 shapes; gpu_step.py imports them (the two once imported each other)."""
+    import ast
+
+    import gpu_step
+
+    nodes = list(ast.walk(ast.parse(Path(real_shapes.__file__).read_text())))
+    imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported.isdisjoint(path.stem for path in (ROOT / "benchmarks").glob("*.py"))
+    assert all(gpu_step.MODELS[name] is spec.transformer for name, spec in real_shapes.SPECS.items())
 
 
 def test_real_shapes_tiny_writes_the_tests_model_in_bf16_shards(tmp_path):
@@ -75,6 +88,38 @@ def test_real_shapes_tiny_writes_the_tests_model_in_bf16_shards(tmp_path):
     assert sorted(p.name for p in (dev / "tokenizer").iterdir()) == sorted(p.name for p in (tiny_dev / "tokenizer")
                                                                            .iterdir())
     assert json.loads((dev / "model_index.json").read_text())["tokenizer"] == ["transformers", "PixtralProcessor"]
+    # a folder it wrote is written again from scratch: --configs_only over those weights leaves none of them
+    real_shapes.main(["--tiny", "klein4b", str(out), "--configs_only"])
+    assert not list(out.rglob("*.safetensors")) and (out / "transformer" / "config.json").exists()
+
+
+@pytest.mark.parametrize("case", ["checkpoint", "file", "shard size", "device"])
+def test_real_shapes_refuses_before_writing(case, tmp_path, capsys):
+    """OUT holding another checkpoint (new configs over its weights break it), OUT a file, a --shard_size
+    save_pretrained cannot read (once after writing part of OUT), a device this machine lacks: exit 2, nothing
+    written. The checkpoint is written over with --overwrite."""
+    out, argv = tmp_path / "out", ["klein4b", str(tmp_path / "out"), "--tiny"]
+    if case == "checkpoint":
+        (out / "transformer").mkdir(parents=True)
+        (out / "model_index.json").write_text("{}")
+        argv, message = argv[:2] + ["--configs_only"], f"OUT {out}: the folder holds files this tool did not write"
+    elif case == "file":
+        out.write_text("mine")
+        message = f"OUT {out}: a file, not a folder"
+    elif case == "shard size":
+        argv, message = argv + ["--shard_size", "abc"], "argument --shard_size: 'abc': expected a size such as 5GB"
+    else:  # not compiled with CUDA here; an invalid device ordinal on a GPU machine
+        argv, message = argv + ["--device", "cuda:99"], "--device cuda:99: "
+    files = lambda: sorted((str(p), p.is_file() and p.read_text()) for p in tmp_path.rglob("*"))  # noqa: E731
+    before = files()
+    with pytest.raises(SystemExit) as refused:
+        real_shapes.main(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and f"error: {message}" in err and "Traceback" not in err, err
+    assert files() == before
+    if case == "checkpoint":
+        real_shapes.main(argv + ["--overwrite"])
+        assert json.loads((out / "model_index.json").read_text())["_class_name"] == "Flux2KleinPipeline"
 
 
 def test_set_flags_replaces_adds_and_removes_values():
@@ -176,6 +221,19 @@ def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     for flag in ("--resolution 1024", "--max_train_steps 30", "--validation_inference_steps 8",
                  "--memory_plan auto", "--train_batch_size 1", "--cache_latents"):
         assert flag in readme
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget_s", "-5"], ["error: argument --budget_s: '-5': expected seconds >= 0"]),  # was: the plan, exit 0
+    (["--skip", "build,nosuchrun"], ["error: --skip build,nosuchrun: no run named nosuchrun; the runs are build, "
+                                     "readme, nf4,", ", step_compile, upstream\n"]),
+])
+def test_gpu_check_refuses_a_negative_budget_and_an_unknown_run(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        gpu_check.main(["--dry-run", "--work", str(tmp_path / "work"), *flags])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and all(part in err for part in message), err
     assert not (tmp_path / "work").exists()
 
 

@@ -1,8 +1,9 @@
 """Ray Train and restarts (issue 38), on the CPU: a local Ray cluster of 2 CPUs, started once for the module, runs
 launch/ray_train.py with 2 workers on the tiny model. An uninterrupted Ray run, a Ray run whose main worker is killed
 (SIGKILL) after a checkpoint, and a torchrun run with --max-restarts whose main process is killed the same way all
-train the LoRA of a plain 2-process torchrun, bit for bit. A bad flag, FSDP and a relative --output_dir on a
-cluster are refused on the driver (exit 2, the script's message, no worker started)."""
+train the LoRA of a plain 2-process torchrun, bit for bit. A bad flag, FSDP, a relative --output_dir on a cluster and
+more GPUs than the cluster has are refused on the driver (exit 2, the script's message, no worker started);
+the launcher's own bad flags before Ray starts, without the cluster."""
 
 import os
 import re
@@ -112,11 +113,41 @@ def test_a_killed_torchrun_process_restarts_with_max_restarts_and_resumes_to_the
     assert _same_lora(world, "torchrun")
 
 
-@pytest.mark.parametrize("case", ["bad flag", "fsdp", "relative output"])
+@pytest.mark.parametrize("flags, message", [
+    (["--num_workers", "0"], "--num_workers 0: expected an integer >= 1"),  # was Ray's local mode, in the driver
+    (["--num_workers", "-1"], "--num_workers -1: expected an integer >= 1"),  # was a traceback from ScalingConfig
+    (["--num_workers", "2", "--max_failures", "-2"], "--max_failures -2: expected an integer >= -1"),
+])
+def test_launcher_flags_are_refused_before_ray_starts(flags, message, capsys):
+    """The launcher's own flags, checked before the script's (none given here) and before Ray starts."""
+    import ray
+
+    sys.path.insert(0, str(LAUNCHER.parent))
+    import ray_train
+
+    assert ray_train.main([*flags, "--"]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n" and not ray.is_initialized()
+
+
+def test_the_resources_a_worker_group_lacks_are_named():
+    """What the driver compares before starting the group (the cluster test above: GPUs; here CPUs, and enough)."""
+    sys.path.insert(0, str(LAUNCHER.parent))
+    import ray_train
+
+    offered = {"CPU": 2.0, "memory": 1e9, "node:127.0.0.1": 1.0}
+    assert ray_train.short_of({"CPU": 3.0}, offered) == "the workers need 3 CPU; the cluster has 2 CPU"
+    assert ray_train.short_of({"CPU": 2.0}, offered) is None
+
+
+@pytest.mark.parametrize("case", ["bad flag", "fsdp", "relative output", "no gpu"])
 def test_bad_input_is_refused_on_the_driver_before_any_worker(case, world, tmp_path):
+    """No GPU on the cluster: Ray would wait for the GPUs, time the group out after a minute and retry, forever."""
     env, cwd = dict(world["env"]), ROOT
     if case == "bad flag":
         command, message = _ray(world, "refused", extra=("--learning_rate", "-1")), "error: --learning_rate -1: "
+    elif case == "no gpu":  # and -1, restarts without limit, said once
+        command = _ray(world, "refused", "--use_gpu", "--max_failures", "-1")
+        message = "error: --num_workers 2 --use_gpu: the workers need 2 GPU; the cluster has 0 GPU"
     elif case == "fsdp":
         (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nmixed_precision: bf16\n")
         command = _ray(world, "refused", "--accelerate_config", str(tmp_path / "fsdp.yaml"))
@@ -128,6 +159,8 @@ def test_bad_input_is_refused_on_the_driver_before_any_worker(case, world, tmp_p
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr and "RayTrainWorker" not in proc.stderr and "Traceback" not in proc.stderr
+    assert ("--max_failures -1: the worker group is started again after every failure, without limit" in proc.stderr
+            ) == (case == "no gpu")
     assert not (world["root"] / "refused").exists() and not (tmp_path / "relative-out").exists()
 
 
