@@ -36,8 +36,8 @@ Reading map: three parts, drawn by what runs.
     noise levels, the loss, one step); what the stages share (Data, Caches, Run); stages 1-6 (prepare_data,
     precompute, setup_training, checkpoints, train, finish); main().
   Part 2, the plumbing every run uses (read it when it breaks): the command line's validators, pre-flight checks,
-    checkpoint files, the FLUX.2 families, image files and the folder scan, the disk cache, small helpers, several
-    processes, the outputs (progress sheet, model card), trimmed copies.
+    checkpoint files, the FLUX.2 families, image files and the folder scan, the caches, small helpers, signals,
+    several processes, the outputs (progress sheet, model card), trimmed copies.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
     banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset,
     masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
@@ -1505,48 +1505,6 @@ def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
             args.logging_steps, args.checkpointing_steps, args.validation_steps) if n):
         logger.info(line)
     accelerator.log(logs, step=global_step)
-
-class StopRequest:
-    """While active (a `with` block), SIGTERM and SIGINT (preemption, Ctrl-C) let the work in flight finish, then
-    every process stops at the same point; a second signal stops at once. A repeat within SAME_STOP_SECONDS is the
-    same request: a scheduler signals every process of a node (Slurm: of the job step) and torchrun forwards its own
-    copy to its workers, milliseconds apart. Afterwards the usual handlers are back, so a signal interrupts again."""
-
-    SAME_STOP_SECONDS = 2.0
-
-    def __init__(self, after, interrupt=False):
-        self.after, self.signum, self.since = after, 0, 0.0  # after: what finishes first, for the message
-        self.interrupt = interrupt  # nothing to finish (the final validation): stop at once, saying so
-
-    def __enter__(self):  # where signals arrive: the main thread (Ray Train runs main() in another, and stops it)
-        sigs = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.interrupt:
-            raise TrainingStopped(f"stopped by {signal.Signals(signum).name} during the final validation; the LoRA "
-                                  "is saved and the model card written without its images", 128 + signum)
-        if self.signum and time.monotonic() - self.since >= self.SAME_STOP_SECONDS:
-            raise KeyboardInterrupt(128 + signum)  # not an Exception: no `except Exception` on the way catches it
-        if self.signum:
-            return  # the same request, delivered twice
-        self.signum, self.since = signum, time.monotonic()
-        print(f"\n{signal.Signals(signum).name} received: stopping {self.after} (signal again to stop at once)",
-              file=sys.stderr, flush=True)
-
-    def agreed(self, accelerator, *counts):
-        """(the signal or 0, and each of `counts` summed), agreed by every process: a collective, so all stop at once.
-        In the loop, the one host-device sync of an optimizer step."""
-        flags = torch.stack([torch.as_tensor(v, device=accelerator.device).long() for v in (self.signum, *counts)])
-        if accelerator.num_processes > 1:
-            flags = accelerator.gather(flags[None])  # [processes, 1 + len(counts)]
-            flags = torch.cat([flags[:, :1].max(0).values, flags[:, 1:].sum(0)])
-        return flags.tolist()
 
 def train(args, accelerator, run, global_step):
     """The loop: one flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of epoch
@@ -3337,6 +3295,52 @@ OOM_ADVICE = ", ".join([
     "--blocks_to_swap (with --gradient_checkpointing)",  # option: block_swap
     "a 4-bit --bnb_quantization_config_path",  # option: compile
 ])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Signals: a stop request lets the work in flight finish, then every process stops at the same point
+
+class StopRequest:
+    """While active (a `with` block), SIGTERM and SIGINT (preemption, Ctrl-C) let the work in flight finish, then
+    every process stops at the same point; a second signal stops at once. A repeat within SAME_STOP_SECONDS is the
+    same request: a scheduler signals every process of a node (Slurm: of the job step) and torchrun forwards its own
+    copy to its workers, milliseconds apart. Afterwards the usual handlers are back, so a signal interrupts again."""
+
+    SAME_STOP_SECONDS = 2.0
+
+    def __init__(self, after, interrupt=False):
+        self.after, self.signum, self.since = after, 0, 0.0  # after: what finishes first, for the message
+        self.interrupt = interrupt  # nothing to finish (the final validation): stop at once, saying so
+
+    def __enter__(self):  # where signals arrive: the main thread (Ray Train runs main() in another, and stops it)
+        sigs = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.interrupt:
+            raise TrainingStopped(f"stopped by {signal.Signals(signum).name} during the final validation; the LoRA "
+                                  "is saved and the model card written without its images", 128 + signum)
+        if self.signum and time.monotonic() - self.since >= self.SAME_STOP_SECONDS:
+            raise KeyboardInterrupt(128 + signum)  # not an Exception: no `except Exception` on the way catches it
+        if self.signum:
+            return  # the same request, delivered twice
+        self.signum, self.since = signum, time.monotonic()
+        print(f"\n{signal.Signals(signum).name} received: stopping {self.after} (signal again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator, *counts):
+        """(the signal or 0, and each of `counts` summed), agreed by every process: a collective, so all stop at once.
+        In the loop, the one host-device sync of an optimizer step."""
+        flags = torch.stack([torch.as_tensor(v, device=accelerator.device).long() for v in (self.signum, *counts)])
+        if accelerator.num_processes > 1:
+            flags = accelerator.gather(flags[None])  # [processes, 1 + len(counts)]
+            flags = torch.cat([flags[:, :1].max(0).values, flags[:, 1:].sum(0)])
+        return flags.tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------------
