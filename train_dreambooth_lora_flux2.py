@@ -941,10 +941,21 @@ class Run:
     sigmas: torch.Tensor  # [T] training sigmas, highest first
     named_params: dict  # trainable (LoRA) parameters by name
     step_config: StepConfig
+    clock: Clock = dataclasses.field(default_factory=lambda: Clock())  # where the run's time goes
 
     @property
     def hooks(self):
         return self.data.hooks
+
+def charged(part):
+    """A stage whose time goes to `part` of its run's clock (its third argument's: args, accelerator, run, ...)."""
+    def wrap(stage):
+        @functools.wraps(stage)
+        def timed(args, accelerator, run, *rest, **kwargs):
+            with run.clock.charged(part):
+                return stage(args, accelerator, run, *rest, **kwargs)
+        return timed
+    return wrap
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1229,8 +1240,8 @@ def setup_optimizer(args, params, accelerator, hooks=None):
     return (hooks or Hooks(args)).first("optimizer", params, hyper, default=lambda: torch.optim.AdamW(
         params, **hyper, fused=fused or None))
 
-def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype):
-    """Transformer with LoRA, optimizer, LR schedule and noise schedule."""
+def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype, clock=None):
+    """Transformer with LoRA, optimizer, LR schedule and noise schedule (clock: the run's, since its start)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.optimization import get_scheduler
     hooks = data.hooks
@@ -1252,7 +1263,7 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
     run = Run(data=data, caches=caches, weight_dtype=weight_dtype, vae=vae, latent_stats=latent_stats,
               transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
               sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
-              step_config=hooks.chain("step_config", step_config))
+              step_config=hooks.chain("step_config", step_config), clock=clock or Clock())
     hooks.each("setup", run)
     return run
 
@@ -1268,6 +1279,7 @@ def lora_state_dict(accelerator, transformer, hooks):
         accelerator.unwrap_model(transformer)))
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
+@charged("saving")
 def save_checkpoint(args, accelerator, run, global_step):
     """Write checkpoint-N atomically: a temporary folder, renamed once every process has written its part. Holds the
     LoRA (a portable diffusers file, float32, for users who pick a checkpoint), the raw adapter, optimizer, LR
@@ -1639,6 +1651,7 @@ def generate_images(pipeline, call, count):
     return [pipeline(**call, generator=generator).images[0] for _ in range(count)]
 
 @torch.no_grad()
+@charged("validation")
 def run_validation(args, accelerator, run, tag, step):
     """Generate validation images with the transformer being trained, without moving, casting or hooking it, for
     each of validation_specs at each of the options' strengths (default: 1); the first time, also the base model's
@@ -1696,7 +1709,7 @@ def finish(args, accelerator, run, signum=0):
     logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)  # all must agree
     dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
     if accelerator.is_main_process:
-        with writing(Path(args.output_dir, LORA_WEIGHTS_NAME)):
+        with writing(Path(args.output_dir, LORA_WEIGHTS_NAME)), run.clock.charged("saving"):
             run.hooks.first("save_final", accelerator, run, state, args.output_dir, dtype,
                             default=lambda: write_lora_files(accelerator, run.transformer, state, args.output_dir,
                                                              dtype, run.hooks))
@@ -1715,11 +1728,13 @@ def finish(args, accelerator, run, signum=0):
     with StopRequest("once the model card is written") as stop:  # a process waiting here too (Slurm signals all)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:  # the repository first: the card's snippet loads the LoRA from it
-            repo_id = hub_repository(args) if args.push_to_hub and stopped is None else None
-            with writing(Path(args.output_dir, "README.md")):
-                write_model_card(args, paths, run, repo_id)
-            if repo_id:
-                push_to_hub(args, repo_id)
+            with run.clock.charged("saving"):
+                repo_id = hub_repository(args) if args.push_to_hub and stopped is None else None
+                with writing(Path(args.output_dir, "README.md")):
+                    write_model_card(args, paths, run, repo_id)
+                if repo_id:
+                    push_to_hub(args, repo_id)
+        logger.info(run.clock.line())  # the main process's
     if stopped is not None or stop.signum:
         raise stopped or TrainingStopped(f"stopped by {signal.Signals(stop.signum).name} at the end: the LoRA is "
                                          "saved and the model card written", 128 + stop.signum)
@@ -1738,15 +1753,18 @@ def main(argv=None):
     for note in surprising_values(args, hooks):
         logger.warning(note)
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    clock = Clock()  # start-up from the process's start; its line ends the run
     try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
         cache = open_cache(args)
         data = prepare_data(args, accelerator, cache, hooks)  # resolves the flags, then freezes them
         lock = hold_output_dir(args, accelerator)  # noqa: F841 - held while it is open: one run per output folder
         write_config(args, data, args.output_dir, accelerator)  # the resolved flags: a config to repeat the run
-        caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, cache)
-        run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype)
+        with clock.charged("precompute"):
+            caches, vae, latent_stats = precompute(args, accelerator, data, weight_dtype, cache)
+        run = setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype, clock)
         global_step = load_checkpoint(data.checkpoint, accelerator, run) if data.checkpoint is not None else 0
         start_logging(args, accelerator, run, global_step)
+        clock.switch("training")  # the loop and what follows, less validation and saving
         signum = train(args, accelerator, run, global_step)
         finish(args, accelerator, run, signum)
     except torch.OutOfMemoryError:
@@ -3262,6 +3280,45 @@ def on_device(module, device, offload):
         yield module
     finally:
         module.to("cpu")
+
+class Clock:
+    """Where a run's time goes, each moment charged to one part, so the parts add up to the run: start-up (from the
+    process's start: imports, flags, the scan, class images, loading the models), precompute, training (the loop,
+    less validation and saving), validation, saving (checkpoints, the final LoRA, the model card)."""
+
+    PARTS = ("start-up", "precompute", "training", "validation", "saving")
+
+    def __init__(self, start=None):
+        self.seconds, self.part = dict.fromkeys(self.PARTS, 0.0), "start-up"
+        self.since = process_start() if start is None else start
+
+    def switch(self, part):
+        now = time.time()
+        self.seconds[self.part] += now - self.since
+        self.part, self.since = part, now
+
+    @contextlib.contextmanager
+    def charged(self, part):
+        previous = self.part
+        self.switch(part)
+        try:
+            yield
+        finally:
+            self.switch(previous)
+
+    def line(self):
+        self.switch(self.part)
+        total = sum(self.seconds.values())
+        return "where the time went: " + ", ".join(f"{part} {s:.1f} s ({100 * s / max(total, 1e-9):.0f}%)" for part, s
+                                                   in self.seconds.items()) + f"; {total:.1f} s in all"
+
+def process_start():
+    """When this process started (time.time()), from /proc (clock ticks since boot); elsewhere: now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.time() - float(Path("/proc/uptime").read_text().split()[0]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 def quiet_library_imports():
     """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log

@@ -102,6 +102,34 @@ def test_a_default_run_prints_this_scripts_lines_and_bars_alone(tiny_model, imag
             assert line.startswith(bars) or re.match(r"\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING) __main__: ", line), line
     assert re.findall(r"\] step (\d+)/60 ", proc.stderr) == ["1", "25", "50", "60"]
     assert "one process on the CPU" in proc.stderr
+    # the run's last line says where its time went (issue 54): five parts that add up to the whole
+    last = [line for line in proc.stderr.splitlines() if "__main__: " in line][-1]
+    parts = re.fullmatch(r".*\] where the time went: start-up ([\d.]+) s \(\d+%\), precompute ([\d.]+) s \(\d+%\), "
+                         r"training ([\d.]+) s \(\d+%\), validation ([\d.]+) s \(\d+%\), saving ([\d.]+) s \(\d+%\); "
+                         r"([\d.]+) s in all", last)
+    assert parts, last
+    seconds = [float(x) for x in parts.groups()]
+    assert all(x > 0 for x in seconds[:4]) and sum(seconds[:5]) == pytest.approx(seconds[5], abs=0.3)
+
+
+def test_the_clock_charges_each_moment_to_one_part(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(T.time, "time", lambda: now[0])
+    clock = T.Clock(start=90.0)
+    for part, seconds in (("precompute", 5), ("training", 20)):
+        clock.switch(part)
+        now[0] += seconds
+        if part == "training":
+            with clock.charged("validation"):
+                now[0] += 3
+                with clock.charged("saving"):  # a checkpoint inside a validation's time goes to saving
+                    now[0] += 1
+            now[0] += 2
+    assert clock.line() == ("where the time went: start-up 10.0 s (24%), precompute 5.0 s (12%), training 22.0 s "
+                            "(54%), validation 3.0 s (7%), saving 1.0 s (2%); 41.0 s in all")
+    monkeypatch.undo()
+    started = T.process_start()  # this process's start: before this test, not long ago
+    assert time.time() - 6 * 3600 < started < time.time() - 0.5
 
 
 SITE = """
