@@ -41,7 +41,7 @@ Reading map: three parts, drawn by what runs.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
     banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset,
     masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
-    block_swap, attention, compile, validation_extras, memory_plan, metrics.
+    block_swap, attention, compile, hub, validation_extras, memory_plan, metrics.
 """
 
 # ================================================================================================================
@@ -225,9 +225,6 @@ def output_flags(p):
                    help="Trackers of the step figures and images; one not installed is skipped.")
     g.add_argument("--logging_steps", type=positive_int, default=50, help="A log line every N optimizer steps.")
     g.add_argument("--logging_dir", type=logging_folder, default="logs", help="Tracker folder in --output_dir.")
-    g.add_argument("--push_to_hub", action="store_true", help="Upload the LoRA; the only flag using the network.")
-    g.add_argument("--hub_model_id", help="Hub repository; default: the name of --output_dir.")
-    g.add_argument("--hub_token", help="Hub token (never logged or saved); prefer `hf auth login`.")
 
 def validation_flags(p):
     g = p.add_argument_group("validation")
@@ -282,8 +279,6 @@ def validate_args(args, hooks=None):
            and not hooks.flag("prints_only") and args.resume_from_checkpoint is None, f"--output_dir "
            f"{args.output_dir} already holds a finished LoRA ({LORA_WEIGHTS_NAME}); choose another folder, pass "
            "--overwrite_output_dir, or --resume_from_checkpoint to continue it")
-    refuse(args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")),
-           "--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
 def freeze(args):
     """args once resolved (parse, family defaults, options, step count): a later change is an error, not a quiet one."""
@@ -307,7 +302,7 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
     "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged", "resolved",
-    "lora_loading"}
+    "lora_loading", "repository", "publish"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -1727,13 +1722,12 @@ def finish(args, accelerator, run, signum=0):
             stopped = e
     with StopRequest("once the model card is written") as stop:  # a process waiting here too (Slurm signals all)
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process:  # the repository first: the card's snippet loads the LoRA from it
+        if accelerator.is_main_process:  # an option's repository first: the card's snippet loads the LoRA from it
             with run.clock.charged("saving"):
-                repo_id = hub_repository(args) if args.push_to_hub and stopped is None else None
+                repo_id = run.hooks.first("repository", stopped is None)
                 with writing(Path(args.output_dir, "README.md")):
                     write_model_card(args, paths, run, repo_id)
-                if repo_id:
-                    push_to_hub(args, repo_id)
+                run.hooks.each("publish", repo_id)
         logger.info(run.clock.line())  # the main process's
     if stopped is not None or stop.signum:
         raise stopped or TrainingStopped(f"stopped by {signal.Signals(stop.signum).name} at the end: the LoRA is "
@@ -3684,7 +3678,8 @@ def tracker_config(args):
             if k != "hub_token" and v is not None}
 
 def write_model_card(args, image_paths, run, repo_id=None):
-    """A local README.md for the LoRA (its snippet loads it from repo_id, pushed to, else --hub_model_id, else here).
+    """A local README.md for the LoRA (its snippet loads it from repo_id, pushed to, else the Hub repository named,
+    else here).
     An edit dataset makes an image-to-image LoRA, used with a condition image."""
     dataset, family = run.data.dataset, run.data.family
     edit = bool(dataset.conditions)
@@ -3707,8 +3702,8 @@ def write_model_card(args, image_paths, run, repo_id=None):
     if edit:
         use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
                f"image = pipe(image=condition, prompt={shown!r}, {guidance}).images[0]")
-    source = repo_id or args.hub_model_id or args.output_dir
-    load = run.hooks.first("lora_loading", source, bool(repo_id or args.hub_model_id), default=lambda: (
+    source = repo_id or vars(args).get("hub_model_id") or args.output_dir
+    load = run.hooks.first("lora_loading", source, source != args.output_dir, default=lambda: (
         f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"))
     text = f"""---
 base_model: {args.pretrained_model_name_or_path}
@@ -3755,22 +3750,6 @@ License: the base model's license applies.
 def markdown_text(text):
     """`text` shown as written in Markdown (alt text, captions): one line, its markup characters escaped."""
     return re.sub(r"([\\`*_\[\]<>|#!])", r"\\\1", " ".join(text.split()))
-
-def hub_repository(args):
-    """--push_to_hub's repository, made if missing (default: the output folder's name in the token's account)."""
-    from huggingface_hub import create_repo
-    return create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True, token=args.hub_token).repo_id
-
-def push_to_hub(args, repo_id):
-    from huggingface_hub import upload_folder
-    upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
-                  commit_message="DreamBooth LoRA",  # what names local paths or this machine stays, as checkpoints do
-                  ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", "config.yaml",
-                                   RUN_LOCK, "validation/scored/**",
-                                   MANIFEST_NAME,  # option: manifest
-                                   ])
-    logger.info(f"pushed to https://huggingface.co/{repo_id}")
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Trimmed copies (--write_copy): this script with only the options a user keeps, to read and edit
@@ -5076,8 +5055,10 @@ class TextEncoders(Option):
 
     def check(self):
         args, processes = self.args, int(os.environ.get("WORLD_SIZE", 1))
-        refuse(args.remote_text_encoder and not hub_token(args), "--remote_text_encoder needs a Hugging Face token: "
-               "run `hf auth login` (or pass --hub_token)")
+        refuse(args.remote_text_encoder and not hub_token(args), "".join([
+            "--remote_text_encoder needs a Hugging Face token: run `hf auth login`",
+            " (or pass --hub_token)",  # option: hub
+        ]))
         refuse(args.text_encoder_quantization == "nf4" and not (torch.cuda.is_available() or vars(args).get(
             "plan_only")), "--text_encoder_quantization nf4 needs a CUDA GPU (bitsandbytes); int8 works on any device")
         refuse(args.text_encoder_quantization != "none" and (args.remote_text_encoder or args.fsdp_text_encoder),
@@ -5136,7 +5117,7 @@ class TextEncoders(Option):
 
 def hub_token(args):
     from huggingface_hub import get_token
-    return args.hub_token or get_token()
+    return vars(args).get("hub_token") or get_token()
 
 def remote_prompt_embeds(url, prompt, token):
     """[dev] embedding [1, L, D] of one prompt from the remote text encoder. The reply is decoded with
@@ -5579,6 +5560,46 @@ class SpeedAndMemory(Option):
             return None
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, **hyper)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: hub (--push_to_hub: the LoRA, its images and card uploaded to a Hugging Face repository)
+
+@option
+class Hub(Option):
+    """At the end, the output folder (not its checkpoints, logs or what names this machine) goes to a Hub repository,
+    made if missing; the model card's snippet then loads the LoRA from it. Cost: the upload, the only network use."""
+
+    name, switches = "hub", ("push_to_hub",)
+    flags = [flag("--push_to_hub", action="store_true", help="Upload the LoRA; the only flag using the network."),
+             flag("--hub_model_id", help="Hub repository; default: the name of --output_dir."),
+             flag("--hub_token", help="Hub token (never logged or saved); prefer `hf auth login`.")]
+
+    def check(self):
+        args = self.args
+        refuse(args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")),
+               "--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
+
+    def repository(self, finished):
+        """The repository, made if missing (default: the output folder's name in the token's account); none when
+        the run stopped early."""
+        from huggingface_hub import create_repo
+        args = self.args
+        return create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True,
+                           token=args.hub_token).repo_id if finished else None
+
+    def publish(self, repo_id):
+        from huggingface_hub import upload_folder
+        args = self.args
+        if repo_id is None:
+            return
+        upload_folder(repo_id=repo_id, folder_path=args.output_dir, token=args.hub_token,
+                      commit_message="DreamBooth LoRA",  # what names local paths or this machine stays
+                      ignore_patterns=["checkpoint-*", "checkpoint-*/**", f"{args.logging_dir}/**", "config.yaml",
+                                       RUN_LOCK, "validation/scored/**",
+                                       MANIFEST_NAME,  # option: manifest
+                                       ])
+        logger.info(f"pushed to https://huggingface.co/{repo_id}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -85,9 +85,11 @@ def test_push_to_hub_uploads_the_lora_card_images_and_best_never_checkpoints_log
     monkeypatch.setattr(huggingface_hub, "upload_folder", lambda **kw: calls.update(upload=kw))
     monkeypatch.setattr(T, "logger", logging.getLogger("test"))
     args = _args("--output_dir", str(out), "--push_to_hub", "--hub_token", "hf_x")
-    assert T.hub_repository(args) == "someone/my-dog-lora"
+    hub = T.Hub(args)
+    assert hub.repository(False) is None and "create" not in calls  # a stopped run uploads nothing
+    assert hub.repository(True) == "someone/my-dog-lora"
     assert calls["create"] == ("my-dog-lora", True, "hf_x")
-    T.push_to_hub(args, "someone/my-dog-lora")
+    hub.publish("someone/my-dog-lora")
     upload = calls["upload"]
     assert upload["repo_id"] == "someone/my-dog-lora" and upload["folder_path"] == str(out) and upload["token"] == "hf_x"
     sent = set(filter_repo_objects(files, ignore_patterns=upload["ignore_patterns"]))
