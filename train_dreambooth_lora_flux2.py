@@ -479,9 +479,10 @@ def image_to_tensor(image, transform, bucket):
     array = np.asarray(transform_image(image, transform, bucket), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
-REFERENCE_MAX_PIXELS = 1024 * 1024  # the FLUX.2 pipelines shrink larger reference (condition) images to this area
+# the FLUX.2 pipelines shrink larger reference (condition) images to this area
+REFERENCE_MAX_PIXELS = 1024 * 1024  # option: edit
 
-def reference_size(bucket):
+def reference_size(bucket):  # option: edit
     """(h, w) of the condition images of a target in `bucket`: the bucket, or above 1024^2 pixels what the FLUX.2
     pipelines make of a reference that large (Flux2ImageProcessor._resize_to_target_area, sides floored to multiples
     of 16), so training sees references at the size inference gives them."""
@@ -491,7 +492,7 @@ def reference_size(bucket):
     scale = math.sqrt(REFERENCE_MAX_PIXELS / (h * w))
     return int(h * scale) // 16 * 16, int(w * scale) // 16 * 16
 
-def follow_crop(transform, cond_size, bucket, cond_bucket=None):
+def follow_crop(transform, cond_size, bucket, cond_bucket=None):  # option: edit
     """The crop of a condition image matching its target's crop `transform` ((resized_hw, top, left) in `bucket`):
     the condition resized to cover `cond_bucket` (default: the target's bucket), cropped at the same relative place.
     A condition of the target's size gets exactly the target's transform: aligned pairs stay aligned token for token."""
@@ -584,7 +585,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         flip = self.random_flip and random.Random(seed_for("flip", self.seed, epoch, slot)).random() < 0.5
         return (kind, image_id, bucket, *crop, flip)
 
-    def condition_keys(self, key):
+    def condition_keys(self, key):  # option: edit
         """The latent keys of the condition images travelling with a target's key, in reference order: the target's
         bucket (capped at the pipelines' reference size), crop (follow_crop) and flip. Class images have none."""
         kind, image_id, bucket, resized, top, left, flip = key
@@ -598,7 +599,8 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         """Every latent key training may ask for under fixed crops: epoch 0's, flipped too if flipping, conditions'."""
         keys = [self.latent_key(s, 0) for s in range(self.num_slots)]
         keys = keys + [k[:-1] + (not k[-1],) for k in keys] if self.random_flip else keys
-        return keys + [c for k in keys for c in self.condition_keys(k)]
+        keys += [c for k in keys for c in self.condition_keys(k)]  # option: edit
+        return keys
 
     def prompt_keys(self, slot):
         """Every text a slot can show: its image's caption alternatives (or the instance prompt); the class prompt."""
@@ -624,8 +626,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
             item["pixel_values"] = torch.stack([self.pixels(k) for k in keys])
             if self.with_masks:  # option: masked_loss
                 item["masks"] = torch.stack([key_mask(self, k) for k in keys])
-            conditions = self.condition_keys(keys[0])
-            if conditions:
+            if conditions := self.condition_keys(keys[0]):  # option: edit
                 item["cond_pixels"] = torch.stack([self.pixels(k) for k in conditions])
         return item
 
@@ -798,7 +799,7 @@ class StepConfig:
     timestep_shift: str | float = "none"  # --timestep_shift
     shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift pipeline matches
 
-def reference_tokens(conditions, dtype):
+def reference_tokens(conditions, dtype):  # option: edit
     """Edit training: condition latents, a list of R [B, C, h, w], -> (tokens [B, R*h*w, C] in `dtype`, image ids
     [B, R*h*w, 4] int64), packed and numbered as Flux2Pipeline.prepare_image_latents does: reference r at time
     coordinate 10 + 10 r, each one's rows and columns from 0, concatenated in reference order."""
@@ -827,7 +828,7 @@ def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas
     packed = Flux2Pipeline._pack_latents(noisy).to(prompt_embeds.dtype)  # [B, C, h, w] -> [B, h*w, C]
     img_ids = Flux2Pipeline._prepare_latent_ids(latents).to(latents.device)  # [B, h*w, 4]
     hidden = packed
-    if conditions:
+    if conditions:  # option: edit
         tokens, ids = reference_tokens(conditions, prompt_embeds.dtype)
         hidden, img_ids = torch.cat([packed, tokens], dim=1), torch.cat([img_ids, ids], dim=1)
     guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
@@ -1411,7 +1412,8 @@ def gather_inputs(batch, dataset, caches, caption_dropout, rng, extra_texts=None
         inputs.masks = batch.get("masks")  # option: masked_loss
         return inputs
     keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
-    references = [dataset.condition_keys(k) for k in keys]  # [B'][R]
+    references = [[] for _ in keys]  # [B'][R]: each row's condition images
+    references = [dataset.condition_keys(k) for k in keys]  # option: edit
     keys += [refs[r] for r in range(len(references[0])) for refs in references]  # reference-major, as collate
     latents, image_rows = caches.latents.gather_unique(keys)
     inputs = StepInputs(embeds, embed_rows, latents, image_rows, encoded=True, references=len(references[0]),
