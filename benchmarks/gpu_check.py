@@ -7,6 +7,10 @@ most --budget_s seconds that prints one table last. benchmarks/gpu_check.sh inst
 
 In order, each started only while its usual time fits what is left of the budget:
   build     real_shapes.py klein4b: a random-weight checkpoint folder of the real architecture, on this machine's disk
+  whole     the README's first command as written, scaled to 100 steps (a fifth of its 500) with its own validation
+            flags, so validations and steps keep their proportion: wall time split into start-up, precompute,
+            training, validation and saving (the script's last log line; issue 54)
+  upstream_whole  the diffusers example on the same folder, steps and validation schedule, when present
   readme    the README's first command, as written (--memory_plan auto plans for this whole GPU), on that folder: 30
             steps at 1024 px, batch 1, one final validation of 8 inference steps (whole-process seconds, precompute
             seconds, s/step, peak GPU memory, the plan's estimated peak and flags)
@@ -124,6 +128,12 @@ def plan(args, work, out, cuda_gib):
     klein = "tiny" if args.tiny else "klein4b"
     runs = [
         ("build", build, 90),
+        ("whole", [*launch, str(SCRIPT), *whole_flags(flags, work, args.tiny)], 300),
+    ]
+    if UPSTREAM.exists() and importlib.util.find_spec("torchvision"):  # the example needs torchvision
+        same = upstream_flags(whole_flags(flags, work, args.tiny), work, "upstream_whole", validate=True)
+        runs.append(("upstream_whole", [*launch, str(UPSTREAM), *same], 400))
+    runs += [
         ("readme", script("readme"), 110),
         ("nf4", script("nf4", memory_plan=False, gradient_checkpointing=True, **nf4), 100),
         ("build_klein9b", build9, 80),
@@ -142,18 +152,29 @@ def plan(args, work, out, cuda_gib):
                             "bf16" if args.tiny else "nf4", "--swap", "half"], 80),
     ]
     if UPSTREAM.exists() and importlib.util.find_spec("torchvision"):  # the example needs torchvision
-        runs.append(("upstream", [*launch, str(UPSTREAM), *upstream_flags(flags, work)], 150))
+        runs.append(("upstream", [*launch, str(UPSTREAM), *upstream_flags(flags, work, "upstream")], 150))
     runs.append(("step_compile", step + ["--models", klein, "--modes", "compile", "--gc", "on", "--precision", "bf16"],
                  120))
     return runs
 
 
-def upstream_flags(flags, work):
-    """The same run for the diffusers example, without its validations: it has no flag for their sampling steps (its
-    pipeline's 50, four images, at epoch 0 and again after training, would take longer than the training)."""
-    ours_only = dict(validation_inference_steps=False, logging_steps=False, precompute_cache_dir=False,
-                     validation_epochs=False, validation_prompt=False)
-    return set_flags(flags, output_dir=str(work / "upstream"), skip_final_inference=True, **ours_only)
+def whole_flags(flags, work, tiny):
+    """The README's first command scaled to a fifth of its 500 steps (100; 6 on the CPU) with its own validation
+    schedule (--validation_epochs as written, the pipeline's sampling steps): validations keep their share."""
+    readme = readme_command()
+    epochs = readme[readme.index("--validation_epochs") + 1]
+    return set_flags(flags, output_dir=str(work / "whole"), max_train_steps="6" if tiny else "100",
+                     validation_epochs="1" if tiny else epochs, logging_steps="25",
+                     validation_inference_steps="2" if tiny else False)
+
+
+def upstream_flags(flags, work, name, validate=False):
+    """The same run for the diffusers example; without its validations unless `validate`: it has no flag for their
+    sampling steps (its pipeline's 50, four images, at epoch 0 and again after training)."""
+    ours_only = dict(validation_inference_steps=False, logging_steps=False, precompute_cache_dir=False)
+    if not validate:
+        ours_only.update(validation_epochs=False, validation_prompt=False, skip_final_inference=True)
+    return set_flags(flags, output_dir=str(work / name), **ours_only)
 
 
 def tqdm_seconds(log):
@@ -181,6 +202,12 @@ def figures(log, out_dir):
                                                              x)) if t]
     if start and done:
         result["precompute_s"] = round(done[-1] - start[0], 1)
+    part = r"([\d.]+) s \(\d+%\)"
+    split = re.search(rf"where the time went: start-up {part}, precompute {part}, training {part}, validation {part}, "
+                      rf"saving {part}; ([\d.]+) s", log)
+    if split:  # the script's own account of its time (its last log line)
+        result.update(zip(("startup_s", "precompute_part_s", "training_s", "validation_s", "saving_s", "total_s"),
+                          map(float, split.groups())))
     planned = re.findall(r"chosen: estimated peak ([\d.]+) GiB", log)
     if planned:  # --memory_plan auto's estimate, and the flags it chose
         result.update(plan_gib=float(planned[-1]), plan_flags=re.findall(r"^flags: (.*)$", log, flags=re.M)[-1])
@@ -225,6 +252,13 @@ def table(results, steps):
                                                                  "peak_allocated_gib", "peak_reserved_gib", "plan_gib",
                                                                  "lora_mb",
                                                                  "validation_pngs")) + " |")
+    split = [r for r in results if "training_s" in r]
+    if split:  # where each whole run's time went, as the script says it
+        lines += ["", "| run | start-up s | precompute s | training s | validation s | saving s | validation share |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['startup_s']} | {r['precompute_part_s']} | {r['training_s']} | "
+                  f"{r['validation_s']} | {r['saving_s']} | {100 * r['validation_s'] / r['total_s']:.0f}% |"
+                  for r in split]
     if steps:
         lines += ["", "| gpu_step.py | s/step | peak GiB | MFU |", "|---|---|---|---|"]
         for r in steps:

@@ -3,6 +3,7 @@ on the meta device, the tiny one written and loaded), and gpu_check.sh runs its 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,10 +141,13 @@ def test_figures_read_the_median_after_warm_up_precompute_and_peaks(tmp_path):
         "2026-11-26 05:59:52,600 INFO __main__: [RANK 0] encoded 5 of 5 missing images",
         *(f"2026-11-26 06:00:0{i},000 INFO __main__: [RANK 0] step {i}/6 loss 2.1 lr 1.00e-04 {s} s/step peak 9.3 GiB"
           for i, s in enumerate((30.0, 3.0, 2.0, 1.0, 1.2, 1.1), 1)),
+        "2026-11-26 06:00:09,000 INFO __main__: [RANK 0] where the time went: start-up 12.5 s (16%), precompute 4.5 s "
+        "(6%), training 40.0 s (52%), validation 18.0 s (23%), saving 2.0 s (3%); 77.0 s in all",
         gpu_check.PEAK + '{"peak_allocated_gib": 10.91, "peak_reserved_gib": 13.17}'])
     result = gpu_check.figures(log, tmp_path)
     assert result == dict(steps=6, s_per_step=1.1, precompute_s=4.5, peak_allocated_gib=10.91,
-                          peak_reserved_gib=13.17, lora_mb=2.0, validation_pngs=1)
+                          peak_reserved_gib=13.17, lora_mb=2.0, validation_pngs=1, startup_s=12.5,
+                          precompute_part_s=4.5, training_s=40.0, validation_s=18.0, saving_s=2.0, total_s=77.0)
     assert gpu_check.tqdm_seconds("Steps: 100%|#| 30/30 [00:26<00:00,  1.11it/s, loss=1.1]") == pytest.approx(0.9, 0.01)
     # the diffusers example logs no step lines: its bar's last rate; a line cut into by other output is passed over
     upstream = gpu_check.figures("loading the text encoder (no timestamp)\nSteps:   3%|#| 1/30 [00:03<01:33,  3.23s/it]"
@@ -170,7 +174,13 @@ def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
     proc, tmp = tiny_check
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["name"]: r for r in map(json.loads, (tmp / "out" / "gpu_check.jsonl").read_text().splitlines())}
-    assert list(results) == ["build", "readme", "step", "readme_24gb", "no_gc", "dev", "dev_nf4"]
+    assert list(results) == ["build", "whole", "readme", "step", "readme_24gb", "no_gc", "dev", "dev_nf4"]
+    # the README's command scaled with its validation schedule: its time split as the script logs it (issue 54)
+    whole = results["whole"]
+    assert whole["rc"] == 0 and whole["steps"] == 6 and whole["validation_s"] > 0 and whole["training_s"] > 0
+    assert whole["startup_s"] + whole["precompute_part_s"] + whole["training_s"] + whole["validation_s"] + whole[
+        "saving_s"] == pytest.approx(whole["total_s"], abs=0.3)
+    assert "--validation_epochs 1 " in whole["command"] and "--max_train_steps 6" in whole["command"]
     readme = results["readme"]
     assert readme["rc"] == 0 and readme["steps"] == 3 and readme["s_per_step"] > 0 and readme["precompute_s"] >= 0
     assert readme["lora_mb"] > 0 and readme["validation_pngs"] >= 1
@@ -186,6 +196,7 @@ def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
     log = (tmp / "out" / "gpu_check.log").read_text()
     assert log.splitlines()[-1].startswith("| tiny eager gc on bf16 64px swap half")  # the table is last
     assert "| readme | 0 |" in log and "| no_gc | 0 |" in log and "| readme_24gb | 0 |" in log
+    assert re.search(r"^\| whole \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d+% \|$", log, re.M)
 
 
 def test_lora_check_applies_the_runs_lora_to_its_checkpoint(tiny_check, tmp_path):
@@ -211,13 +222,17 @@ def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("# ")]
-    assert names[:13] == ["build", "readme", "nf4", "build_klein9b", "klein9b", "klein9b_24gb", "step", "readme_24gb",
-                          "readme_48gb", "readme_16gb", "no_gc", "compile", "dev"]
+    assert names[:14] == ["build", "whole", "readme", "nf4", "build_klein9b", "klein9b", "klein9b_24gb", "step",
+                          "readme_24gb", "readme_48gb", "readme_16gb", "no_gc", "compile", "dev"]
+    whole = proc.stdout.split("# whole")[1].splitlines()[1]  # the README's command, a fifth as long, its validations
+    for flag in ("--max_train_steps 100", "--validation_epochs 25", "--memory_plan auto", "--resolution 1024"):
+        assert flag in whole
+    assert "--validation_inference_steps" not in whole and "--skip_final_inference" not in whole
     for run, flags in (("nf4", "--bnb_quantization_config_path nf4 --text_encoder_quantization nf4"),
                        ("klein9b_24gb", "klein9b --gpu_memory 24GB")):
         assert proc.stdout.split(f"# {run} ")[1].splitlines()[1].endswith(flags)
     assert names[-1] == "step_compile" and "{'GPU_CHECK_CARD_GB': '24'}" in proc.stdout.split("# readme_24gb")[1]
-    readme = proc.stdout.split("# readme")[1].splitlines()[1]
+    readme = proc.stdout.split("# readme (")[1].splitlines()[1]
     for flag in ("--resolution 1024", "--max_train_steps 30", "--validation_inference_steps 8",
                  "--memory_plan auto", "--train_batch_size 1", "--cache_latents"):
         assert flag in readme
@@ -227,7 +242,7 @@ def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--budget_s", "-5"], ["error: argument --budget_s: '-5': expected seconds >= 0"]),  # was: the plan, exit 0
     (["--skip", "build,nosuchrun"], ["error: --skip build,nosuchrun: no run named nosuchrun; the runs are build, "
-                                     "readme, nf4,", ", step_compile, upstream\n"]),
+                                     "whole, readme, nf4,", ", step_compile, upstream\n"]),
 ])
 def test_gpu_check_refuses_a_negative_budget_and_an_unknown_run(flags, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
