@@ -6,12 +6,13 @@ less than plain training) ride on the learning runs: tests/test_learning.py and 
 
 import argparse
 import json
+import re
 import shutil
 import types
 
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from safetensors.torch import load_file
 
 import train_dreambooth_lora_flux2 as T
@@ -71,13 +72,12 @@ def test_the_subject_score_reads_only_the_images_whose_prompt_names_the_subject(
     """subject: the rows whose prompt holds --trigger_word, or else the instance prompt's word that the drift prompts
     lack (sks); a prompt naming neither (a red square) and the drift prompts' rows are left out of it."""
     (tmp_path / "drift.txt").write_text("a photo of dog\n")
-    args = argparse.Namespace(validation_metrics=T.metric_names("all"), metrics_drift_prompts=tmp_path / "drift.txt",
+    args = argparse.Namespace(validation_metrics="all", metrics_drift_prompts=tmp_path / "drift.txt",
                               instance_prompt=f"a photo of {trigger or 'sks'} dog", metrics_reference_dir=None,
-                              trigger_word=trigger)
+                              trigger_word=trigger, class_prompt=None)
     option = T.ValidationMetrics(args)
     option.models = T.MetricModels(*scorers)
     option.references = option.models.dino_features(pictures(2, seed=1), "cpu")
-    option.others = option._drift_prompts()  # what setup reads once
     images, base = pictures(4), pictures(4, seed=2)
     rows = [(f"{trigger or 'sks'} dog in a bucket", 0), ("a red square", 1), ("a photo of dog", 2),
             (f"a {trigger or 'sks'} dog on a beach", 3)]
@@ -187,7 +187,8 @@ def test_every_validation_is_scored_logged_plotted_and_tabled(kept):
     entries = history(root / "straight")
     assert [(e["step"], e["tag"]) for e in entries] == [(0, "base"), (2, "step-000002"), (4, "step-000004"),
                                                         (6, "final")]
-    assert all({"subject", "prompt", "drift"} <= e.keys() for e in entries) and entries[0]["drift"] == 0
+    assert all({"subject", "prompt", "drift"} <= e.keys() for e in entries)
+    assert entries[0]["drift"] == pytest.approx(0, abs=1e-6)  # the base against itself: 0 up to rounding
     assert entries[-1]["images"] == ["final-0.png", "final-1.png", "final-2.png", "final-3.png"]
     assert entries[-1]["drift"] > 0  # the class prompt's images moved
     for e in entries[1:]:  # once each, by the main process
@@ -218,13 +219,13 @@ def test_keep_best_keeps_the_scored_lora_bit_for_bit_and_survives_a_resume(kept)
 
 @pytest.mark.parametrize("flags, message", [
     (["--validation_metrics", "dino,size"], "--validation_metrics dino,size: expected none, all, or some of"),
-    (["--validation_metrics", "dino"], "--validation_metrics subject: needs validation images"),
+    (["--validation_metrics", "dino"], "--validation_metrics dino needs validation images"),  # as the user wrote it
     (["--validation_metrics", "drift", "--validation_prompt", "x"], "drift needs prompts without the subject"),
     (["--validation_metrics", "clip", "--validation_prompt", "x", "--keep_best", "subject"],
-     "--keep_best subject needs the scores it compares"),
+     "--validation_metrics clip lacks the scores --keep_best subject compares"),
     (["--keep_best", "subject"], "--keep_best has no effect without --validation_metrics"),
     (["--validation_metrics", "dino", "--validation_prompt", "x", "--metrics_reference_dir", "EMPTY"],
-     "holds no images"),
+     ": no images"),
 ])
 def test_bad_metric_flags_are_refused_before_any_model_loads(tiny_model, tmp_path, flags, message):
     (tmp_path / "empty").mkdir()
@@ -241,7 +242,7 @@ def test_a_manifest_run_scoring_the_subject_needs_reference_photos(tmp_path):
     manifest.write_text("{}")
     flags = ["--pretrained_model_name_or_path", "m", "--from_manifest", str(manifest), "--cache_latents",
              "--validation_prompt", "a photo of sks dog", "--validation_metrics", "dino"]
-    with pytest.raises(T.UsageError, match="--from_manifest trains without the instance images: give "
+    with pytest.raises(T.UsageError, match="--validation_metrics dino: no instance images to compare with: give "
                                            "--metrics_reference_dir"):
         T.validate_args(T.parse_args(flags))
     make_images(str(tmp_path / "photos"))
@@ -249,8 +250,8 @@ def test_a_manifest_run_scoring_the_subject_needs_reference_photos(tmp_path):
 
 
 def test_reference_photos_are_read_as_training_reads_images(scorers, tmp_path):
-    """--metrics_reference_dir is scanned as an image folder (hidden files skipped, EXIF orientation applied), when
-    the scoring models load."""
+    """--metrics_reference_dir is scanned as an image folder (hidden files skipped, EXIF orientation applied), and its
+    features computed when the scoring models load."""
     photos = tmp_path / "photos"
     photos.mkdir()
     upright = pictures(1, size=(40, 56))[0]
@@ -258,12 +259,15 @@ def test_reference_photos_are_read_as_training_reads_images(scorers, tmp_path):
     exif[0x0112] = 6  # shown rotated by 90 degrees
     upright.transpose(Image.Transpose.ROTATE_90).save(photos / "phone.jpg", exif=exif, quality=100)
     (photos / "._phone.jpg").write_bytes(b"macOS resource fork, not an image")
-    args = argparse.Namespace(validation_metrics=T.metric_names("dino"), metrics_reference_dir=str(photos),
+    args = argparse.Namespace(validation_metrics="dino", metrics_reference_dir=str(photos),
                               metrics_dino_model=scorers[0], metrics_clip_model=scorers[1], metrics_drift_prompts=None,
                               instance_prompt="a photo of sks dog", class_prompt=None)
     option = T.ValidationMetrics(args)
     option.setup(types.SimpleNamespace(data=None))
-    assert [r.name for r in option.photos] == ["phone.jpg"] and option.photos[0].load().size == (40, 56)
+    with Image.open(photos / "phone.jpg") as stored:
+        shown = ImageOps.exif_transpose(stored).convert("RGB")
+    assert shown.size == (40, 56) and option.references.shape[0] == 1  # the resource fork is not a photo
+    assert torch.equal(option.references, option.models.dino_features([shown], "cpu"))
 
 
 def test_the_history_restarts_when_the_base_images_are_remade(tmp_path, monkeypatch):
@@ -302,3 +306,64 @@ def test_a_scoring_model_that_cannot_be_found_is_refused_before_any_model_loads(
         args = T.parse_args([*base, f"--metrics_{which}_model", missing, *other])
         with pytest.raises(T.UsageError, match=f"--metrics_{which}_model {missing}: cannot read its config"):
             T.check_model_fit(args)
+
+
+OTHERS_READ = ["trigger words and output preservation", "class images", "the manifest", "validation extras"]
+
+
+def test_the_section_names_another_options_flag_only_on_a_line_marked_for_that_option():
+    """A trimmed copy without an option has no message naming its flags: in this section, a string naming another
+    option's flag sits on a line marked `# option: NAME` (deleted with that option)."""
+    import io
+    import tokenize
+
+    from tests.test_parts import SOURCE, option_sections
+
+    start, end = option_sections(SOURCE)["validation metrics"]
+    lines = SOURCE.splitlines()[start:end]
+    owner = {name: o.name for o in T.OPTIONS if o is not T.ValidationMetrics for names, _ in o.flags for name in names}
+    named = []
+    for token in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
+        if token.type == tokenize.STRING:
+            for k, text in enumerate(token.string.splitlines()):
+                line = lines[token.start[0] - 1 + k]
+                named += [(flag, line) for flag in re.findall(r"--\w+", text)
+                          if flag in owner and not line.endswith(f"# option: {owner[flag]}")]
+    assert named == []
+    assert {o for o in OTHERS_READ if any(line.endswith(f"# option: {o}") for line in lines)} == set(OTHERS_READ) - {
+        "the manifest"}  # the manifest's runs have no instance images: refused without naming it
+
+
+@pytest.mark.parametrize("removed", OTHERS_READ)
+def test_the_metrics_work_in_a_copy_without_an_option_they_read(removed, scorers, tmp_path):
+    """The copy without the trigger words (or the class images, the manifest, the validation extras) keeps the
+    metrics: no undefined name, the refusals name no flag it lacks, the drift prompts and the subject's rows are
+    found, and the scores are computed."""
+    from tests.test_parts import SOURCE, load, undefined_globals, without_options
+
+    source = without_options(SOURCE, [removed])
+    assert undefined_globals(source) == set()
+    copy = load(source, "without_" + re.sub(r"\W", "_", removed))
+    lacks = [name for o in T.OPTIONS if o.name == removed for names, _ in o.flags for name in names]
+    make_images(str(tmp_path / "images"))
+    (tmp_path / "drift.txt").write_text("a photo of dog\n")
+    base = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", str(tmp_path / "images"),
+            "--instance_prompt", "a photo of sks dog"]
+    with pytest.raises(copy.UsageError) as refused:  # the refusal that lists where drift prompts come from
+        copy.validate_args(copy.parse_args([*base, "--validation_metrics", "drift", "--validation_prompt", "x"]))
+    assert "drift needs prompts without the subject (--metrics_drift_prompts" in str(refused.value)
+    assert not [name for name in lacks if name in str(refused.value)]
+    args = copy.parse_args([*base, "--validation_metrics", "dino,clip,drift", "--metrics_drift_prompts",
+                            str(tmp_path / "drift.txt"), "--validation_prompt", "sks dog in a bucket", "--keep_best",
+                            "balanced"])
+    copy.validate_args(args)
+    option = copy.ValidationMetrics(args)
+    option.models = copy.MetricModels(*scorers)
+    option.references = option.models.dino_features(pictures(2, seed=1), "cpu")
+    rows = [("sks dog in a bucket", 0), ("a red square", 1), ("a photo of dog", 2)]
+    assert option.others == ["a photo of dog"] and [s.prompt for s in option.validation_specs()] == option.others
+    scores = option._scores(types.SimpleNamespace(device="cpu"), rows, dict(enumerate(pictures(3))),
+                            dict(enumerate(pictures(3, seed=2))))
+    features = option.models.dino_features
+    assert scores["subject"] == pytest.approx(T.subject_score(features(pictures(3)[:1], "cpu"), option.references))
+    assert scores.keys() == {"subject", "prompt", "drift"} and 0 < scores["drift"] <= 2
