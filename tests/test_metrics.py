@@ -367,3 +367,17 @@ def test_the_metrics_work_in_a_copy_without_an_option_they_read(removed, scorers
     features = option.models.dino_features
     assert scores["subject"] == pytest.approx(T.subject_score(features(pictures(3)[:1], "cpu"), option.references))
     assert scores.keys() == {"subject", "prompt", "drift"} and 0 < scores["drift"] <= 2
+
+
+def test_a_metrics_runs_config_yaml_repeats_it(tmp_path):
+    """config.yaml records --validation_metrics as written (it recorded the score names, subject,drift, which --config
+    then refused), and `none` turns the option off."""
+    import yaml
+
+    flags = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "a photo of sks dog",
+             "--validation_prompt", "a photo of sks dog", "--validation_metrics", "dino,drift"]
+    config = T.resolved_config(T.parse_args(flags), 0, types.SimpleNamespace(mixed_precision="no"))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    again = T.parse_args(["--config", str(tmp_path / "config.yaml")])
+    assert again.validation_metrics == "dino,drift" and T.ValidationMetrics(again).names == ("subject", "drift")
+    assert not T.ValidationMetrics.wanted(T.parse_args([*flags[:-1], "none"]))
