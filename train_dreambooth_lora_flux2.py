@@ -5778,6 +5778,8 @@ def available_host_memory():
 
 METRICS = {"dino": "subject", "clip": "prompt", "drift": "drift"}  # a flag's word -> the score it adds
 SCORER = {"subject": "dino", "prompt": "clip", "drift": "dino"}  # a score -> the model (--metrics_X_model) it needs
+SCORERS = {"dino": ({"dinov2", "dinov2_with_registers", "vit"}, "a DINOv2 or DINO ViT model (facebook/dinov2-base, "
+                    "facebook/dino-vits16)"), "clip": ({"clip"}, "a CLIP model (openai/clip-vit-base-patch32)")}
 
 def metric_names(text):
     """--validation_metrics -> the scores' names: none, all or some of dino, clip, drift (else ValueError)."""
@@ -5862,7 +5864,7 @@ class MetricModels:
             out = model(**inputs.to(device))
             return out.image_embeds.cpu(), out.text_embeds.cpu()
 
-@functools.cache  # read once: the rows of every validation stay the same
+@functools.cache  # read once, when the flag is parsed: the rows of every validation stay the same
 def read_drift_prompts(path):
     try:
         prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -5870,6 +5872,13 @@ def read_drift_prompts(path):
         raise UsageError(f"--metrics_drift_prompts {path}: {e}") from None
     refuse(not prompts, f"--metrics_drift_prompts {path}: no prompt in it")
     return prompts
+
+@functools.cache  # read when the flag is parsed, before anything is written
+def reference_photos(folder):
+    try:  # as training reads a folder: hidden files skipped, EXIF orientation applied, unreadable files named
+        return scan_image_folder(folder, read_captions=False)
+    except UsageError as e:
+        raise UsageError(f"--metrics_reference_dir {folder}: {e}") from None
 
 def copy_folder(source, target):
     """Copy folder `source` over `target` without a moment where `target` is missing or half copied."""
@@ -5895,15 +5904,17 @@ class ValidationMetrics(Option):
         flag("--validation_metrics", type=Accepts("none, all, or some of dino, clip, drift (comma-separated)", lambda v:
              metric_names(v) is not None), default="none", help="Scores at each validation: dino (the subject's "
              "likeness), clip (prompt agreement), drift (the class prompt's images against the base model's)."),
-        flag("--metrics_reference_dir", type=existing_folder, help="Photos of the subject to compare with (held-out "
-             "ones measure likeness, not memory); default: the instance images."),
-        flag("--metrics_drift_prompts", type=readable_file, help="Prompts without the subject, one a line, for "
-             "drift; default: output preservation's prompt, or the class images'."),
+        flag("--metrics_reference_dir", type=Accepts("a readable folder of images", lambda v: existing_folder.ok(v)
+             and bool(reference_photos(v))), help="Photos of the subject to compare with (held-out ones measure "
+             "likeness, not memory); default: the instance images."),
+        flag("--metrics_drift_prompts", type=Accepts("a readable text file, a prompt a line", lambda v: bool(
+             read_drift_prompts(v))), help="Prompts without the subject, one a line, for drift; default: output "
+             "preservation's prompt, or the class images'."),
         flag("--metrics_dino_model", type=model_source, default="facebook/dinov2-base", help="The DINOv2 model."),
         flag("--metrics_clip_model", type=model_source, default="openai/clip-vit-base-patch32", help="The CLIP model."),
         flag("--keep_best", choices=["subject", "prompt", "balanced"], help="Keep the LoRA of the best scored "
              "validation in <output_dir>/best/; balanced: the best subject score with drift at most --max_drift."),
-        flag("--max_drift", type=non_negative, help="balanced's drift limit; default: the final validation's drift.")]
+        flag("--max_drift", type=number(0, 2), help="balanced's drift limit; default: the final validation's drift.")]
 
     def check(self):
         args, names, keep, others = self.args, self.names, self.args.keep_best, self.others
@@ -5917,8 +5928,6 @@ class ValidationMetrics(Option):
         refuse("drift" in names and not others, f"{given}: drift needs prompts without the subject ({wanted})")
         refuse("subject" in names and not (args.metrics_reference_dir or args.instance_data_dir or vars(args).get(
             "dataset_name")), f"{given}: no instance images to compare with: give --metrics_reference_dir")
-        refuse(args.metrics_reference_dir and not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in Path(
-            args.metrics_reference_dir).iterdir()), f"--metrics_reference_dir {args.metrics_reference_dir}: no images")
         refuse(keep and {*KEEP_BEST_SCORES[keep]} - {*names}, f"{given} lacks the scores --keep_best {keep} compares")
         hint, word = "holds a word of --instance_prompt the drift prompts lack", vars(args).get("trigger_word")
         hint = f"holds --trigger_word {word}" if word else hint  # option: trigger words and output preservation
@@ -5929,13 +5938,18 @@ class ValidationMetrics(Option):
         refuse(args.max_drift is not None and keep != "balanced", "--max_drift applies to --keep_best balanced")
 
     def check_model(self, model):
-        """A scoring model's config that cannot be read (a typo, not cached offline) stops the run before precompute."""
-        from transformers import AutoConfig
+        """A scoring model's config that cannot be read (a typo, not cached offline), or of a model of another kind
+        (the two flags swapped, a diffusers folder), stops the run before anything is written, not at its end."""
+        from transformers import PretrainedConfig
         for which, source in self.sources.items():
             try:
-                AutoConfig.from_pretrained(source)
-            except OSError as e:
+                config = PretrainedConfig.get_config_dict(source)[0]
+            except (OSError, ValueError) as e:
                 raise UsageError(f"--metrics_{which}_model {source}: cannot read its config ({e})") from None
+            kind = config.get("model_type")
+            held = f"a {kind} model" if kind else config.get("_class_name", "no config.json")  # diffusers': its class
+            refuse(kind not in SCORERS[which][0], f"--metrics_{which}_model {source} holds {held}; expected "
+                   f"{SCORERS[which][1]}")
 
     @property
     def others(self):
@@ -5965,8 +5979,7 @@ class ValidationMetrics(Option):
         args, self.run, state = self.args, run, PartialState()
         if state.is_main_process:
             self.models = MetricModels(**self.sources)
-            photos = scan_image_folder(d, read_captions=False) if (d := args.metrics_reference_dir) else (
-                run.data.dataset.instances)
+            photos = reference_photos(d) if (d := args.metrics_reference_dir) else run.data.dataset.instances
             if "subject" in self.names:
                 self.references = self.models.dino_features([r.load() for r in photos], state.device)
 

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,22 +218,78 @@ def test_keep_best_keeps_the_scored_lora_bit_for_bit_and_survives_a_resume(kept)
     assert "validation metrics, the base model" not in resumed.stderr  # its scores came with the history
 
 
+@pytest.fixture(scope="module")
+def places(tiny_model, scorers, tmp_path_factory):
+    """What the refusals below point the flags at: images to train on, an empty folder, a folder whose only image is
+    not one, a blank prompts file, the tiny model's transformer (a diffusers folder) and the two scoring models."""
+    root = tmp_path_factory.mktemp("places")
+    make_images(str(root / "images"))
+    for folder in ("empty", "broken"):
+        (root / folder).mkdir()
+    (root / "broken" / "photo.png").write_text("not an image")
+    (root / "blank.txt").write_text("\n  \n")
+    (root / "drift.txt").write_text("a photo of dog\n")
+    return {"IMAGES": root / "images", "EMPTY": root / "empty", "BROKEN": root / "broken", "BLANK": root / "blank.txt",
+            "DRIFT": root / "drift.txt", "TRANSFORMER": Path(tiny_model, "transformer"), "DINO": scorers[0],
+            "CLIP": scorers[1]}
+
+
+SCORE = ["--validation_prompt", "a photo of sks dog", "--metrics_dino_model", "{DINO}", "--validation_metrics"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--validation_metrics", "dino,size"], "--validation_metrics dino,size: expected none, all, or some of"),
     (["--validation_metrics", "dino"], "--validation_metrics dino needs validation images"),  # as the user wrote it
-    (["--validation_metrics", "drift", "--validation_prompt", "x"], "drift needs prompts without the subject"),
-    (["--validation_metrics", "clip", "--validation_prompt", "x", "--keep_best", "subject"],
+    ([*SCORE, "drift"], "--validation_metrics drift: drift needs prompts without the subject"),
+    ([*SCORE, "clip", "--keep_best", "subject"],
      "--validation_metrics clip lacks the scores --keep_best subject compares"),
     (["--keep_best", "subject"], "--keep_best has no effect without --validation_metrics"),
-    (["--validation_metrics", "dino", "--validation_prompt", "x", "--metrics_reference_dir", "EMPTY"],
-     ": no images"),
+    # issue 52, items 4-6: read and checked before anything is written
+    ([*SCORE, "dino", "--metrics_reference_dir", "{EMPTY}"],
+     "--metrics_reference_dir {EMPTY}: expected a readable folder of images"),
+    ([*SCORE, "dino", "--metrics_reference_dir", "{BROKEN}"], "--metrics_reference_dir {BROKEN}: cannot use 1 file(s)"),
+    ([*SCORE, "dino", "--metrics_drift_prompts", "{BLANK}"], "--metrics_drift_prompts {BLANK}: no prompt in it"),
+    ([*SCORE, "dino,drift", "--metrics_drift_prompts", "{BLANK}"], "--metrics_drift_prompts {BLANK}: no prompt in it"),
+    ([*SCORE, "dino,drift", "--metrics_drift_prompts", "{DRIFT}", "--keep_best", "balanced", "--max_drift", "5"],
+     "--max_drift 5: expected a number in [0, 2]"),
+    ([*SCORE, "dino", "--metrics_dino_model", "{EMPTY}"],
+     "--metrics_dino_model {EMPTY} holds no config.json; expected a DINOv2 or DINO ViT model"),
+    ([*SCORE, "dino", "--metrics_dino_model", "{TRANSFORMER}"],
+     "--metrics_dino_model {TRANSFORMER} holds Flux2Transformer2DModel; expected a DINOv2"),
+    ([*SCORE, "all", "--metrics_clip_model", "{DINO}", "--metrics_drift_prompts", "{DRIFT}", "--metrics_dino_model",
+      "{CLIP}"], "--metrics_dino_model {CLIP} holds a clip model; expected a DINOv2 or DINO ViT model"),
+    ([*SCORE, "clip", "--metrics_clip_model", "{DINO}"],
+     "--metrics_clip_model {DINO} holds a dinov2 model; expected a CLIP model"),
 ])
-def test_bad_metric_flags_are_refused_before_any_model_loads(tiny_model, tmp_path, flags, message):
-    (tmp_path / "empty").mkdir()
-    flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
-    proc = launch(base_args(tiny_model, tmp_path, tmp_path / "out", *flags), check=False)
+def test_bad_metric_flags_are_refused_before_anything_is_written(places, tiny_model, tmp_path, flags, message):
+    """Exit 2 with one message naming the flag (and what the folder holds), before any model loads and before the
+    output folder gets a file: a CLIP model given as the DINO one trained the whole run and died in the final scores."""
+    flags, message = [f.format(**places) for f in flags], message.format(**places)
+    proc = launch(base_args(tiny_model, places["IMAGES"], tmp_path / "out", *flags), check=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
-    assert "loading" not in proc.stderr
+    assert "loading" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_max_drift_0_keeps_only_a_validation_that_did_not_drift(tmp_path):
+    """--max_drift 0 is a limit, not "none" (the final drift's): balanced keeps a validation of drift 0, or none and
+    says so."""
+    (tmp_path / "drift.txt").write_text("a photo of dog\n")
+    T.validate_args(T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".",
+                                  "--instance_prompt", "a photo of sks dog", "--validation_prompt", "sks dog",
+                                  "--validation_metrics", "dino,drift", "--metrics_drift_prompts",
+                                  str(tmp_path / "drift.txt"), "--keep_best", "balanced", "--max_drift", "0"]))
+    history = [{"step": 0, "tag": "base", "subject": 0.9, "drift": 0.0},  # never kept
+               {"step": 2, "tag": "a", "subject": 0.5, "drift": 0.0},
+               {"step": 4, "tag": "b", "subject": 0.7, "drift": 0.2},
+               {"step": 6, "tag": "c", "subject": 0.6, "drift": 0.3}]
+    assert T.best_entry(history, "balanced", 0.0)["step"] == 2 and T.may_be_kept(history, "balanced", 0.0) == {2}
+    drifted = [e for e in history if e["step"] != 2]
+    assert T.best_entry(drifted, "balanced", 0.0) is None and T.may_be_kept(drifted, "balanced", 0.0) == set()
+    option = T.ValidationMetrics(argparse.Namespace(keep_best="balanced", max_drift=0.0, output_dir=str(tmp_path)))
+    option.history = drifted
+    assert option._keep(None, tmp_path / "validation", drifted[-1]) == ("; no validation within --max_drift 0.0, no "
+                                                                        "best LoRA")
 
 
 def test_a_manifest_run_scoring_the_subject_needs_reference_photos(tmp_path):
@@ -374,8 +431,8 @@ def test_a_metrics_runs_config_yaml_repeats_it(tmp_path):
     then refused), and `none` turns the option off."""
     import yaml
 
-    flags = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "a photo of sks dog",
-             "--validation_prompt", "a photo of sks dog", "--validation_metrics", "dino,drift"]
+    flags = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt",
+             "a photo of sks dog", "--validation_prompt", "a photo of sks dog", "--validation_metrics", "dino,drift"]
     config = T.resolved_config(T.parse_args(flags), 0, types.SimpleNamespace(mixed_precision="no"))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     again = T.parse_args(["--config", str(tmp_path / "config.yaml")])
