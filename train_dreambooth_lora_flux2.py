@@ -5840,21 +5840,23 @@ def metrics_plot(history, size=(480, 240)):
     return image
 
 class MetricModels:
-    """DINOv2 (subject, drift) and CLIP (prompt) with their preprocessing, loaded once on the CPU and on the GPU only
-    while they score (DINOv2-base 86 M parameters, CLIP ViT-B/32 151 M: about 1 GB in float32)."""
+    """DINO (subject, drift: DINOv2, or v1's ViT) and CLIP (prompt) with their processors, loaded once on the CPU and
+    on the GPU only while they score (DINOv2-base 86 M parameters, CLIP ViT-B/32 151 M: about 1 GB in float32)."""
 
     def __init__(self, dino=None, clip=None):
         from transformers import AutoImageProcessor, AutoModel, AutoProcessor, CLIPModel
-        self.dino = (AutoImageProcessor.from_pretrained(dino, backend="pil"),
-                     AutoModel.from_pretrained(dino).eval()) if dino else None
-        self.clip = (AutoProcessor.from_pretrained(clip, backend="pil"),
-                     CLIPModel.from_pretrained(clip).eval()) if clip else None
+        with torch.random.fork_rng(devices=[]):  # weights a checkpoint lacks (v1's pooler) draw no training noise
+            self.dino = (AutoImageProcessor.from_pretrained(dino, backend="pil"),
+                         AutoModel.from_pretrained(dino).eval()) if dino else None
+            self.clip = (AutoProcessor.from_pretrained(clip, backend="pil"),
+                         CLIPModel.from_pretrained(clip).eval()) if clip else None
 
     def dino_features(self, images, device):
-        """[N, D]: the CLS token after the last layer norm, on 224 px centre crops with DINOv2's mean and std."""
+        """[N, D]: the CLS token of the last hidden state (after the last layer norm: DINOv2's pooler output; v1's ViT
+        pooler is a further layer DINO did not train), on the crops of the model's own processor."""
         processor, model = self.dino
         with on_device(model, device, True), torch.no_grad():
-            return model(**processor(images=images, return_tensors="pt").to(device)).pooler_output.cpu()
+            return model(**processor(images=images, return_tensors="pt").to(device)).last_hidden_state[:, 0].cpu()
 
     def clip_embeddings(self, images, texts, device):
         """([N, P] image, [N, P] text) projected embeddings; prompts beyond CLIP's 77 tokens are cut."""
@@ -5910,7 +5912,8 @@ class ValidationMetrics(Option):
         flag("--metrics_drift_prompts", type=Accepts("a readable text file, a prompt a line", lambda v: bool(
              read_drift_prompts(v))), help="Prompts without the subject, one a line, for drift; default: output "
              "preservation's prompt, or the class images'."),
-        flag("--metrics_dino_model", type=model_source, default="facebook/dinov2-base", help="The DINOv2 model."),
+        flag("--metrics_dino_model", type=model_source, default="facebook/dinov2-base", help="The DINO model: DINOv2, "
+             "or the DreamBooth paper's facebook/dino-vits16."),
         flag("--metrics_clip_model", type=model_source, default="openai/clip-vit-base-patch32", help="The CLIP model."),
         flag("--keep_best", choices=["subject", "prompt", "balanced"], help="Keep the LoRA of the best scored "
              "validation in <output_dir>/best/; balanced: the best subject score with drift at most --max_drift."),
@@ -6059,8 +6062,8 @@ class ValidationMetrics(Option):
         rows = [f"| {e['step']} | {' | '.join(f'{e[k]:.3f}' if k in e else '-' for k in SCORER)} |" for e in history]
         best = args.keep_best and best_entry(history, args.keep_best, args.max_drift)
         kept = ["", f"`best/` holds the LoRA of step {best['step']} (--keep_best {args.keep_best})."] if best else []
-        return ["", "Validation metrics (subject: DINOv2 similarity to the subject's photos; prompt: CLIP image-prompt "
-                "agreement; drift: 1 - DINOv2 similarity of the class prompt's images to the base model's):", "",
+        return ["", "Validation metrics (subject: DINO similarity to the subject's photos; prompt: CLIP image-prompt "
+                "agreement; drift: 1 - DINO similarity of the drift prompts' images to the base model's):", "",
                 "| step | subject | prompt | drift |", "|---|---|---|---|", *rows, *kept] if history else []
 
 if __name__ == "__main__":

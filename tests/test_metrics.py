@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import base_args, launch
 from tests.tiny_flux2 import make_images
-from tests.tiny_metrics import build_tiny_clip, build_tiny_dino
+from tests.tiny_metrics import build_tiny_clip, build_tiny_dino, build_tiny_dino_v1
 
 LORA = "pytorch_lora_weights.safetensors"
 
@@ -28,6 +28,12 @@ LORA = "pytorch_lora_weights.safetensors"
 def scorers(tmp_path_factory):
     root = tmp_path_factory.mktemp("scorers")
     return build_tiny_dino(root / "dino"), build_tiny_clip(root / "clip")
+
+
+@pytest.fixture(scope="module")
+def dino_v1(tmp_path_factory):
+    """The DreamBooth paper's DINO (facebook/dino-vits16's kind), tiny and random."""
+    return build_tiny_dino_v1(tmp_path_factory.mktemp("scorers") / "dino-v1")
 
 
 def pictures(count, size=(40, 56), seed=0):
@@ -66,6 +72,28 @@ def test_each_score_is_the_hand_computed_one(scorers):
     by_hand = sum(cos(out.image_embeds[i], out.text_embeds[i], dim=0) for i in range(3)) / 3
     assert T.paired_score(*models.clip_embeddings(generated, prompts, "cpu")) == pytest.approx(by_hand.item(), abs=1e-5)
     assert len({round(T.paired_score(*models.clip_embeddings([generated[0]], [p], "cpu")), 6) for p in prompts}) == 3
+
+
+def test_dino_v1_scores_as_the_dreambooth_paper_does(dino_v1):
+    """--metrics_dino_model facebook/dino-vits16 (a ViTModel): the subject score is the mean over every (generated,
+    reference) pair of the cosine of the last hidden state's CLS token on the model's processor's 224 px images, not of
+    its pooler (random when loaded: DINO trained none); loading it draws nothing from training's random numbers."""
+    from transformers import AutoImageProcessor, ViTModel
+
+    state = torch.get_rng_state()
+    models = T.MetricModels(dino_v1)
+    assert torch.equal(torch.get_rng_state(), state)
+    generated, references = pictures(3), pictures(2, seed=1)
+    processor, vit = AutoImageProcessor.from_pretrained(dino_v1), ViTModel.from_pretrained(dino_v1,
+                                                                                             add_pooling_layer=False)
+    pixels = processor(images=generated + references, return_tensors="pt")["pixel_values"]
+    assert pixels.shape == (5, 3, 224, 224)
+    with torch.no_grad():
+        cls = vit(pixel_values=pixels).last_hidden_state[:, 0]
+    cos = torch.nn.functional.cosine_similarity
+    by_hand = sum(cos(cls[g], cls[3 + r], dim=0) for g in range(3) for r in range(2)) / 6
+    score = T.subject_score(models.dino_features(generated, "cpu"), models.dino_features(references, "cpu"))
+    assert score == pytest.approx(by_hand.item(), abs=1e-5)
 
 
 @pytest.mark.parametrize("trigger", [None, "ohwx"])
@@ -155,13 +183,14 @@ def test_keep_best_by_subject_without_a_prompt_naming_the_subject_is_refused(tmp
 
 
 @pytest.fixture(scope="module")
-def kept(tiny_model, scorers, tmp_path_factory):
-    """One run of two processes scoring every validation and keeping the best LoRA by subject (checkpoints where it
-    validates), and the same run resumed from its checkpoint-2 in a copy of its folder (history: steps 0 to 4)."""
+def kept(tiny_model, scorers, dino_v1, tmp_path_factory):
+    """One run of two processes scoring every validation (DINO v1: DINOv2 runs end to end in test_learning.py and
+    test_preservation.py) and keeping the best LoRA by subject (checkpoints where it validates), and the same run
+    resumed from its checkpoint-2 in a copy of its folder (history: steps 0 to 4)."""
     root = tmp_path_factory.mktemp("kept")
     make_images(str(root / "images"))
     (root / "drift.txt").write_text("a photo of dog\n")
-    dino, clip = scorers
+    dino, clip = dino_v1, scorers[1]
     flags = ["--max_train_steps", "6", "--checkpointing_steps", "2", "--validation_steps", "2", "--validation_prompt",
              "a photo of sks dog", "--num_validation_images", "2", "--validation_metrics", "all",
              "--metrics_drift_prompts", root / "drift.txt", "--metrics_dino_model", dino, "--metrics_clip_model", clip,
@@ -349,7 +378,8 @@ def test_the_history_restarts_when_the_base_images_are_remade(tmp_path, monkeypa
     assert history() == [(0, "base"), (3, "step-3")]
 
 
-def test_a_scoring_model_that_cannot_be_found_is_refused_before_any_model_loads(tiny_model, scorers, tmp_path):
+def test_a_scoring_model_that_cannot_be_found_is_refused_before_any_model_loads(tiny_model, scorers, dino_v1,
+                                                                                 tmp_path):
     """A typo, or a Hub id an offline machine has not cached, failed with a traceback after precompute (the scoring
     models load at setup): the pre-flight check reads their configs."""
     dino, clip = scorers
@@ -357,7 +387,8 @@ def test_a_scoring_model_that_cannot_be_found_is_refused_before_any_model_loads(
     base = ["--pretrained_model_name_or_path", str(tiny_model), "--instance_data_dir", str(tmp_path / "images"),
             "--instance_prompt", "a photo of sks dog", "--validation_prompt", "a photo of sks dog",
             "--text_encoder_out_layers", "1", "2", "--validation_metrics", "all", "--class_prompt", "a photo of dog"]
-    T.check_model_fit(T.parse_args([*base, "--metrics_dino_model", str(dino), "--metrics_clip_model", str(clip)]))
+    for good in (dino, dino_v1):  # DINOv2 and v1 (the paper's) both pass
+        T.check_model_fit(T.parse_args([*base, "--metrics_dino_model", str(good), "--metrics_clip_model", str(clip)]))
     for which, missing in (("dino", "someone/no-such-dinov2"), ("clip", "someone/no-such-clip")):
         other = ["--metrics_clip_model", str(clip)] if which == "dino" else ["--metrics_dino_model", str(dino)]
         args = T.parse_args([*base, f"--metrics_{which}_model", missing, *other])
