@@ -2361,16 +2361,6 @@ def replace_folder(new, target):
     os.replace(new, target)
     shutil.rmtree(old, ignore_errors=True)
 
-def copy_folder(source, target):
-    """Copy folder `source` over `target` without a moment where `target` is missing or half copied."""
-    new = target.with_name(f"{target.name}.partial")
-    shutil.rmtree(new, ignore_errors=True)
-    try:
-        shutil.copytree(source, new)
-        replace_folder(new, target)
-    finally:
-        shutil.rmtree(new, ignore_errors=True)
-
 def list_checkpoints(output_dir):
     """Complete checkpoints of output_dir, oldest first; incomplete ones (no trainer state) are skipped."""
     found = []
@@ -6148,53 +6138,39 @@ def available_host_memory():
 # Option: metrics (--validation_metrics: subject, prompt and drift scores at each validation; --keep_best)
 
 METRICS = {"dino": "subject", "clip": "prompt", "drift": "drift"}  # a flag's word -> the score it adds
+SCORER = {"subject": "dino", "prompt": "clip", "drift": "dino"}  # a score -> the model (--metrics_X_model) it needs
+SCORERS = {"dino": ({"dinov2", "dinov2_with_registers", "vit"}, "a DINOv2 or DINO ViT model (facebook/dinov2-base, "
+                    "facebook/dino-vits16)"), "clip": ({"clip"}, "a CLIP model (openai/clip-vit-base-patch32)")}
 
 def metric_names(text):
-    """--validation_metrics -> the scores' names (None for 'none'): 'all' or some of dino, clip, drift."""
-    words = list(METRICS) if text == "all" else [w.strip() for w in text.split(",")]
-    if text != "none" and any(w not in METRICS for w in words):
+    """--validation_metrics -> the scores' names: none, all or some of dino, clip, drift (else ValueError)."""
+    words = [] if text == "none" else list(METRICS) if text == "all" else [w.strip() for w in text.split(",")]
+    if any(w not in METRICS for w in words):
         raise ValueError(text)
-    return tuple(name for word, name in METRICS.items() if word in words) if text != "none" else None
+    return tuple(name for word, name in METRICS.items() if word in words)
 
 def subject_score(generated, references):
-    """Subject fidelity (DreamBooth's DINO score): the mean cosine of every generated image's DINO CLS feature with
-    every reference photo's ([N, D] and [M, D])."""
-    unit = functools.partial(torch.nn.functional.normalize, dim=-1)
-    return (unit(generated.float()) @ unit(references.float()).T).mean().item()
+    """DreamBooth's DINO score: the mean cosine of every generated image's feature [N, D] with every photo's [M, D]."""
+    return paired_score(generated[:, None], references[None])  # [N, 1, D] with [1, M, D]: every pair
 
 def paired_score(a, b):
-    """The mean cosine of row i of `a` with row i of `b`: an image with its prompt (CLIP-T), or the LoRA's image with
-    the base model's for the same prompt and noise (drift is 1 minus it, on DINO features)."""
+    """The mean cosine of row i of `a` with row i of `b` ([N, D] each)."""
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean().item()
 
 KEEP_BEST_SCORES = {"subject": ("subject",), "prompt": ("prompt",), "balanced": ("subject", "drift")}
 
-def compared(history, criterion):
-    """The validations --keep_best compares: not the base model's (step 0), and only those holding every score the
-    criterion reads (a validation none of whose prompts names the subject has no subject score)."""
-    return [e for e in history if e["tag"] != "base" and all(k in e for k in KEEP_BEST_SCORES[criterion])]
-
 def best_entry(history, criterion, max_drift=None):
-    """The scored validation --keep_best keeps (None: none qualifies): the highest subject or prompt score, the
-    earliest of equals; balanced: the highest subject score among validations whose drift is at most `max_drift`
-    (default: the latest compared validation's, the final one's at the end). Only `compared` validations count."""
-    history = compared(history, criterion)
-    if criterion == "balanced" and history:
-        limit = history[-1]["drift"] if max_drift is None else max_drift
-        history = [e for e in history if e["drift"] <= limit]
-    key = "subject" if criterion == "balanced" else criterion
-    return max(history, key=lambda e: e[key], default=None)
+    """The validation --keep_best keeps (None: none does) of those holding the scores it reads, not the base model's:
+    the highest (balanced: subject among drifts <= `max_drift`, default the latest one's), the earliest of equals."""
+    history = [e for e in history if e["tag"] != "base" and all(k in e for k in KEEP_BEST_SCORES[criterion])]
+    if criterion == "balanced" and history:  # the limit: max_drift, else the latest drift (0 is a limit)
+        history = [e for e in history if e["drift"] <= (history[-1]["drift"] if max_drift is None else max_drift)]
+    return max(history, key=lambda e: e["subject" if criterion == "balanced" else criterion], default=None)
 
 def may_be_kept(history, criterion, max_drift=None):
-    """Steps of `history` that --keep_best may choose now or at a later validation: the best so far, or for balanced
-    without --max_drift (the final drift decides) every validation no earlier one matches in both scores."""
-    if criterion != "balanced" or max_drift is not None:
-        best = best_entry(history, criterion, max_drift)
-        return {best["step"]} if best else set()
-    history = compared(history, criterion)
-    return {e["step"] for i, e in enumerate(history)
-            if not any(o["drift"] <= e["drift"] and o["subject"] >= e["subject"] for o in history[:i])
-            and not any(o["drift"] <= e["drift"] and o["subject"] > e["subject"] for o in history[i + 1:])}
+    """Steps --keep_best may still choose: the best; balanced without --max_drift: the best under each drift limit."""
+    limits = [e.get("drift") for e in history] if criterion == "balanced" and max_drift is None else [max_drift]
+    return {best["step"] for limit in limits if (best := best_entry(history, criterion, limit))}
 
 def read_history(folder):
     """validation/metrics.jsonl: an entry per scored validation, oldest first ([] before the first)."""
@@ -6205,57 +6181,53 @@ def metrics_plot(history, size=(480, 240)):
     """The scores over the steps as a line chart (Pillow): one colour a score, a dot per validation."""
     from PIL import ImageDraw, ImageFont
     colours = {"subject": (31, 119, 180), "prompt": (44, 160, 44), "drift": (214, 39, 40)}
-    series = {name: [(e["step"], e[name]) for e in history if e.get(name) is not None] for name in colours}
-    series = {name: points for name, points in series.items() if points}
-    values = [v for points in series.values() for _, v in points] or [0.0]
+    series = {k: [(e["step"], e[k]) for e in history if e.get(k) is not None] for k in colours}
+    values, steps = [v for points in series.values() for _, v in points] or [0.0], [e["step"] for e in history] or [0]
     pad = max(0.05 * (max(values) - min(values)), 0.01)  # the axis spans the values: small changes show
     low, high = min(values) - pad, max(values) + pad
-    steps = [e["step"] for e in history] or [0]
     (left, top, right, bottom), font = (40, 20, size[0] - 10, size[1] - 24), ImageFont.load_default()
     x = lambda s: left + (right - left) * (s - min(steps)) / max(1, max(steps) - min(steps))  # noqa: E731
     y = lambda v: bottom - (bottom - top) * (v - low) / (high - low)  # noqa: E731
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
+    draw = ImageDraw.Draw(image := Image.new("RGB", size, "white"))
     draw.rectangle((left, top, right, bottom), outline=(160, 160, 160))
     for v in (low, (low + high) / 2, high):
         draw.text((2, y(v) - 6), f"{v:.2f}", fill="black", font=font)
     draw.text((left, bottom + 6), f"step {min(steps)} to {max(steps)}", fill="black", font=font)
-    for k, (name, points) in enumerate(series.items()):
+    for k, name in enumerate(name for name in colours if series[name]):
         draw.text((left + 8 + 80 * k, 4), name, fill=colours[name], font=font)
-        if len(points) > 1:
-            draw.line([(x(s), y(v)) for s, v in points], fill=colours[name], width=2)
-        for s, v in points:
+        draw.line([(x(s), y(v)) for s, v in series[name]], fill=colours[name], width=2)  # one point: no line
+        for s, v in series[name]:
             draw.ellipse((x(s) - 3, y(v) - 3, x(s) + 3, y(v) + 3), fill=colours[name])
     return image
 
 class MetricModels:
-    """DINOv2 (subject, drift) and CLIP (prompt) with their preprocessing, loaded once on the CPU and on the GPU only
-    while they score (DINOv2-base 86 M parameters, CLIP ViT-B/32 151 M: about 1 GB in float32)."""
+    """DINO (subject, drift: DINOv2, or v1's ViT) and CLIP (prompt) with their processors, loaded once on the CPU and
+    on the GPU only while they score (DINOv2-base 86 M parameters, CLIP ViT-B/32 151 M: about 1 GB in float32)."""
 
     def __init__(self, dino=None, clip=None):
         from transformers import AutoImageProcessor, AutoModel, AutoProcessor, CLIPModel
-        self.dino = (AutoImageProcessor.from_pretrained(dino, backend="pil"),
-                     AutoModel.from_pretrained(dino).eval()) if dino else None
-        self.clip = (AutoProcessor.from_pretrained(clip, backend="pil"),
-                     CLIPModel.from_pretrained(clip).eval()) if clip else None
+        with torch.random.fork_rng(devices=[]):  # weights a checkpoint lacks (v1's pooler) draw no training noise
+            self.dino = (AutoImageProcessor.from_pretrained(dino, backend="pil"),
+                         AutoModel.from_pretrained(dino).eval()) if dino else None
+            self.clip = (AutoProcessor.from_pretrained(clip, backend="pil"),
+                         CLIPModel.from_pretrained(clip).eval()) if clip else None
 
-    @torch.no_grad()
     def dino_features(self, images, device):
-        """[N, D]: the CLS token after the last layer norm, on 224 px centre crops with DINOv2's mean and std."""
+        """[N, D]: the CLS token of the last hidden state (after the last layer norm: DINOv2's pooler output; v1's ViT
+        pooler is a further layer DINO did not train), on the crops of the model's own processor."""
         processor, model = self.dino
-        with on_device(model, device, True):
-            pixels = processor(images=images, return_tensors="pt")["pixel_values"].to(device)
-            return model(pixel_values=pixels).pooler_output.cpu()
+        with on_device(model, device, True), torch.no_grad():
+            return model(**processor(images=images, return_tensors="pt").to(device)).last_hidden_state[:, 0].cpu()
 
-    @torch.no_grad()
     def clip_embeddings(self, images, texts, device):
         """([N, P] image, [N, P] text) projected embeddings; prompts beyond CLIP's 77 tokens are cut."""
         processor, model = self.clip
         inputs = processor(text=texts, images=images, return_tensors="pt", padding=True, truncation=True)
-        with on_device(model, device, True):
-            out = model(**{k: v.to(device) for k, v in inputs.items()})
+        with on_device(model, device, True), torch.no_grad():
+            out = model(**inputs.to(device))
             return out.image_embeds.cpu(), out.text_embeds.cpu()
 
+@functools.cache  # read once, when the flag is parsed: the rows of every validation stay the same
 def read_drift_prompts(path):
     try:
         prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -6264,185 +6236,175 @@ def read_drift_prompts(path):
     refuse(not prompts, f"--metrics_drift_prompts {path}: no prompt in it")
     return prompts
 
+@functools.cache  # read when the flag is parsed, before anything is written
+def reference_photos(folder):
+    try:  # as training reads a folder: hidden files skipped, EXIF orientation applied, unreadable files named
+        return scan_image_folder(folder, read_captions=False)
+    except UsageError as e:
+        raise UsageError(f"--metrics_reference_dir {folder}: {e}") from None
+
+def copy_folder(source, target):
+    """Copy folder `source` over `target` without a moment where `target` is missing or half copied."""
+    new = target.with_name(f"{target.name}.partial")
+    shutil.rmtree(new, ignore_errors=True)
+    try:
+        shutil.copytree(source, new)
+        replace_folder(new, target)
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+
 @option
 class ValidationMetrics(Option):
-    """Numbers to pick a checkpoint by, from each validation's images: subject (DINO likeness to the photos), prompt
-    (CLIP image-prompt agreement), drift (the class prompt's images against the base model's); in metrics.jsonl and
-    .png, the trackers, the model card; --keep_best keeps the best scored LoRA in best/. Cost: its models (about 1 GB,
-    on the GPU only while they score), a forward pass of each a validation."""
+    """Numbers to pick a checkpoint by: subject (DINO likeness to the photos), prompt (CLIP image-prompt agreement),
+    drift (the drift prompts' images against the base model's) at each validation, in metrics.jsonl and .png, the
+    trackers, the card; --keep_best keeps the best LoRA in best/. Cost: about 1 GB of models, on the GPU only while
+    they score, and a forward pass of each a validation."""
 
-    name, run, models, references, photos, others = "metrics", None, None, None, (), ()
-    switches, requires = ("validation_metrics",), "--validation_metrics"
+    name, switches, run, models, references = "metrics", ("validation_metrics",), None, None, None
+    names = property(lambda self: metric_names(self.args.validation_metrics))  # the flag keeps the words as typed
+    sources = property(lambda self: {SCORER[s]: vars(self.args)[f"metrics_{SCORER[s]}_model"] for s in self.names})
     flags = [
-        flag("--validation_metrics", type=Accepts("none, all, or some of dino, clip, drift (comma-separated)",
-             convert=metric_names), help="Scores at each validation: dino (the subject's likeness), clip (prompt "
-             "agreement), drift (the class prompt's images against the base model's); default: none."),
-        flag("--metrics_reference_dir", type=existing_folder, help="Photos of the subject to compare with (held-out "
-             "ones measure likeness, not memory); default: the instance images."),
-        flag("--metrics_drift_prompts", type=readable_file, help="Prompts without the subject, one a line, for "
-             "drift; default: the class images' prompt, or the instance prompt with the trigger word replaced by the "
-             "class word."),
-        flag("--metrics_dino_model", type=model_source, default="facebook/dinov2-base", help="The DINOv2 model."),
-        flag("--metrics_clip_model", type=model_source, default="openai/clip-vit-base-patch32",
-             help="The CLIP model."),
+        flag("--validation_metrics", type=Accepts("none, all, or some of dino, clip, drift (comma-separated)", lambda v:
+             metric_names(v) is not None), default="none", help="Scores at each validation: dino (the subject's "
+             "likeness), clip (prompt agreement), drift (the class prompt's images against the base model's)."),
+        flag("--metrics_reference_dir", type=Accepts("a readable folder of images", lambda v: existing_folder.ok(v)
+             and bool(reference_photos(v))), help="Photos of the subject to compare with (held-out ones measure "
+             "likeness, not memory); default: the instance images."),
+        flag("--metrics_drift_prompts", type=Accepts("a readable text file, a prompt a line", lambda v: bool(
+             read_drift_prompts(v))), help="Prompts without the subject, one a line, for drift; default: output "
+             "preservation's prompt, or the class images'."),
+        flag("--metrics_dino_model", type=model_source, default="facebook/dinov2-base", help="The DINO model: DINOv2, "
+             "or the DreamBooth paper's facebook/dino-vits16."),
+        flag("--metrics_clip_model", type=model_source, default="openai/clip-vit-base-patch32", help="The CLIP model."),
         flag("--keep_best", choices=["subject", "prompt", "balanced"], help="Keep the LoRA of the best scored "
              "validation in <output_dir>/best/; balanced: the best subject score with drift at most --max_drift."),
-        flag("--max_drift", type=non_negative, help="balanced's drift limit; default: the final validation's drift.")]
+        flag("--max_drift", type=number(0, 2), help="balanced's drift limit; default: the final validation's drift.")]
 
     def check(self):
-        args, names = self.args, self.args.validation_metrics
-        prompts = [args.validation_prompt, args.final_validation_prompt, vars(args).get("validation_prompts_file")]
-        for refused, why in ((not any(prompts), "needs validation images: add --validation_prompt (a prompt naming "
-                              "the subject)"),
-                             ("drift" in names and not self._drift_prompts(), "drift needs prompts without the "
-                              "subject: --class_prompt, --class_word or --metrics_drift_prompts"),
-                             (args.keep_best in ("subject", "balanced") and "subject" not in names
-                              or args.keep_best == "balanced" and "drift" not in names
-                              or args.keep_best == "prompt" and "prompt" not in names,
-                              f"--keep_best {args.keep_best} needs the scores it compares in --validation_metrics"),
-                             (args.keep_best in ("subject", "balanced") and not self._subject_named(),
-                              f"--keep_best {args.keep_best} compares subject scores, and no validation prompt names "
-                              "the subject (holds " + (f"--trigger_word {args.trigger_word}" if vars(args).get(
-                                  "trigger_word") else "a word of --instance_prompt the drift prompts lack") + ")"),
-                             (args.keep_best and fsdp_requested(), "--keep_best under FSDP: not supported (the "
-                              "LoRA is sharded during validation); choose from validation/metrics.jsonl"),
-                             (args.max_drift is not None and args.keep_best != "balanced",
-                              "--max_drift applies to --keep_best balanced"),
-                             ("subject" in names and vars(args).get("from_manifest") and not args.metrics_reference_dir,
-                              "--from_manifest trains without the instance images: give --metrics_reference_dir, "
-                              "photos of the subject to compare with"),
-                             (args.metrics_reference_dir and not any(p.suffix.lower() in IMAGE_EXTENSIONS for p in Path(
-                                 args.metrics_reference_dir).iterdir()), f"--metrics_reference_dir "
-                              f"{args.metrics_reference_dir} holds no images")):
-            refuse(refused, f"--validation_metrics {','.join(names)}: {why}")
+        args, names, keep, others = self.args, self.names, self.args.keep_best, self.others
+        given, file = f"--validation_metrics {args.validation_metrics}", vars(args).get("validation_prompts_file")
+        prompts = [p for p in (args.validation_prompt or args.final_validation_prompt,) if p]
+        prompts += [s.prompt for s in read_validation_prompts(file)] if file else []  # option: validation_extras
+        refuse(not prompts, f"{given} needs validation images: add --validation_prompt (a prompt naming the subject)")
+        wanted = "--metrics_drift_prompts"
+        wanted += ", --class_prompt"  # option: class_images
+        wanted += ", --output_preservation with --class_word"  # option: trigger_words
+        refuse("drift" in names and not others, f"{given}: drift needs prompts without the subject ({wanted})")
+        refuse("subject" in names and not (args.metrics_reference_dir or args.instance_data_dir or vars(args).get(
+            "dataset_name")), f"{given}: no instance images to compare with: give --metrics_reference_dir")
+        refuse(keep and {*KEEP_BEST_SCORES[keep]} - {*names}, f"{given} lacks the scores --keep_best {keep} compares")
+        hint, word = "holds a word of --instance_prompt the drift prompts lack", vars(args).get("trigger_word")
+        hint = f"holds --trigger_word {word}" if word else hint  # option: trigger_words
+        refuse(keep in ("subject", "balanced") and not any(self._names_subject(p, others) for p in prompts),
+               f"--keep_best {keep} compares subject scores, and no validation prompt names the subject ({hint})")
+        refuse(keep and fsdp_requested(), "--keep_best under FSDP: not supported (the LoRA is sharded during "
+               "validation); choose from validation/metrics.jsonl")
+        refuse(args.max_drift is not None and keep != "balanced", "--max_drift applies to --keep_best balanced")
 
     def check_model(self, model):
-        """The scoring models' configs, read before any model loads: a typo, or a Hub id an offline machine has not
-        cached, fails here rather than after precompute."""
-        from transformers import AutoConfig
-        names, args = set(self.args.validation_metrics), self.args
-        for which, source in (("dino", {"subject", "drift"} & names and args.metrics_dino_model),
-                              ("clip", "prompt" in names and args.metrics_clip_model)):
+        """A scoring model's config that cannot be read (a typo, not cached offline), or of a model of another kind
+        (the two flags swapped, a diffusers folder), stops the run before anything is written, not at its end."""
+        from transformers import PretrainedConfig
+        for which, source in self.sources.items():
             try:
-                source and AutoConfig.from_pretrained(source)
-            except OSError as e:
+                config = PretrainedConfig.get_config_dict(source)[0]
+            except (OSError, ValueError) as e:
                 raise UsageError(f"--metrics_{which}_model {source}: cannot read its config ({e})") from None
+            kind = config.get("model_type")
+            held = f"a {kind} model" if kind else config.get("_class_name", "no config.json")  # diffusers': its class
+            refuse(kind not in SCORERS[which][0], f"--metrics_{which}_model {source} holds {held}; expected "
+                   f"{SCORERS[which][1]}")
 
-    def _drift_prompts(self):
-        args = self.args
-        if args.metrics_drift_prompts:
-            return read_drift_prompts(args.metrics_drift_prompts)
-        # output preservation's prompt (the instance prompt with the class word), else the class images'
-        preserved = Hooks(args).collect("extra_prompts", [args.instance_prompt]) if args.instance_prompt else []
-        return preserved or ([vars(args)["class_prompt"]] if vars(args).get("class_prompt") else [])
+    @property
+    def others(self):
+        """Prompts without the subject (drift's): the file, else output preservation's, else the class images'."""
+        args, found, text = self.args, [], self.args.instance_prompt
+        found = [args.class_prompt] if args.class_prompt else found  # option: class_images
+        if text and (word := vars(args).get("class_word")):  # option: trigger_words
+            found = [preservation_text(text, args.trigger_word, word)]  # option: trigger_words
+        return read_drift_prompts(args.metrics_drift_prompts) if args.metrics_drift_prompts else found
 
     def validation_specs(self):
-        return [ValidationSpec(p) for p in self._drift_prompts()] if "drift" in self.args.validation_metrics else []
+        return [ValidationSpec(p) for p in self.others] if "drift" in self.names else []
 
-    def _subject_named(self):
-        """Whether a validation prompt ([trigger] filled) names the subject as _scores will judge it, before setup
-        (--from_manifest's instance prompt is not read yet: without --trigger_word every prompt then does)."""
-        hooks, others, args = Hooks(self.args), self._drift_prompts(), self.args
-        prompts = [hooks.chain("prompt", p) for p in [args.validation_prompt or args.final_validation_prompt] if p]
-        prompts += [s.prompt for s in option_validation_specs(hooks)]
-        return any(p not in others and self._names_subject(p, others) for p in prompts)
-
-    def _names_subject(self, prompt, others):
-        """Whether a validation prompt names the subject: it holds --trigger_word, or a word of the instance prompt
-        that the class and drift prompts (`others`) lack (the rare token: sks); without those, every prompt does."""
-        args = self.args
-        words = lambda text: set(re.findall(r"\w+", (text or "").lower()))  # noqa: E731
-        if vars(args).get("trigger_word"):
-            return bool(re.search(rf"(?<!\w){re.escape(args.trigger_word)}(?!\w)", prompt))
-        rare = words(args.instance_prompt) - set().union(*map(words, others))
-        return not others or not rare or bool(rare & words(prompt))
+    def _names_subject(self, text, others):
+        """Whether a validation prompt names the subject: not one of `others`, and holding the trigger word, else a word
+        of the instance prompt that `others` lack (the rare token: sks), else (no such word) any."""
+        words = lambda t: set(re.findall(r"\w+", (t or "").lower()))  # noqa: E731
+        rare = words(self.args.instance_prompt) - set().union(*map(words, others))
+        named = not others or not rare or bool(rare & words(text))
+        if word := vars(self.args).get("trigger_word"):  # option: trigger_words
+            named = mentions(text := with_trigger(text, word), word)  # option: trigger_words
+        return named and text not in others
 
     def setup(self, run):
-        """Load the scoring models and find the subject's photos on the main process (before training: a model
-        that cannot load or a photo that cannot be read stops the run now, not at the first validation)."""
+        """The scoring models and the subject's photos, on the main process: what cannot be read stops the run now."""
         from accelerate import PartialState
-        names, args, self.run = self.args.validation_metrics, self.args, run
-        if PartialState().is_main_process:
-            self.models = MetricModels(args.metrics_dino_model if {"subject", "drift"} & set(names) else None,
-                                       args.metrics_clip_model if "prompt" in names else None)
-            self.photos = (scan_image_folder(args.metrics_reference_dir, read_captions=False)
-                           if args.metrics_reference_dir else run.data.dataset.instances)
-            self.others = self._drift_prompts()  # a file, or the options' prompts: read once
+        args, self.run, state = self.args, run, PartialState()
+        if state.is_main_process:
+            self.models = MetricModels(**self.sources)
+            photos = reference_photos(d) if (d := args.metrics_reference_dir) else run.data.dataset.instances
+            if "subject" in self.names:
+                self.references = self.models.dino_features([r.load() for r in photos], state.device)
 
     def validated(self, accelerator, folder, tag, step, specs, scales, images):
-        """Score a validation's images (main process; at scale 1 among --validation_lora_scales) and, the first time
-        or when the base images were remade (another prompt, seed, model...: the history restarts), the base model's
-        (step 0, the curves' start); record, plot and log them; --keep_best keeps the LoRA."""
-        count, scale = len(images) // (len(specs) * len(scales)), 1.0 if 1.0 in scales else max(scales)
-        rows = [(spec.prompt, (k * len(scales) + scales.index(scale)) * count + i)
-                for k, spec in enumerate(specs) for i in range(count)]
+        """Score a validation's images at strength 1 (else the largest shown), and the base model's first or when they
+        were remade (the history restarts at step 0, where the curves start); record, plot, log; --keep_best keeps."""
+        count, at = len(images) // (len(specs) * len(scales)), scales.index(1.0 if 1.0 in scales else max(scales))
+        rows = [(s.prompt, (k * len(scales) + at) * count + i) for k, s in enumerate(specs) for i in range(count)]
         base = {r: Image.open(Path(folder, f"base-{r}.png")).convert("RGB") for _, r in rows}  # the same noise
         self.history = read_history(folder)
         made = json_digest("base", read_base_record(folder))  # what the base images are of (validation/base.json)
-        if not self.history or self.history[0]["tag"] != "base" or self.history[0].get("made") != made:
-            self._record(accelerator, folder, {"step": 0, "tag": "base", **self._scores(accelerator, rows, base, base),
-                                               "images": [f"base-{r}.png" for _, r in rows], "made": made})
-        self._record(accelerator, folder, {"step": step, "tag": tag, **self._scores(
-            accelerator, rows, dict(enumerate(images)), base), "images": [f"{tag}-{r}.png" for _, r in rows]})
+        first = [] if [e.get("made") for e in self.history[:1] if e["tag"] == "base"] == [made] else [
+            (base, 0, "base", {"made": made})]
+        for batch, n, label, extra in first + [(dict(enumerate(images)), step, tag, {})]:
+            scores = self._scores(accelerator, rows, batch, base)
+            entry = {"step": n, "tag": label, **scores, "images": [f"{label}-{r}.png" for _, r in rows], **extra}
+            self.history = [e for e in self.history if e["step"] < n] + [entry]  # a resumed run redoes later steps
+            with writing(path := Path(folder, "metrics.jsonl")):
+                write_text_atomic(path, "".join(json.dumps(e) + "\n" for e in self.history))
+                metrics_plot(self.history).save(Path(folder, "metrics.png"))
+            accelerator.log({f"metrics/{k}": v for k, v in scores.items()}, step=n)
+            text = ", ".join(f"{k} {v:.3f}" for k, v in scores.items()) or "no prompt names the subject"
+            text += self._keep(accelerator, folder, entry) if self.args.keep_best and label != "base" else ""
+            logger.info(f"validation metrics, {'the base model' if label == 'base' else f'step {n}'}: {text} "
+                        "(validation/metrics.png)")
 
     def _scores(self, accelerator, rows, images, base):
-        """{score: value} of `images` (by row index): subject over the prompts naming the subject, prompt over all,
-        drift over the drift prompts' against `base`'s."""
-        names, device, scores, others = self.args.validation_metrics, accelerator.device, {}, self.others
-        subject = [images[r] for p, r in rows if p not in others and self._names_subject(p, others)]
+        """{score: value} of `images` by row: subject over the rows naming it, prompt over all, drift against `base`."""
+        names, device, scores, others, dino = self.names, accelerator.device, {}, self.others, self.models.dino_features
+        subject = [images[r] for p, r in rows if self._names_subject(p, others)]
         if "subject" in names and subject:
-            if self.references is None:
-                self.references = self.models.dino_features([r.load() for r in self.photos], device)
-            scores["subject"] = subject_score(self.models.dino_features(subject, device), self.references)
+            scores["subject"] = subject_score(dino(subject, device), self.references)
         if "prompt" in names:
             scores["prompt"] = paired_score(*self.models.clip_embeddings([images[r] for _, r in rows],
                                                                           [p for p, _ in rows], device))
         drifted = [r for p, r in rows if p in others]
         if "drift" in names and drifted:
-            features = self.models.dino_features([images[r] for r in drifted] + [base[r] for r in drifted], device)
+            features = dino([images[r] for r in drifted] + [base[r] for r in drifted], device)
             scores["drift"] = 1 - paired_score(features[:len(drifted)], features[len(drifted):])
         return scores
 
-    def _record(self, accelerator, folder, entry):
-        """Add `entry` to the history (dropping later steps: a resumed run redoes them), write it and its plot, log it
-        (trackers too)."""
-        path, step = Path(folder, "metrics.jsonl"), entry["step"]
-        self.history = [e for e in self.history if e["step"] < step] + [entry]
-        with writing(path):
-            write_text_atomic(path, "".join(json.dumps(e) + "\n" for e in self.history))
-            metrics_plot(self.history).save(Path(folder, "metrics.png"))
-        shown = {k: entry[k] for k in ("subject", "prompt", "drift") if k in entry}
-        accelerator.log({f"metrics/{k}": v for k, v in shown.items()}, step=step)
-        text = ", ".join(f"{k} {v:.3f}" for k, v in shown.items()) or "no prompt names the subject"
-        if self.args.keep_best and entry["tag"] != "base":
-            text += self._keep(accelerator, folder, entry)
-        logger.info(f"validation metrics, {'the base model' if entry['tag'] == 'base' else f'step {step}'}: "
-                    f"{text} (validation/metrics.png)")
-
     def _keep(self, accelerator, folder, entry):
-        """Save this validation's LoRA (the weights it scored) if --keep_best may choose it, drop those it no longer
-        may, and copy the chosen one to best/ -> the log's words."""
-        args, run, scored = self.args, self.run, Path(folder, "scored")
-        keep = may_be_kept(self.history, args.keep_best, args.max_drift)
+        """Save the scored LoRA if it may be chosen, drop those that no longer may, copy the best to best/ -> words."""
+        args, run, scored, out = self.args, self.run, Path(folder, "scored"), Path(self.args.output_dir, "best")
+        keep, target = may_be_kept(self.history, args.keep_best, args.max_drift), scored / f"step-{entry['step']}"
         if entry["step"] in keep:
             with run.hooks.context("validation_weights"):
                 state = lora_state_dict(accelerator, run.transformer, run.hooks)
-            dtype = torch.float32 if args.upcast_before_saving else run.weight_dtype
-            target = scored / f"step-{entry['step']}"
             with writing(scored / "."):
                 shutil.rmtree(target, ignore_errors=True)
                 target.mkdir(parents=True)
-                write_lora_files(accelerator, run.transformer, state, target, dtype, run.hooks)
-        for old in scored.glob("step-*") if scored.is_dir() else []:
-            if int(old.name[5:]) not in keep:
-                shutil.rmtree(old)
-        best, out = best_entry(self.history, args.keep_best, args.max_drift), Path(args.output_dir, "best")
+                write_lora_files(accelerator, run.transformer, state, target,
+                                 torch.float32 if args.upcast_before_saving else run.weight_dtype, run.hooks)
+        for old in (p for p in scored.glob("step-*") if int(p.name[5:]) not in keep):
+            shutil.rmtree(old)
+        best, scores = best_entry(self.history, args.keep_best, args.max_drift), KEEP_BEST_SCORES[args.keep_best]
         if best is None:
             shutil.rmtree(out, ignore_errors=True)
-            missing = " and ".join(KEEP_BEST_SCORES[args.keep_best])
-            return (f"; no validation within --max_drift {args.max_drift}, no best LoRA" if compared(
-                self.history, args.keep_best) else f"; no validation has a {missing} score yet (subject: no prompt "
-                "names the subject), no best LoRA")
+            return (f"; no validation within --max_drift {args.max_drift}, no best LoRA" if best_entry(
+                self.history, args.keep_best, math.inf) else f"; no validation has a {' and '.join(scores)} score yet "
+                "(subject: no prompt names the subject), no best LoRA")
         if not (scored / f"step-{best['step']}").is_dir():  # a run from a later checkpoint dropped it
             return f"; best ({args.keep_best}): step {best['step']}, whose LoRA is gone from {scored}: {out} unchanged"
         with writing(out):
@@ -6451,24 +6413,19 @@ class ValidationMetrics(Option):
 
     def retagged(self, folder, old, new):
         """The earlier final validation of a continued run, renamed: its scores follow."""
-        history = read_history(folder)
-        for entry in (e for e in history if e["tag"] == old):
-            entry.update(tag=new, images=[name.replace(old, new, 1) for name in entry["images"]])
-        if history:
-            write_text_atomic(Path(folder, "metrics.jsonl"), "".join(json.dumps(e) + "\n" for e in history))
+        if history := read_history(folder):
+            write_text_atomic(Path(folder, "metrics.jsonl"), "".join(json.dumps({**e, "tag": new, "images": [
+                n.replace(old, new, 1) for n in e["images"]]} if e["tag"] == old else e) + "\n" for e in history))
 
     def card(self):
         """The model card's table of the run's scores (validation/metrics.jsonl), and which LoRA best/ holds."""
         args, history = self.args, read_history(Path(self.args.output_dir, "validation"))
-        if not history:
-            return []
+        rows = [f"| {e['step']} | {' | '.join(f'{e[k]:.3f}' if k in e else '-' for k in SCORER)} |" for e in history]
         best = args.keep_best and best_entry(history, args.keep_best, args.max_drift)
-        return ["", "Validation metrics (subject: DINOv2 similarity to the subject's photos; prompt: CLIP image-prompt "
-                "agreement; drift: 1 - DINOv2 similarity of the class prompt's images to the base model's):", "",
-                "| step | subject | prompt | drift |", "|---|---|---|---|",
-                *(f"| {e['step']} | " + " | ".join(f"{e[k]:.3f}" if k in e else "-" for k in ("subject", "prompt",
-                  "drift")) + " |" for e in history)] + (
-            ["", f"`best/` holds the LoRA of step {best['step']} (--keep_best {args.keep_best})."] if best else [])
+        kept = ["", f"`best/` holds the LoRA of step {best['step']} (--keep_best {args.keep_best})."] if best else []
+        return ["", "Validation metrics (subject: DINO similarity to the subject's photos; prompt: CLIP image-prompt "
+                "agreement; drift: 1 - DINO similarity of the drift prompts' images to the base model's):", "",
+                "| step | subject | prompt | drift |", "|---|---|---|---|", *rows, *kept] if history else []
 
 if __name__ == "__main__":
     try:  # --write_copy FILE: this script trimmed to the options kept (README.md: Copy and edit); else a run

@@ -1,5 +1,6 @@
-"""Tiny random DINOv2 and CLIP models (with their processors), saved with save_pretrained so the script loads them
-from a folder exactly as it would load facebook/dinov2-base or openai/clip-vit-base-patch32."""
+"""Tiny random DINOv2, DINO (v1) and CLIP models (with their processors), saved with save_pretrained so the script
+loads them from a folder exactly as it would load facebook/dinov2-base, facebook/dino-vits16 or
+openai/clip-vit-base-patch32."""
 
 from pathlib import Path
 
@@ -23,6 +24,19 @@ def build_tiny_dino(path, seed=0):
                              patch_size=14, image_size=224)).save_pretrained(path)
     BitImageProcessor(size={"shortest_edge": 256}, resample=3, crop_size={"height": 224, "width": 224},
                       do_center_crop=True, image_mean=[0.485, 0.456, 0.406],
+                      image_std=[0.229, 0.224, 0.225]).save_pretrained(path)
+    return Path(path)
+
+
+def build_tiny_dino_v1(path, seed=0):
+    """A 2-layer DINO v1 ViT (hidden size 32, patch 16): a ViTModel saved without a pooler (DINO trained none; loading
+    adds a random one, which the scores must not read) and a ViT image processor (224 px, ImageNet mean and std)."""
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    torch.manual_seed(seed)
+    ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, patch_size=16,
+                       image_size=224), add_pooling_layer=False).save_pretrained(path)
+    ViTImageProcessor(size={"height": 224, "width": 224}, image_mean=[0.485, 0.456, 0.406],
                       image_std=[0.229, 0.224, 0.225]).save_pretrained(path)
     return Path(path)
 
