@@ -2753,7 +2753,7 @@ def report_memory_copies(caches, processes):
     """The in-memory cache is copied into every process: say what that costs, as a warning once it is large."""
     if processes < 2:
         return
-    stores = [c.store for c in (caches.prompts, caches.latents, caches.masks) if c is not None]
+    stores = [c.store for c in (getattr(caches, f.name) for f in dataclasses.fields(caches)) if c is not None]
     per_process = sum(v.numel() * v.element_size() for store in stores for v in store.values())
     note = (f"in-memory precompute cache: {human_bytes(per_process)} per process, copied into each of {processes} "
             f"processes on this machine ({human_bytes(per_process * processes)} of host RAM)")
