@@ -42,9 +42,9 @@ from tests.tiny_flux2 import (MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, buil
 # `make test` runs `pytest -n 2 --dist loadgroup`: each test goes to whichever worker is free, except the tests of
 # these modules, which share module-scoped runs and go to one worker together (each worker would otherwise build
 # them again: about 40 s of the multinode runs alone).
-SHARED_RUN_MODULES = ("test_adapters.py", "test_captions_preservation.py", "test_config.py", "test_memory.py",
-                      "test_metrics.py", "test_multinode.py", "test_parts.py", "test_plan.py", "test_ray.py",
-                      "test_reliability.py", "test_swap.py")
+SHARED_RUN_MODULES = ("test_adapters.py", "test_captions_preservation.py", "test_config.py", "test_copy_runs.py",
+                      "test_memory.py", "test_metrics.py", "test_multinode.py", "test_parts.py", "test_plan.py",
+                      "test_ray.py", "test_reliability.py", "test_swap.py")
 # The longest tests start first, so that the last minute is not one worker finishing a proof while the other waits
 # (seconds on 2 cores, `--durations`): longest-first is the usual cure for an idle tail.
 LONGEST_FIRST = ("test_ray.py::",  # 150 s, one Ray cluster for the module
@@ -191,13 +191,14 @@ def torchrun_env(num_processes, port):
              "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"} for i in range(num_processes)]
 
 
-def launch(args, num_processes=1, env=None, check=True, timeout=600, via_accelerate=False, torchrun=False):
-    """Run the real script on the CPU; returns the CompletedProcess. One process runs it directly (what
-    `accelerate launch` does for one process, without a second interpreter's start-up; forked from the Zygote where
-    the environment allows), or under `accelerate launch` with via_accelerate. Several processes talk over gloo (what
-    accelerate uses on GPUs): each forked from the Zygote with the environment torchrun gives its rank, or under
-    torchrun itself with `torchrun` (its agent's own behaviour: signals, restarts, its exit code) or where the
-    Zygote cannot serve."""
+def launch(args, num_processes=1, env=None, check=True, timeout=600, via_accelerate=False, torchrun=False,
+           script=SCRIPT):
+    """Run the real script (or `script`, a trimmed copy of it) on the CPU; returns the CompletedProcess. One process
+    runs it directly (what `accelerate launch` does for one process, without a second interpreter's start-up; forked
+    from the Zygote where the environment allows), or under `accelerate launch` with via_accelerate. Several processes
+    talk over gloo (what accelerate uses on GPUs): each forked from the Zygote with the environment torchrun gives its
+    rank, or under torchrun itself with `torchrun` (its agent's own behaviour: signals, restarts, its exit code) or
+    where the Zygote cannot serve."""
     if num_processes == 1 and via_accelerate:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]
@@ -207,13 +208,13 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
                "--master_port", str(free_port())]
         env = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd += [str(SCRIPT), *args]
+    cmd += [str(script), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if num_processes == 1 and not via_accelerate and Zygote.serves(full_env):
         proc = Zygote.run(cmd, full_env, timeout)
     elif num_processes > 1 and not torchrun and Zygote.serves(full_env):
         ranks = torchrun_env(num_processes, free_port())
-        proc = Zygote.run([sys.executable, str(SCRIPT), *args], full_env, timeout, ranks)
+        proc = Zygote.run([sys.executable, str(script), *args], full_env, timeout, ranks)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
