@@ -5562,14 +5562,14 @@ class Hub(Option):
     """At the end, the output folder (not its checkpoints, logs or what names this machine) goes to a Hub repository,
     made if missing; the model card's snippet then loads the LoRA from it. Cost: the upload, the only network use."""
 
-    name, switches = "hub", ("push_to_hub",)
+    name = "hub"  # --hub_token also serves the remote text encoder, --hub_model_id alone names the card's repository
     flags = [flag("--push_to_hub", action="store_true", help="Upload the LoRA; the only flag using the network."),
              flag("--hub_model_id", help="Hub repository; default: the name of --output_dir."),
              flag("--hub_token", help="Hub token (never logged or saved); prefer `hf auth login`.")]
 
     def check(self):
         args = self.args
-        refuse(args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")),
+        refuse(args.push_to_hub and args.hub_token and {"wandb", "all"} & set(args.report_to.split(",")),
                "--hub_token with --report_to wandb could leak the token; use `hf auth login` instead")
 
     def repository(self, finished):
@@ -5578,7 +5578,7 @@ class Hub(Option):
         from huggingface_hub import create_repo
         args = self.args
         return create_repo(args.hub_model_id or Path(args.output_dir).name, exist_ok=True,
-                           token=args.hub_token).repo_id if finished else None
+                           token=args.hub_token).repo_id if finished and args.push_to_hub else None
 
     def publish(self, repo_id):
         from huggingface_hub import upload_folder
