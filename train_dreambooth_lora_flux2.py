@@ -241,7 +241,8 @@ def validation_flags(p):
 
 def parse_args(argv=None):
     parse = build_parser().parse_args
-    parse = parse_with_config  # option: config (a config file's flags first: the command line wins)
+    if "--config" in {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}:  # option: config
+        parse = parse_with_config  # a config file's flags first: the command line wins
     args = parse(argv)
     args.given_flags = given_flags(argv) if args.memory_plan == "auto" else None  # option: memory_plan
     # --resolution 512,768,1024: every image is a sample at each side; the largest sizes validation and estimates
@@ -1806,6 +1807,9 @@ def boolean(text):
 
 def shift(text):
     return text if text in ("none", "auto", "pipeline") else float(text)
+
+def numbers(text):
+    return [float(x) for x in text.split(",")]
 
 def side_list(text):
     """'512' -> 512; '512,768,1024' -> (512, 768, 1024)."""
@@ -5596,9 +5600,6 @@ class Hub(Option):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Option: validation_extras (--validation_prompts_file, --validation_lora_scales)
-
-def numbers(text):
-    return [float(x) for x in text.split(",")]
 
 @functools.cache
 def read_validation_prompts(path):

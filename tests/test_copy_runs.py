@@ -170,6 +170,13 @@ def run_ema(copy, model, images, tmp_path, request):
     assert (tmp_path / "out" / T.RAW_LORA_WEIGHTS_NAME).is_file() and "LoRA weights are the EMA" in proc.stderr
 
 
+@run_of("hub")
+def run_hub(copy, model, images, tmp_path, request):
+    """--hub_model_id without --push_to_hub (no network): the model card loads the LoRA from that repository."""
+    launch(base_args(model, images, tmp_path / "out", *ONE_STEP, "--hub_model_id", "someone/dog-lora"), script=copy)
+    assert "pipe.load_lora_weights('someone/dog-lora'" in (tmp_path / "out" / "README.md").read_text()
+
+
 @run_of("adapters")
 def run_adapters(copy, model, images, tmp_path, request):
     """--adapter lokr: the file holds LoKr's factors, no LoRA's."""
