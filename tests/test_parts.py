@@ -25,15 +25,15 @@ from tests.conftest import ROOT, SCRIPT, base_args
 
 SOURCE = SCRIPT.read_text(encoding="utf-8")
 # Part 1 holds the budget the restructure asked for (1,800 lines). Parts 2 and 3 were asked 1,300 each and the whole
-# file 4,400 before the features filed beside it; with every feature kept they are 2,059, 1,476 and 5,334 (issue 34's
+# file 4,400 before the features filed beside it; with every feature kept they are 2,060, 1,475 and 5,334 (issue 34's
 # run lock, run identities and checks and issue 39's config file are in Part 2; docs/design.md, "Budgets"). These
 # guards hold today's sizes: shortening lowers them; a bug fix that costs lines raises them, saying so in its commit.
-BUDGETS = {"Part 1": 1800, "Part 2": 2059, "Part 3": 1476}
+BUDGETS = {"Part 1": 1800, "Part 2": 2060, "Part 3": 1475}
 WHOLE_BUDGET = 5334
 # The options filed beside the restructure land in Part 3 outside its budget, each within the cost it states (its
 # lines): the memory plan is its estimator (moved from benchmarks/gpu_step.py) and its planner; the validation
 # metrics their scores, plot, history and --keep_best
-NEW_OPTIONS = {"memory plan": 463, "validation metrics": 326}
+NEW_OPTIONS = {"memory plan": 393, "validation metrics": 326}
 BANNER = "# " + "-" * 112
 PART_BANNER = "# " + "=" * 112
 # the README's first command, at the tiny model's size: cached latents, checkpoints, step and epoch validations

@@ -4,6 +4,7 @@ GPU), is README.md's table; each plan fits its card, more memory never gives a s
 kept, a card nothing fits is refused with the smallest one that would; --plan_only prints it and stops; and on the
 tiny model a planned run trains the same LoRA, bit for bit, as the flags the plan printed."""
 
+import json
 import os
 import re
 import subprocess
@@ -57,7 +58,8 @@ def test_each_plan_fits_its_card_and_more_memory_never_gives_a_slower_plan(plann
                 assert (model, card) == ("dev", 16) and "the smallest card that fits is 24 GB" in report[-1]
                 continue
             assert chosen.peak * 1.1 + 1.5 * GIB <= card * GIB and chosen.host <= 0.8 * plan_table.host_gb(card) * GIB
-            text_peak = float(re.search(rf"text encoder \({text or 'bf16'}\): ([\d.]+) GiB", "\n".join(report))[1])
+            label = "bf16" if text == "none" else text
+            text_peak = float(re.search(rf"text encoder \({label}\): ([\d.]+) GiB", "\n".join(report))[1])
             assert text_peak * 1.1 + 1.5 <= card + 0.1  # (one decimal printed)
             rank = (chosen.quant is not None, chosen.cost)  # full precision first, then the fastest
             assert previous is None or rank <= previous, (model, card, rank, previous)
@@ -299,3 +301,81 @@ def test_every_process_plans_with_the_least_free_host_ram_of_them_all(planned, m
     with pytest.raises(SystemExit):
         T.main(_command(work, "dev", "--gpu_memory", "24GB", "--plan_only"))
     assert "on 24.0 GiB of GPU memory and 20.0 GiB of host RAM" in capsys.readouterr().out
+
+
+def _plan_of(module, work, model, card, *extra):
+    """`module`'s plan (the script, or a trimmed copy of it) of the README command on `model` for a `card` GB card
+    and 64 GB of host RAM, as --plan_only makes it on any machine -> the report's lines and its flags."""
+    args = module.parse_args(_command(work, model, "--gpu_memory", f"{card}GB", "--plan_only", *extra))
+    family = module.detect_family(args)
+    report, chosen, text = module.make_plan(args, family.name, card * GIB, 64 * GIB, module.run_estimate(
+        args, torch.bfloat16), module.text_encoder_size(args, family), torch.bfloat16)
+    return "\n".join(report), module.plan_flags(chosen, text) if chosen else None
+
+
+# each option the plan refers to, the flags of it the plan may print, a report's row that uses it (swapped blocks,
+# quantised weights, a quantised text encoder), and where the full script prints them
+TRIMMED = [("block swapping", ["--blocks_to_swap"], r"^  \w+ +o\w+ +[1-9]", ("dev", 24)),
+           ("compile, fp8 and 8-bit", ["--bnb_quantization_config_path"], r"^  (nf4|int8) ", ("dev", 24)),
+           ("text encoders", ["--text_encoder_quantization", "--remote_text_encoder"], r"encoder \((nf4|int8)\)",
+            ("dev", 16))]
+
+
+@pytest.mark.parametrize("option, flags, used, where", TRIMMED, ids=[t[0] for t in TRIMMED])
+def test_a_copy_without_an_option_plans_without_it(option, flags, used, where, planned, fresh_accelerate):
+    """The trimmed-copy rule in the plan: its lines for another option are marked, so a copy of the script without
+    block swapping (or quantised weights, or the text encoder's options) still plans, on the same inputs where the
+    full script proposes that option's flags, and neither chooses nor names them (in the plan or its refusal)."""
+    from accelerate import PartialState
+    from tests.test_parts import SOURCE, load, option_sections, undefined_globals, without_options
+
+    _, work = planned
+    PartialState()
+    source = without_options(SOURCE, [option])
+    assert undefined_globals(source) == set()
+    start, end = option_sections(source)["memory plan"]
+    section = "\n".join(source.splitlines()[start:end])
+    assert not [f for f in flags if f in section], "a line of the plan names a deleted option's flag"
+    report, chosen = _plan_of(T, work, *where)
+    assert all(f in report + str(chosen) for f in flags) and re.search(used, report, flags=re.M), report
+    copy = load(source, "without_" + re.sub(r"\W", "_", option))
+    for model, card in (where, ("klein9b", 16), ("dev", 12)):
+        report, chosen = _plan_of(copy, work, model, card)
+        assert not [f for f in flags if f in report + str(chosen)], (model, card, report)
+        assert not re.search(used, report, flags=re.M), (model, card, report)  # nor takes it, unnamed
+
+
+def test_an_edit_row_counts_the_tokens_of_each_of_its_references(tiny_model, images, tmp_path, monkeypatch,
+                                                                 fresh_accelerate):
+    """An edit target's condition images follow its tokens in the sequence, each at reference_size: a row with three
+    references is four images' tokens. The plan counted one reference, and only with --cond_data_dir or
+    --cond_image_column (a manifest's edit records: none); it now counts the records the run loads."""
+    from accelerate import PartialState
+
+    PartialState()
+    tokens, estimate = [], T.MemoryEstimate
+    monkeypatch.setattr(T, "MemoryEstimate", lambda *a, **k: tokens.append(a[3]) or estimate(*a, **k))
+    args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--memory_plan", "auto", "--gpu_memory",
+                                  "24GB", "--plan_only"))  # resolution 32: 2 x 2 tokens an image
+    for references in (0, 1, 3):
+        target = T.ImageRecord("a.png", (32, 32), conditions=(T.ImageRecord("c.png", (32, 32)),) * references)
+        with pytest.raises(SystemExit):
+            T.resolve_model_flags(args, T.Hooks(args), [target])
+    assert tokens == [4, 8, 16]
+
+
+def test_two_processes_on_a_machine_share_its_host_ram(planned, monkeypatch, capsys, fresh_accelerate):
+    """Each process of a machine pins its own swapped blocks and loads its own unquantised weights, so the plan gives
+    each the machine's free host RAM divided among them. [dev] on an 80 GB card with 128 GB of host RAM: one process
+    loads its 60 GiB of bf16 weights within 80% of it; two would need twice that, and take NF4 (loaded on the GPU)."""
+    _, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def flags(processes):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+        with pytest.raises(SystemExit):
+            T.main(_command(work, "dev", "--gpu_memory", "80GB", "--host_memory", "128GB", "--plan_only"))
+        return re.search(r"^flags: (.*)$", capsys.readouterr().out, flags=re.M)[1]
+
+    assert flags(1) == "--gradient_checkpointing"
+    assert flags(2) == "--gradient_checkpointing --bnb_quantization_config_path nf4"
