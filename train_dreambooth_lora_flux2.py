@@ -2065,6 +2065,11 @@ def empty_transformer(args):
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
     config = read_model_json(args, "transformer/config.json", "transformer config")
+    for key, p in inspect.signature(Flux2Transformer2DModel).parameters.items():  # diffusers: a TypeError
+        kind = {int: int, float: (int, float)}.get(type(p.default))
+        refuse(kind and not isinstance(config.get(key, p.default), kind), f"--pretrained_model_name_or_path "
+               f"{args.pretrained_model_name_or_path}: transformer/config.json's {key} is {config.get(key)!r}, "
+               f"expected {'an integer' if kind is int else 'a number'}")
     with init_empty_weights():
         return Flux2Transformer2DModel.from_config(config)
 
@@ -5170,6 +5175,8 @@ def read_bnb_config(path):
         raise UsageError(f"--bnb_quantization_config_path {path}: {e}") from None
     refuse(not isinstance(config, dict) or not (config.get("load_in_4bit") or config.get("load_in_8bit")),
            f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or load_in_8bit")
+    refuse(config.get("load_in_4bit") and config.get("load_in_8bit"), f"--bnb_quantization_config_path {path}: "
+           "load_in_4bit and load_in_8bit are both true; diffusers' BitsAndBytesConfig takes one of them")
     return config
 
 @option
@@ -5337,11 +5344,10 @@ CARD_SIZES = (16, 24, 32, 48, 80, 96, 141, 192)  # GB: the cards a refusal may n
 TEXT_ACTIVATIONS = GIB  # while prompts are encoded: every layer's hidden states ([dev]: 41 x 512 x 5,120, 0.2 GB each)
 
 def memory_size(text):
-    """'24GB', '24GiB' or '24' -> bytes: a card sold as N GB holds about N GiB (24,564 MiB on an RTX 4090)."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?) ?(GB|GiB|G)?", text.strip(), re.IGNORECASE)
-    if m is None:
-        raise ValueError(text)
-    return int(float(m.group(1)) * GIB)
+    """'24GB', '24GiB', '24' (GiB) or '24564MiB' (as nvidia-smi prints an RTX 4090's 24 GB) -> bytes: a card sold as
+    N GB holds about N GiB. Not a size: a TypeError, which argparse reports as one."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?) ?(GB|GiB|G|MiB)?", text.strip(), re.IGNORECASE)
+    return int(float(m[1]) * (2**20 if (m[2] or "").lower() == "mib" else GIB))
 
 def size_text(size):
     """memory_size's inverse (config.yaml): bytes / 2^30 in decimal has at most 30 places, so this one is exact."""
@@ -5552,7 +5558,8 @@ class MemoryPlan(Option):
     flags = [
         flag("--memory_plan", choices=["off", "auto"], default="off", help="auto: checkpointing, block swapping, NF4 "
              "weights and the text encoder's precision chosen to fit this GPU, fastest first; your flags stay."),
-        flag("--gpu_memory", type=Accepts("a size in GB or GiB, e.g. 24GB", lambda v: v > 0, memory_size, size_text),
+        flag("--gpu_memory", type=Accepts("a size up to 1024 GiB, e.g. 24GB or 24564MiB (a bare number is read in "
+                                          "GiB)", lambda v: 0 < v <= 1024 * GIB, memory_size, size_text),
              help="Plan for a card of this size instead of this machine's free GPU memory."),
         flag("--host_memory", type=Accepts("a size in GB or GiB, e.g. 64GB", lambda v: v > 0, memory_size, size_text),
              help="Plan for this much free host RAM (swapped blocks' pinned memory); default: what is free here."),

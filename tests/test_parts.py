@@ -25,11 +25,11 @@ from tests.conftest import ROOT, SCRIPT, base_args
 
 SOURCE = SCRIPT.read_text(encoding="utf-8")
 # Part 1 holds the budget the restructure asked for (1,800 lines). Parts 2 and 3 were asked 1,300 each and the whole
-# file 4,400 before the features filed beside it; with every feature kept they are 2,060, 1,475 and 5,334 (issue 34's
+# file 4,400 before the features filed beside it; with every feature kept they are 2,065, 1,477 and 5,341 (issue 34's
 # run lock, run identities and checks and issue 39's config file are in Part 2; docs/design.md, "Budgets"). These
 # guards hold today's sizes: shortening lowers them; a bug fix that costs lines raises them, saying so in its commit.
-BUDGETS = {"Part 1": 1800, "Part 2": 2060, "Part 3": 1475}
-WHOLE_BUDGET = 5334
+BUDGETS = {"Part 1": 1800, "Part 2": 2065, "Part 3": 1477}  # issue 52: "eight" in a config +5, 4 and 8 bits +2
+WHOLE_BUDGET = 5341
 # The options filed beside the restructure land in Part 3 outside its budget, each within the cost it states (its
 # lines): the memory plan is its estimator (moved from benchmarks/gpu_step.py) and its planner; the validation
 # metrics their scores, plot, history and --keep_best

@@ -364,6 +364,58 @@ def test_an_edit_row_counts_the_tokens_of_each_of_its_references(tiny_model, ima
     assert tokens == [4, 8, 16]
 
 
+def test_the_plan_keeps_the_quantisation_file_the_user_gave(planned, tmp_path, monkeypatch, capsys,
+                                                          fresh_accelerate):
+    """A bitsandbytes file given is planned as the weights it loads (4-bit: NF4's size, 8-bit: int8) and printed as
+    given: the plan printed `--bnb_quantization_config_path nf4` in its place."""
+    _, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for bits, label in ((4, "nf4"), (8, "int8")):
+        config = tmp_path / f"{bits}bit.json"
+        config.write_text(json.dumps({f"load_in_{bits}bit": True}))
+        with pytest.raises(SystemExit):
+            T.main(_command(work, "dev", "--gpu_memory", "80GB", "--host_memory", "160GB", "--plan_only",
+                            "--bnb_quantization_config_path", str(config)))
+        printed = capsys.readouterr().out
+        assert re.findall(r"^  (bf16|nf4|int8) ", printed, flags=re.M) == [label, label], printed  # its rows alone
+        assert f"--bnb_quantization_config_path {config}" in printed and "path nf4" not in printed
+
+
+def _bad_model(work):
+    """The [klein] 4B folder with a transformer config that says "eight" for a number."""
+    import shutil
+
+    bad = work / "bad_model"
+    if not bad.exists():
+        shutil.copytree(work / "klein4b", bad)
+        config = json.loads((bad / "transformer" / "config.json").read_text())
+        (bad / "transformer" / "config.json").write_text(json.dumps({**config, "num_layers": "eight"}))
+    return bad
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gpu_memory", "24564"], "--gpu_memory 24564: expected a size up to 1024 GiB, e.g. 24GB or 24564MiB (a bare "
+                                "number is read in GiB)"),
+    (["--pretrained_model_name_or_path", "BAD"], "transformer/config.json's num_layers is 'eight', expected an "
+                                                 "integer"),
+    (["--bnb_quantization_config_path", "both.json"], "both.json: load_in_4bit and load_in_8bit are both true"),
+])
+def test_bad_inputs_of_the_plan_are_refused_before_it_plans(extra, message, planned, tmp_path, monkeypatch, capsys,
+                                                           fresh_accelerate):
+    """A card's size in MiB as nvidia-smi prints it (read as GiB: a 24,564 GiB card), a transformer config with a
+    word for a number (a TypeError in diffusers), a bitsandbytes file diffusers' BitsAndBytesConfig refuses: each a
+    UsageError naming the flag or file and key, before anything is planned or written."""
+    _, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "both.json").write_text(json.dumps({"load_in_4bit": True, "load_in_8bit": True}))
+    extra = [str(tmp_path / e) if e.endswith(".json") else str(_bad_model(work)) if e == "BAD" else e for e in extra]
+    command = [*_command(work, "klein4b", "--plan_only", "--gpu_memory", "24GB"), *extra]
+    with pytest.raises(T.UsageError, match=re.escape(message)):
+        T.main(command)
+    assert "memory plan:" not in capsys.readouterr().out and not (work / "out").exists()
+    assert T.memory_size("24564MiB") == 24564 * 2**20  # what that card's size is written as
+
+
 def test_two_processes_on_a_machine_share_its_host_ram(planned, monkeypatch, capsys, fresh_accelerate):
     """Each process of a machine pins its own swapped blocks and loads its own unquantised weights, so the plan gives
     each the machine's free host RAM divided among them. [dev] on an 80 GB card with 128 GB of host RAM: one process
