@@ -5340,6 +5340,10 @@ NF4_ACTIVATIONS = 1.4
 # Step time against bf16 with checkpointing ([klein] 4B, 1024 px, batch 1, H200, docs/speed.md): no checkpointing
 # 0.243 / 0.342 s; 24 of 25 blocks swapped 0.368 (the cost grows with the share swapped); NF4 0.422
 STEP_COST = {"no_checkpointing": 0.71, "all_swapped": 0.08, "nf4": 1.23}
+# Compiled, the same run: 4 images a step 0.93 s, 1.41 eager, the same memory  # option: compile, fp8 and 8-bit
+# (after a 28.6 s first step, a first validation 7 s longer: from ~70 steps)  # option: compile, fp8 and 8-bit
+COMPILE = {"FLUX.2 [klein]": dict(image_s=1.41 / 4, step=0.93 / 1.41,  # not [dev]  # option: compile, fp8 and 8-bit
+                                  once=28.6 - 1.41, validation=7.0)}  # option: compile, fp8 and 8-bit
 CARD_SIZES = (16, 24, 32, 48, 80, 96, 141, 192)  # GB: the cards a refusal may name
 TEXT_ACTIVATIONS = GIB  # while prompts are encoded: every layer's hidden states ([dev]: 41 x 512 x 5,120, 0.2 GB each)
 
@@ -5461,6 +5465,7 @@ class MemoryEstimate:
         height, width = side if isinstance(side, tuple) else (side, side)
         self.transformer, self.blocks, self.validates, self.cached = (transformer, transformer_blocks(transformer),
                                                                       validates, cached)
+        self.images = batch * image_tokens / 4096  # a micro-step's work: 1024 px images' tokens, 4,096 each
         self.outside, self.inputs, self.saved = saved_bytes(transformer, batch, image_tokens, text_tokens)
         self.vae = 0 if vae is None else sum(p.numel() for p in vae.parameters()) * 2
         self.sampling = self.decode = self.encode = 0
@@ -5494,7 +5499,8 @@ def text_encoder_peak(params, kept, quant, element_size=2):
 
 # A candidate: frozen weights (quant: None, 'nf4', 'int8'; weights: the flag's value, a file given kept), checkpointing,
 # the fewest swapped blocks that fit (None: none does), GPU peak, host RAM (pinned blocks, or loading), step cost
-PlanRow = collections.namedtuple("PlanRow", "quant checkpointing swap peak host cost weights", defaults=[None])
+PlanRow = collections.namedtuple("PlanRow", "quant checkpointing swap peak host cost weights compiled",
+                                 defaults=[None, False])
 
 def plan_choices(args, cuda, blocks):
     """What the plan may try, one line an option, a flag given keeping its value: checkpointing, swapped blocks (fewest
@@ -5503,7 +5509,7 @@ def plan_choices(args, cuda, blocks):
     free, plain, texts = vars(args).keys() - args.given_flags, cuda, ["none"]
     plain = plain and args.adapter == "lora" and not args.use_dora  # option: adapters and the ComfyUI file
     gc = (False, True) if "gradient_checkpointing" in free else (args.gradient_checkpointing,)
-    choices = dict(checkpointing=gc, swap=(0,), weights={None: None})
+    choices = dict(checkpointing=gc, swap=(0,), weights={None: None}, compile=(vars(args).get("compile", False),))
     choices["swap"] = range(blocks + 1) if "blocks_to_swap" in free and plain else (  # option: block swapping
         args.blocks_to_swap,)  # option: block swapping
     bnb = args.bnb_quantization_config_path  # option: compile, fp8 and 8-bit
@@ -5511,6 +5517,10 @@ def plan_choices(args, cuda, blocks):
     choices["weights"] = {bnb: bnb and ("nf4" if four else "int8")}  # option: compile, fp8 and 8-bit
     if "bnb_quantization_config_path" in free and plain and not args.do_fp8_training:  # option: compile, fp8 and 8-bit
         choices["weights"] = {None: None, "nf4": "nf4"}  # option: compile, fp8 and 8-bit
+    if "compile" in free and cuda:  # option: compile, fp8 and 8-bit
+        choices["compile"] = (False, True)  # option: compile, fp8 and 8-bit
+    if args.output_preservation:  # option: trigger words and output preservation
+        choices["compile"] = (False,)  # it refuses compiling  # option: trigger words and output preservation
     texts = [args.text_encoder_quantization] if "text_encoder_quantization" not in free else [  # option: text encoders
         "none", "int8", "nf4"][:2 + cuda]  # option: text encoders
     texts = [] if args.remote_text_encoder or args.fsdp_text_encoder else texts  # option: text encoders
@@ -5522,6 +5532,7 @@ def plan_settings(row, text):
     settings = dict(gradient_checkpointing=row.checkpointing)
     settings["blocks_to_swap"] = row.swap  # option: block swapping
     settings["bnb_quantization_config_path"] = row.weights  # option: compile, fp8 and 8-bit
+    settings["compile"] = row.compiled  # option: compile, fp8 and 8-bit
     settings["text_encoder_quantization"] = text or "none"  # option: text encoders
     return settings
 
@@ -5530,21 +5541,27 @@ def plan_flags(row, text=None):
     return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in plan_settings(row, text).items()
                     if v not in (False, None, 0, "none"))
 
-def plan_rows(estimate, card, host_free, choices):
+def plan_rows(estimate, card, host_free, choices, compiled=None):
     """Each setting of `choices` with the fewest swapped blocks (with checkpointing: autograd keeps weights) that
-    fit `card` and host_free (bytes) -> [PlanRow]; the plan takes unquantised first (quantising changes results)."""
-    rows, blocks = [], len(estimate.blocks)
-    for weights, quant, gc in [(w, q, gc) for w, q in choices["weights"].items() for gc in choices["checkpointing"]]:
-        for n in choices["swap"] if gc else [0]:
+    fit `card` and host_free (bytes) -> [PlanRow]; the plan takes unquantised first (quantising changes results).
+    compiled(eager cost) -> the cost compiled, its first compile spread over the run (None: not measured); the plan
+    tries compiling where it was measured (unquantised, no block swapped: the same memory as eager)."""
+    rows, blocks, trying = [], len(estimate.blocks), len(choices["compile"]) > 1
+    for c, (weights, quant), gc in [(c, w, gc) for c in choices["compile"] for w in choices["weights"].items()
+                                    for gc in choices["checkpointing"]]:
+        if c and trying and (quant or not compiled):  # measured unquantised only
+            continue
+        for n in choices["swap"] if gc and not (c and trying) else [0]:
             found = estimate.peak(gc, n, quant)
             host = max(found["host"], found["load"])
             if fits_card(found["peak"], card) and host <= host_free:
                 cost = ((1.0 if gc else STEP_COST["no_checkpointing"]) * (1 + STEP_COST["all_swapped"] * n / blocks)
                         * (STEP_COST["nf4"] if quant else 1.0))
-                rows.append(PlanRow(quant, gc, n, found["peak"], host, cost, weights))
+                rows.append(PlanRow(quant, gc, n, found["peak"], host, compiled(cost) if c and compiled else cost,
+                                    weights, c))
                 break
         else:
-            rows.append(PlanRow(quant, gc, None, found["peak"], host, math.inf, weights))
+            rows.append(PlanRow(quant, gc, None, found["peak"], host, math.inf, weights, c))
     return rows
 
 @option
@@ -5582,8 +5599,10 @@ class MemoryPlan(Option):
         dtype = DTYPES.get(args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"), torch.float32)
         text_size = text_encoder_size(args, family) if plan_choices(args, True, 0)["texts"] else (0, 0)
         host = args.host_memory or agreed_minimum(available_host_memory())  # each machine's free RAM: one plan
+        steps = args.max_train_steps or optimizer_steps(args.num_train_epochs, check_batches_early(  # an epoch's
+            args, instances, 0, PartialState().num_processes, 0), args.gradient_accumulation_steps)  # (+ class images)
         report, chosen, text = make_plan(args, family.name, card, host, run_estimate(args, dtype, instances),
-                                         text_size, dtype)
+                                         text_size, dtype, steps)
         if (args.plan_only or chosen is None) and PartialState().is_main_process:  # a refusal's candidates show why
             print("\n".join(report if chosen else report[:-1]))
         refuse(chosen is None, f"--memory_plan auto: {report[-1]}")
@@ -5593,22 +5612,32 @@ class MemoryPlan(Option):
         vars(args).update(plan_settings(chosen, text))
         return True
 
-def make_plan(args, model, card, host, estimate, text_size, dtype):
+def make_plan(args, model, card, host, estimate, text_size, dtype, steps=None):
     """The plan for `card` bytes of GPU memory and `host` of free host RAM from the run's MemoryEstimate, its text
-    encoder's (parameters, unquantised ones), weights in `dtype` -> (report lines, the PlanRow, the text encoder's
-    precision or None without one); nothing fits: (lines ending in the refusal, None, None). Makes README's table."""
+    encoder's (parameters, unquantised ones), weights in `dtype`, its optimizer steps (default --max_train_steps) ->
+    (report lines, the PlanRow, the text encoder's precision or None without one); nothing fits: (lines ending in
+    the refusal, None, None). Makes README's table."""
     from accelerate import PartialState
     precision, processes = {v: k for k, v in DTYPES.items()}[dtype], local_processes(PartialState())
     host_free = 0.8 * host / processes  # each process here pins its swapped blocks; the rest of it needs some too
+    steps, compiled, note = steps or args.max_train_steps or 0, None, []
+    if (m := COMPILE.get(model)) and steps:  # compiling: once, then a shorter step  # option: compile, fp8 and 8-bit
+        eager = m["image_s"] * estimate.images * args.gradient_accumulation_steps  # option: compile, fp8 and 8-bit
+        once = m["once"] + m["validation"] * estimate.validates  # option: compile, fp8 and 8-bit
+        gain = eager * (1 - m["step"])  # seconds a step, with checkpointing  # option: compile, fp8 and 8-bit
+        compiled = lambda cost: cost * m["step"] + once / steps / eager  # option: compile, fp8 and 8-bit
+        note = [f"  compiled: {once:.0f} s once, {gain:.2f} s less a step: it pays "  # option: compile, fp8 and 8-bit
+                f"from {math.ceil(once / gain)} steps; this run trains {steps}"]  # option: compile, fp8 and 8-bit
 
     def plan(card, cuda, texts=None):  # -> (rows, the row taken or None, text rows, the precision taken or None)
-        rows = plan_rows(estimate, card, host_free, choices := plan_choices(args, cuda, len(estimate.blocks)))
+        choices = plan_choices(args, cuda, len(estimate.blocks))
+        rows = plan_rows(estimate, card, host_free, choices, compiled)
         texts = [(q, *text_encoder_peak(*text_size, q, dtype.itemsize)) for q in texts or choices["texts"]]
         best = min((r for r in rows if r.swap is not None), key=lambda r: (r.quant is not None, r.cost), default=None)
         return rows, best, texts, next((q for q, gpu, ram in texts if fits_card(gpu, card) and ram <= host_free), None)
 
     rows, chosen, texts, text = plan(card, torch.cuda.is_available() or args.plan_only)
-    report = plan_report(args, model, card, host, rows, chosen, texts, text, precision)
+    report = plan_report(args, model, card, host, rows, chosen, texts, text, precision, note)
     if chosen is not None and (text or not texts):
         return report, chosen, text
     ram = f"{gib(host_free)} GiB of host RAM (80% of the free{f', shared by {processes} processes' * (processes > 1)})"
@@ -5644,19 +5673,22 @@ def refusal(plan, card, precision, ram, dev):
     limit = gib((card - PLAN_MARGIN[1]) / PLAN_MARGIN[0])
     return f"nothing fits {gib(card)} GiB of GPU memory ({FITS}: up to {limit} GiB): " + "; ".join(why)
 
-def plan_report(args, model, card, host, rows, chosen, text_rows, text, precision):
-    """The plan's lines: each candidate (unquantised weights labelled `precision`), the choice and its flags."""
+def plan_report(args, model, card, host, rows, chosen, text_rows, text, precision, note=()):
+    """The plan's lines: each candidate (unquantised weights labelled `precision`), `note` with compiled ones, the
+    choice and its flags."""
     h, w = largest_bucket(args)
     size = f"{h} px" if h == w == args.resolution else f"{h}x{w} px (the largest bucket)"
     lines = [f"memory plan: {model}, {size}, batch {args.train_batch_size}, rank {args.rank}, on {gib(card)} GiB of "
              f"GPU memory and {gib(host)} GiB of host RAM ({FITS})",
-             "  weights  checkpointing  swapped blocks  peak GiB  host RAM GiB  step time"]
+             "  weights  checkpointing  compiled  swapped blocks  peak GiB  host RAM GiB  step time"]
     for r in rows:
         lines.append(f"  {r.quant or precision:7}  {'on' if r.checkpointing else 'off':13}  "
+                     f"{'on' if r.compiled else 'off':8}  "
                      f"{'none fits' if r.swap is None else r.swap:>14}  {gib(r.peak):>8}  {gib(r.host):>12}  "
                      + ("-" if r.swap is None else f"{r.cost:.2f}x") + ("  <- chosen" if r == chosen else ""))
     lines += [f"  text encoder ({precision if q == 'none' else q}): {gib(peak)} GiB while prompts are encoded, "
               f"{gib(need)} GiB of host RAM" + ("  <- chosen" if q == text else "") for q, peak, need in text_rows]
+    lines += note if any(r.compiled for r in rows) else []
     if chosen is None or (text_rows and text is None):
         return lines
     note = " (quantised weights change results a little: docs/memory.md)" * bool(chosen.quant or text in QUANT_BYTES)

@@ -78,7 +78,7 @@ def test_the_24_and_48_gb_plans_ran_on_a_gpu_near_their_estimate(planned):
     found, _ = planned
     for card, flags, allocated, reserved in ((24, "--gradient_checkpointing", 10.91, 13.17), (48, "", 22.71, 26.49)):
         _, chosen, text = found["klein4b", card]
-        assert T.plan_flags(chosen, text) == flags
+        assert T.plan_flags(chosen._replace(compiled=False), text) == flags  # (compiled: the same memory)
         assert chosen.peak / GIB == pytest.approx(allocated, rel=0.1)
         assert T.fits_card(allocated * GIB, card * GIB) and reserved < card
 
@@ -94,7 +94,8 @@ def test_plan_only_prints_every_candidate_and_the_flags_then_stops(planned, monk
         report, chosen, text = found[model, card]
         assert printed.strip().splitlines() == report
         assert f"flags: {T.plan_flags(chosen, text) or '(none added)'}" in printed
-        assert len(re.findall(r"^  (bf16|nf4) ", printed, flags=re.M)) == 4  # bf16 and NF4, checkpointing off and on
+        # bf16 and NF4, checkpointing off and on; [klein] compiled too (bf16: where it was measured)
+        assert len(re.findall(r"^  (bf16|nf4) ", printed, flags=re.M)) == {"dev": 4, "klein4b": 6}[model]
     assert not (work / "out").exists()  # nothing trained, no output folder
 
 
@@ -208,8 +209,8 @@ def test_the_plan_labels_unquantised_weights_with_their_precision(planned, monke
     with pytest.raises(SystemExit):
         T.main(command)
     printed = capsys.readouterr().out
-    assert len(re.findall(r"^  fp32 ", printed, flags=re.M)) == 2 and "text encoder (fp32): 16.0 GiB" in printed
-    assert "bf16" not in printed and "1.00x of fp32 with checkpointing" in printed
+    assert len(re.findall(r"^  fp32 ", printed, flags=re.M)) == 4 and "text encoder (fp32): 16.0 GiB" in printed
+    assert "bf16" not in printed and re.search(r"\d\.\d\dx of fp32 with checkpointing", printed)
 
 
 def test_plan_only_without_a_gpu_takes_the_flags_it_plans(planned):
@@ -315,10 +316,11 @@ def _plan_of(module, work, model, card, *extra):
 
 # each option the plan refers to, the flags of it the plan may print, a report's row that uses it (swapped blocks,
 # quantised weights, a quantised text encoder), and where the full script prints them
-TRIMMED = [("block swapping", ["--blocks_to_swap"], r"^  \w+ +o\w+ +[1-9]", ("dev", 24)),
-           ("compile, fp8 and 8-bit", ["--bnb_quantization_config_path"], r"^  (nf4|int8) ", ("dev", 24)),
+TRIMMED = [("block swapping", ["--blocks_to_swap"], r"^  \w+ +o\w+ +o\w+ +[1-9]", [("dev", 24)]),
+           ("compile, fp8 and 8-bit", ["--bnb_quantization_config_path", "--compile"],
+            r"^  (nf4|int8) |^  \w+ +o\w+ +on ", [("dev", 24), ("klein4b", 24)]),
            ("text encoders", ["--text_encoder_quantization", "--remote_text_encoder"], r"encoder \((nf4|int8)\)",
-            ("dev", 16))]
+            [("dev", 16)])]
 
 
 @pytest.mark.parametrize("option, flags, used, where", TRIMMED, ids=[t[0] for t in TRIMMED])
@@ -336,10 +338,10 @@ def test_a_copy_without_an_option_plans_without_it(option, flags, used, where, p
     start, end = option_sections(source)["memory plan"]
     section = "\n".join(source.splitlines()[start:end])
     assert not [f for f in flags if f in section], "a line of the plan names a deleted option's flag"
-    report, chosen = _plan_of(T, work, *where)
-    assert all(f in report + str(chosen) for f in flags) and re.search(used, report, flags=re.M), report
+    full = "\n".join(report + str(chosen) for report, chosen in (_plan_of(T, work, *w) for w in where))
+    assert all(f in full for f in flags) and re.search(used, full, flags=re.M), full
     copy = load(source, "without_" + re.sub(r"\W", "_", option))
-    for model, card in (where, ("klein9b", 16), ("dev", 12)):
+    for model, card in (*where, ("klein4b", 80), ("klein9b", 16), ("dev", 12)):
         report, chosen = _plan_of(copy, work, model, card)
         assert not [f for f in flags if f in report + str(chosen)], (model, card, report)
         assert not re.search(used, report, flags=re.M), (model, card, report)  # nor takes it, unnamed
@@ -431,3 +433,35 @@ def test_two_processes_on_a_machine_share_its_host_ram(planned, monkeypatch, cap
 
     assert flags(1) == "--gradient_checkpointing"
     assert flags(2) == "--gradient_checkpointing --bnb_quantization_config_path nf4"
+
+
+def test_the_plan_compiles_a_run_long_enough_to_repay_it(planned, monkeypatch, capsys, fresh_accelerate):
+    """--compile takes a third off a [klein] step for the same memory after a first step 27 s longer and a first
+    validation 7 s longer (H200, docs/speed.md): the plan adds it where the run's steps repay that, with or without
+    checkpointing, and shows the compiled rows and why; a short run stays eager, and so does output preservation
+    (which refuses --compile), [dev] (not measured) and quantised weights."""
+    found, work = planned
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the README's 500 steps on [klein] 4B: compiled, checkpointing on 24 GB, off on 80
+    assert [T.plan_flags(*found["klein4b", card][1:]) for card in (24, 80)] == ["--gradient_checkpointing --compile",
+                                                                                 "--compile"]
+    assert not any(found["dev", card][1].compiled for card in plan_table.CARDS if found["dev", card][1])
+
+    def plan(*extra, **changes):
+        with pytest.raises(SystemExit):
+            T.main(plan_table.set_flags(_command(work, "klein4b", "--gpu_memory", "80GB", "--host_memory", "160GB",
+                                                 "--plan_only", *extra), **changes))
+        return capsys.readouterr().out
+
+    printed = plan()
+    rows = re.findall(r"^  bf16 +(on|off) +(on|off) ", printed, flags=re.M)
+    assert rows == [("off", "off"), ("on", "off"), ("off", "on"), ("on", "on")], printed
+    pays = re.search(r"^  compiled: (\d+) s once, ([\d.]+) s less a step: it pays from (\d+) steps; this run trains "
+                     r"500$", printed, flags=re.M)
+    assert pays and int(pays[1]) == 34 and 60 <= int(pays[3]) <= 80, printed  # about 70 steps (docs/speed.md)
+    # without --max_train_steps, its epochs: 6 images, 4 a step: 10 epochs are 15 steps, 100 epochs 150
+    short, long = (plan(max_train_steps=False, num_train_epochs=epochs) for epochs in ("10", "100"))
+    assert "this run trains 15" in short and "flags: (none added)" in short, short
+    assert "this run trains 150" in long and "flags: --compile" in long, long
+    preserved = plan("--trigger_word", "sks", "--class_word", "dog", "--output_preservation")
+    assert " compiled:" not in preserved and not re.search(r"^  bf16 +o\w+ +on ", preserved, flags=re.M)
