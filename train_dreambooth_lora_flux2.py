@@ -979,15 +979,15 @@ def setup_accelerator(args):
         torch.backends.cuda.matmul.allow_tf32 = True
     return accelerator
 
-def resolve_model_flags(args, hooks):
+def resolve_model_flags(args, hooks, instances=()):
     """The flags that depend on the checkpoint: the family's defaults, the options' (a LoRA to start from sets the
     rank, the trigger word its prompts), what must fit the model (its config files only), then the memory plan's
-    choices -> the family."""
+    choices (for `instances`' shapes) -> the family."""
     family = detect_family(args)
     resolve_family_defaults(args, family)
     hooks.each("resolve", family)
     check_model_fit(args, hooks)
-    if any(hooks.each("plan_memory", family)):  # --memory_plan auto set flags: their options turn on
+    if any(hooks.each("plan_memory", family, instances)):  # --memory_plan auto set flags: their options turn on
         hooks.wake(args)
     return family
 
@@ -1022,7 +1022,7 @@ def prepare_data(args, accelerator, cache, hooks=None):
     set_seed(seed)  # LoRA init and dropout draw from the global generators
     # the batch size, before class images are generated: more class images than asked for only add samples
     batches = check_batches_early(args, instances, seed, accelerator.num_processes, hooks.first("class_count") or 0)
-    family = resolve_model_flags(args, hooks)
+    family = resolve_model_flags(args, hooks, instances)
     hooks.each("resolved", seed, batches, accelerator)  # before class images are generated and any model loads
     check_resume_flags(args, checkpoint)  # the adapter a checkpoint was trained with
     instances = hooks.chain("images", instances)  # its refusals, and the prompts file's, before class images are made
@@ -1749,7 +1749,7 @@ def main(argv=None):
     accelerator = setup_accelerator(args)
     for note in surprising_values(args, hooks):
         logger.warning(note)
-    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    weight_dtype = DTYPES.get(accelerator.mixed_precision, torch.float32)
     clock = Clock()  # start-up from the process's start; its line ends the run
     try:  # out of memory anywhere (class images, precompute, loading, a step, validation) -> the advice, exit 1
         cache = open_cache(args)
@@ -1972,6 +1972,11 @@ def empty_transformer(args):
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
     config = read_model_json(args, "transformer/config.json", "transformer config")
+    for key, p in inspect.signature(Flux2Transformer2DModel).parameters.items():  # diffusers: a TypeError
+        kind = {int: int, float: (int, float)}.get(type(p.default))
+        refuse(kind and not isinstance(config.get(key, p.default), kind), f"--pretrained_model_name_or_path "
+               f"{args.pretrained_model_name_or_path}: transformer/config.json's {key} is {config.get(key)!r}, "
+               f"expected {'an integer' if kind is int else 'a number'}")
     with init_empty_weights():
         return Flux2Transformer2DModel.from_config(config)
 
@@ -2496,6 +2501,7 @@ class Family:
 
 FAMILIES = {f.pipeline: f for f in (Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration"),
                                     Family("FLUX.2 [klein]", "Flux2KleinPipeline", "Qwen3ForCausalLM"))}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # a precision flag's word -> dtype
 
 def read_model_json(args, name, what):
     """A small JSON file of the checkpoint (for a Hub id only that file is fetched) -> dict; UsageError naming `what`
@@ -4303,8 +4309,7 @@ def generate_class_images(args, accelerator, seed, existing, family):
     taken = {p.name for p in Path(args.class_data_dir).iterdir()}
     missing = args.num_class_images - existing
     names = [n for n in (f"class-{i:05d}.png" for i in range(len(taken) + missing)) if n not in taken][:missing]
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
-        args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    dtype = DTYPES.get(args.prior_generation_precision, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
     pipeline = getattr(diffusers, family.pipeline).from_pretrained(
         args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
@@ -5480,6 +5485,8 @@ def read_bnb_config(path):
         raise UsageError(f"--bnb_quantization_config_path {path}: {e}") from None
     refuse(not isinstance(config, dict) or not (config.get("load_in_4bit") or config.get("load_in_8bit")),
            f"--bnb_quantization_config_path {path}: expected a JSON object with load_in_4bit or load_in_8bit")
+    refuse(config.get("load_in_4bit") and config.get("load_in_8bit"), f"--bnb_quantization_config_path {path}: "
+           "load_in_4bit and load_in_8bit are both true; diffusers' BitsAndBytesConfig takes one of them")
     return config
 
 @option
@@ -5673,11 +5680,9 @@ class ValidationExtras(Option):
 # ----------------------------------------------------------------------------------------------------------------
 # Option: memory_plan (--memory_plan auto: the fastest settings that fit this GPU; --plan_only, --gpu_memory)
 
-from accelerate import PartialState
-from torch.utils._python_dispatch import TorchDispatchMode
-
 GIB = 2**30
 PLAN_MARGIN = (1.1, 1.5 * GIB)  # a peak fits a card when peak x 1.1 + 1.5 GiB (fragmentation, CUDA context) fits
+FITS = f"a peak fits when peak x {PLAN_MARGIN[0]} + {PLAN_MARGIN[1] / GIB:.1f} GiB does"
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64, "int8": 1.0 + 2 / 1024}  # a weight: 4 bits + a float32 scale per 64; a byte
 # NF4 [klein] 4B peaked 0.8 GiB above what its weights, LoRA and activations explain (H200, 2026-11-26, with and
 # without swapping); until a GPU explains it (bitsandbytes does not quantise on a CPU), NF4 activations count 1.4x
@@ -5685,16 +5690,18 @@ NF4_ACTIVATIONS = 1.4
 # Step time against bf16 with checkpointing ([klein] 4B, 1024 px, batch 1, H200, docs/speed.md): no checkpointing
 # 0.243 / 0.342 s; 24 of 25 blocks swapped 0.368 (the cost grows with the share swapped); NF4 0.422
 STEP_COST = {"no_checkpointing": 0.71, "all_swapped": 0.08, "nf4": 1.23}
+# Compiled, the same run: 4 images a step 0.93 s, 1.41 eager, the same memory  # option: compile
+# (after a 28.6 s first step, a first validation 7 s longer: from ~70 steps)  # option: compile
+COMPILE = {"FLUX.2 [klein]": dict(image_s=1.41 / 4, step=0.93 / 1.41,  # not [dev]  # option: compile
+                                  once=28.6 - 1.41, validation=7.0)}  # option: compile
 CARD_SIZES = (16, 24, 32, 48, 80, 96, 141, 192)  # GB: the cards a refusal may name
-PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # unquantised weights, as labelled
 TEXT_ACTIVATIONS = GIB  # while prompts are encoded: every layer's hidden states ([dev]: 41 x 512 x 5,120, 0.2 GB each)
 
 def memory_size(text):
-    """'24GB', '24GiB' or '24' -> bytes: a card sold as N GB holds about N GiB (24,564 MiB on an RTX 4090)."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?) ?(GB|GiB|G)?", text.strip(), re.IGNORECASE)
-    if m is None:
-        raise ValueError(text)
-    return int(float(m.group(1)) * GIB)
+    """'24GB', '24GiB', '24' (GiB) or '24564MiB' (as nvidia-smi prints an RTX 4090's 24 GB) -> bytes: a card sold as
+    N GB holds about N GiB. Not a size: a TypeError, which argparse reports as one."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?) ?(GB|GiB|G|MiB)?", text.strip(), re.IGNORECASE)
+    return int(float(m[1]) * (2**20 if (m[2] or "").lower() == "mib" else GIB))
 
 def size_text(size):
     """memory_size's inverse (config.yaml): bytes / 2^30 in decimal has at most 30 places, so this one is exact."""
@@ -5706,43 +5713,36 @@ def fits_card(peak, card):
 def gib(n):
     return f"{n / GIB:.1f}"
 
-class LiveBytes(TorchDispatchMode):
-    """The most bytes of tensors made inside the block alive at once (views and in-place results add nothing)."""
+def peak_bytes(run):
+    """The most bytes of tensors run() makes alive at once (views and in-place results add nothing): a dispatch mode
+    sees every operator, those inside composite ones too (torch documents such modes with this import)."""
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    live = [0, 0]  # bytes alive now, the most at once
 
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-        out = func(*args, **(kwargs or {}))
-        if any(r.alias_info is not None for r in func._schema.returns):  # a view or an in-place result
+    class Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            fresh = all(r.alias_info is None for r in func._schema.returns)  # not a view nor an in-place result
+            for t in [t for t in (out if isinstance(out, (tuple, list)) else [out]) if torch.is_tensor(t) and fresh]:
+                live[0] += (size := t.numel() * t.element_size())
+                live[1] = max(live)
+                weakref.finalize(t, lambda n=size: live.__setitem__(0, live[0] - n))  # not over t: it would stay
             return out
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                size = t.numel() * t.element_size()
-                self.live += size
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(t, self.free, size)
-        return out
 
-    def free(self, size):
-        self.live -= size
+    with Live():
+        run()
+    return live[1]
 
 class FusedAttention(torch.autograd.Function):
-    """Shapes only: what a fused attention kernel (flash, memory-efficient, cuDNN) saves for its backward pass: q, k,
-    v, the output and a float32 log-sum-exp per query. On the meta device PyTorch would take the math path, which
-    saves the [B, heads, N, N] attention matrix (4 GB a block at 1024 px) that no GPU kernel keeps."""
+    """Shapes only: what a fused attention kernel saves for backward (q, k, v, output, a float32 log-sum-exp a query),
+    not the [B, heads, N, N] matrix of the math path the meta device would take (4 GB a block at 1024 px)."""
 
     @staticmethod
     def forward(ctx, q, k, v):
         out = torch.empty_like(q)
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("shapes only")
+        return out  # no backward: nothing runs one
 
 @contextlib.contextmanager
 def shapes_only():
@@ -5752,12 +5752,9 @@ def shapes_only():
     with torch.device("meta"), unittest.mock.patch("torch.nn.functional.scaled_dot_product_attention", fused):
         yield
 
-def frozen_dtype(transformer):
-    return next(p.dtype for p in transformer.parameters() if not p.requires_grad)
-
 def forward_inputs(transformer, batch, image_tokens, text_tokens):
     """Empty transformer inputs of these shapes, in its frozen weights' dtype (on the meta device: shapes_only)."""
-    config, dtype = transformer.config, frozen_dtype(transformer)
+    config, dtype = transformer.config, next(p.dtype for p in transformer.parameters() if not p.requires_grad)
     return dict(hidden_states=torch.empty(batch, image_tokens, config["in_channels"], dtype=dtype),
                 encoder_hidden_states=torch.empty(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
                 timestep=torch.empty(batch), img_ids=torch.empty(batch, image_tokens, 4, dtype=torch.long),
@@ -5765,10 +5762,11 @@ def forward_inputs(transformer, batch, image_tokens, text_tokens):
                 guidance=torch.empty(batch) if config["guidance_embeds"] else None, return_dict=False)
 
 def saved_bytes(transformer, batch, image_tokens, text_tokens):
-    """One training forward on the meta device, recording what autograd saves -> (bytes saved outside the blocks,
-    each block's input bytes, each block's saved bytes). A view counts once, with its base; parameters not at all."""
-    blocks, dtype = transformer_blocks(transformer), frozen_dtype(transformer)
-    for p in transformer.parameters():  # the base dtype, as autocast runs the float32 LoRA layers (it skips meta)
+    """One training forward on the meta device (LoRA in the frozen dtype, as autocast runs it), recording what autograd
+    saves -> (bytes saved outside the blocks, each block's input, each block's saved): views in their base's."""
+    blocks = transformer_blocks(transformer)
+    dtype = next(p.dtype for p in transformer.parameters() if not p.requires_grad)
+    for p in transformer.parameters():
         p.data = p.data.to(dtype) if p.requires_grad else p.data
     saved, inputs, outside, current, seen = [0] * len(blocks), [0] * len(blocks), [0], [None], set()
 
@@ -5776,20 +5774,16 @@ def saved_bytes(transformer, batch, image_tokens, text_tokens):
         base = t if t._base is None else t._base
         if not isinstance(base, torch.nn.Parameter) and id(base) not in seen:
             seen.add(id(base))
-            if current[0] is None:
-                outside[0] += base.numel() * base.element_size()
-            else:
-                saved[current[0]] += base.numel() * base.element_size()
+            (outside if current[0] is None else saved)[current[0] or 0] += base.numel() * base.element_size()
         return t
 
-    def enter(i, args, kwargs):  # the hidden states; rotary tables and temb are shared, counted outside
-        current[0] = i
-        inputs[i] = sum(t.numel() * t.element_size() for t in (*args, *kwargs.values())
-                        if isinstance(t, torch.Tensor) and t.dim() == 3)
+    def enter(block, args, kwargs):  # the hidden states; rotary tables and temb are shared, counted outside
+        current[0] = blocks.index(block)
+        inputs[current[0]] = sum(t.numel() * t.element_size() for t in (*args, *kwargs.values())
+                                 if isinstance(t, torch.Tensor) and t.dim() == 3)
 
-    hooks = [h for i, block in enumerate(blocks) for h in (
-        block.register_forward_pre_hook(lambda module, a, k, i=i: enter(i, a, k), with_kwargs=True),
-        block.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
+    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(enter, with_kwargs=True),
+                                         b.register_forward_hook(lambda *_: current.__setitem__(0, None)))]
     with shapes_only(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         transformer(**forward_inputs(transformer, batch, image_tokens, text_tokens))
     for h in hooks:
@@ -5797,132 +5791,143 @@ def saved_bytes(transformer, batch, image_tokens, text_tokens):
     return outside[0], inputs, saved
 
 def weight_bytes(transformer, swap=0, quant=None):
-    """-> (frozen weights on the GPU, pinned host bytes, LoRA bytes: weight, gradient, two AdamW moments in
-    float32). Quantised: every linear weight (the 2-D ones: diffusers' BitsAndBytesConfig converts each
-    nn.Linear), whose NF4 scales stay on the GPU when a block swaps; the rest float32 (PEFT's k-bit preparation).
-    At the peak, the start of the backward pass, the last two swapped blocks are resident (H200: within 4% with
-    12 and 24 of [klein] 4B's 25 swapped)."""
+    """-> (frozen weights on the GPU, pinned host bytes, LoRA: weight, gradient, two AdamW moments in float32).
+    Quantised: the 2-D weights (NF4's scales stay on the GPU when a block swaps), the rest float32 (PEFT's k-bit).
+    At the backward's start two swapped blocks are resident (H200: within 4%, 12 and 24 of [klein] 4B's 25 swapped)."""
     def frozen(module):
         return sum(p.numel() * ((QUANT_BYTES[quant] if p.dim() == 2 else 4) if quant else p.element_size())
                    for p in module.parameters() if not p.requires_grad)
 
-    def scales(module):
-        return sum(p.numel() * 4 / 64 for p in module.parameters() if not p.requires_grad and p.dim() == 2) * (
-            quant == "nf4")
+    def scales(block):  # NF4's: a float32 a 64 weights
+        return sum(p.numel() / 16 for p in block.parameters() if not p.requires_grad and p.ndim == 2) * (quant == "nf4")
 
     blocks = transformer_blocks(transformer)
-    kept = len(blocks) - swap
-    swapped = [frozen(b) - scales(b) for b in blocks[kept:]]
-    rest = frozen(transformer) - sum(frozen(b) for b in blocks)  # embedders, modulation, output
-    on_gpu = rest + sum(frozen(b) for b in blocks[:kept]) + sum(map(scales, blocks[kept:]))
+    swapped = [frozen(b) - scales(b) for b in blocks[len(blocks) - swap:]]  # what leaves the GPU
     lora = 16 * sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-    return on_gpu + sum(swapped[-2:]), sum(swapped), lora
+    return frozen(transformer) - sum(swapped) + sum(swapped[-2:]), sum(swapped), lora
 
 class MemoryEstimate:
-    """A run's peak GPU memory at any setting the plan chooses, from shapes alone: the weight and LoRA bytes of the
-    prepared model on the meta device (swapped blocks and quantised weights counted exactly), activations from one
-    forward there, and validation's peak (the trained transformer resident while the pipeline samples one image and
-    the VAE decodes it, the decode in float32 as measured). Checked against H100 and H200 runs: docs/memory.md.
-    side: the latents' (height, width) in pixels / 8, or one side of square ones."""
+    """A run's peak GPU memory at any setting the plan chooses, from shapes on the meta device: weights (swapped and
+    quantised counted exactly), LoRA, one forward's activations, validation's (one image sampled, then decoded in
+    float32, as measured). Checked on H100 and H200 runs: docs/memory.md. side: latents' (height, width), or one."""
 
     def __init__(self, transformer, vae, batch, image_tokens, text_tokens, side, validates=True, cached=True):
         height, width = side if isinstance(side, tuple) else (side, side)
-        self.transformer, self.blocks = transformer, transformer_blocks(transformer)
+        self.transformer, self.blocks, self.validates, self.cached = (transformer, transformer_blocks(transformer),
+                                                                      validates, cached)
+        self.images = batch * image_tokens / 4096  # a micro-step's work: 1024 px images' tokens, 4,096 each
         self.outside, self.inputs, self.saved = saved_bytes(transformer, batch, image_tokens, text_tokens)
         self.vae = 0 if vae is None else sum(p.numel() for p in vae.parameters()) * 2
         self.sampling = self.decode = self.encode = 0
         with shapes_only(), torch.no_grad():
             if validates:
-                with LiveBytes() as sampling:
-                    transformer(**forward_inputs(transformer, 1, image_tokens, text_tokens))
-                self.sampling = sampling.peak
+                self.sampling = peak_bytes(
+                    lambda: transformer(**forward_inputs(transformer, 1, image_tokens, text_tokens)))
             if vae is not None and validates:
-                with LiveBytes() as decode:
-                    vae.decode(torch.empty(1, vae.config.latent_channels, height, width))
-                self.decode = decode.peak
+                self.decode = peak_bytes(lambda: vae.decode(torch.empty(1, vae.config.latent_channels, height, width)))
             if vae is not None and not cached:  # latents encoded at every step: the VAE stays on the GPU
-                with LiveBytes() as encode:
-                    vae.encode(torch.empty(batch, 3, height * 8, width * 8))
-                self.encode = encode.peak
-        self.validates, self.cached = validates, cached
+                self.encode = peak_bytes(lambda: vae.encode(torch.empty(batch, 3, height * 8, width * 8)))
 
     def peak(self, checkpointing, swap=0, quant=None):
-        """-> {weights, host, load, lora, activations, training, validation, peak} in bytes (host: pinned; load:
-        the host memory of loading, unquantised weights are read whole into it). With checkpointing the
-        activations are what is saved outside the blocks, each block's input and twice the largest block's saved
-        tensors (one recomputed, its gradients); without, everything saved and one block's worth in flight."""
+        """-> {weights, host (pinned), load (host RAM to load unquantised weights), lora, activations, training,
+        validation, peak} in bytes. Checkpointing keeps what is saved outside the blocks, each block's input and twice
+        the largest block's saved (one recomputed, its gradients); without, all saved and one block's in flight."""
         weights, host, lora = weight_bytes(self.transformer, swap, quant)
-        if checkpointing:
-            activations = self.outside + sum(self.inputs) + 2 * max(self.saved)
-        else:
-            activations = self.outside + sum(self.saved) + max(self.saved)
-        activations *= NF4_ACTIVATIONS if quant == "nf4" else 1
-        vae = 0 if self.cached else self.vae
-        training = weights + lora + vae + max(activations, self.encode)
+        kept = sum(self.inputs) + 2 * max(self.saved) if checkpointing else sum(self.saved) + max(self.saved)
+        activations = (self.outside + kept) * (NF4_ACTIVATIONS if quant == "nf4" else 1)
+        training = weights + lora + (0 if self.cached else self.vae) + max(activations, self.encode)
         validation = weights + lora + self.vae + max(self.sampling, self.decode) if self.validates else 0
         load = 0 if quant else sum(p.numel() * p.element_size() for p in self.transformer.parameters())
         return dict(weights=weights, host=host, load=load, lora=lora, activations=activations, training=training,
                     validation=validation, peak=max(training, validation))
 
 def text_encoder_peak(params, kept, quant, element_size=2):
-    """-> (GPU peak while prompts are encoded: the weights, whose embeddings and output layer stay unquantised as
-    bitsandbytes keeps them, and a batch's hidden states; host memory: bf16 and int8 load whole on the CPU first)."""
-    gpu = kept * element_size + (params - kept) * (QUANT_BYTES[quant] if quant else element_size) + TEXT_ACTIVATIONS
+    """quant (None or 'none', 'int8', 'nf4') -> (GPU peak while prompts are encoded: the weights, embeddings and output
+    layer unquantised as bitsandbytes keeps them, and the hidden states; host RAM: bf16 and int8 load whole first)."""
+    gpu = kept * element_size + (params - kept) * QUANT_BYTES.get(quant, element_size) + TEXT_ACTIVATIONS
     return gpu, 0 if quant == "nf4" else params * element_size
 
-def step_cost(checkpointing, swap, blocks, quant):
-    """A step's time relative to bf16 with checkpointing (STEP_COST)."""
-    return ((1.0 if checkpointing else STEP_COST["no_checkpointing"]) * (1 + STEP_COST["all_swapped"] * swap / blocks)
-            * (STEP_COST["nf4"] if quant else 1.0))
+# A candidate: frozen weights (quant: None, 'nf4', 'int8'; weights: the flag's value, a file given kept), checkpointing,
+# the fewest swapped blocks that fit (None: none does), GPU peak, host RAM (pinned blocks, or loading), step cost
+PlanRow = collections.namedtuple("PlanRow", "quant checkpointing swap peak host cost weights compiled",
+                                 defaults=[None, False])
 
-@dataclass(frozen=True)
-class PlanRow:
-    """A candidate: the settings, the smallest --blocks_to_swap that fits (None: none does), its GPU peak, the host
-    memory it needs (pinned blocks, or the unquantised weights while they load) and its step cost."""
-    quant: str | None
-    checkpointing: bool
-    swap: int | None
-    peak: int
-    host: int
-    cost: float
+def plan_choices(args, cuda, blocks):
+    """What the plan may try, one line an option, a flag given keeping its value: checkpointing, swapped blocks (fewest
+    first), weights ({the flag's value: what loads}, a 4-bit file as NF4), the text encoder's precisions (none without
+    one). Swapping and NF4 need CUDA (or --plan_only's GPU elsewhere) and a plain LoRA (other adapters: unverified)."""
+    free, plain, texts = vars(args).keys() - args.given_flags, cuda, ["none"]
+    plain = plain and args.adapter == "lora" and not args.use_dora  # option: adapters
+    gc = (False, True) if "gradient_checkpointing" in free else (args.gradient_checkpointing,)
+    choices = dict(checkpointing=gc, swap=(0,), weights={None: None}, compile=(vars(args).get("compile", False),))
+    choices["swap"] = range(blocks + 1) if "blocks_to_swap" in free and plain else (  # option: block_swap
+        args.blocks_to_swap,)  # option: block_swap
+    bnb = args.bnb_quantization_config_path  # option: compile
+    four = bnb and read_bnb_config(bnb).get("load_in_4bit")  # option: compile
+    choices["weights"] = {bnb: bnb and ("nf4" if four else "int8")}  # option: compile
+    if "bnb_quantization_config_path" in free and plain and not args.do_fp8_training:  # option: compile
+        choices["weights"] = {None: None, "nf4": "nf4"}  # option: compile
+    if "compile" in free and cuda:  # option: compile
+        choices["compile"] = (False, True)  # option: compile
+    if args.output_preservation:  # option: trigger_words
+        choices["compile"] = (False,)  # it refuses compiling  # option: trigger_words
+    texts = [args.text_encoder_quantization] if "text_encoder_quantization" not in free else [  # option: text_encoders
+        "none", "int8", "nf4"][:2 + cuda]  # option: text_encoders
+    texts = [] if args.remote_text_encoder or args.fsdp_text_encoder else texts  # option: text_encoders
+    texts = [] if args.from_manifest else texts  # option: manifest
+    return dict(choices, texts=texts)
 
-def plan_rows(estimate, card, host_free, checkpointing=(False, True), swap=True, quants=(None,)):
-    """Each (weights, checkpointing) the plan may take, with the fewest swapped blocks that fit the card and
-    host_free (bytes) -> [PlanRow]; swapping needs checkpointing (autograd keeps weights)."""
-    rows, blocks = [], len(estimate.blocks)
-    for quant, gc in [(q, gc) for q in quants for gc in checkpointing]:
-        counts = range(blocks + 1) if swap is True and gc else [swap if gc and swap is not True else 0]
-        found = None
-        for n in counts:
+def plan_settings(row, text):
+    """The flags a plan sets, {flag: value}: its row's and the text encoder's precision."""
+    settings = dict(gradient_checkpointing=row.checkpointing)
+    settings["blocks_to_swap"] = row.swap  # option: block_swap
+    settings["bnb_quantization_config_path"] = row.weights  # option: compile
+    settings["compile"] = row.compiled  # option: compile
+    settings["text_encoder_quantization"] = text or "none"  # option: text_encoders
+    return settings
+
+def plan_flags(row, text=None):
+    """A plan's flags as the command line takes them (a switch off, 0, None and 'none' are defaults: left out)."""
+    return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in plan_settings(row, text).items()
+                    if v not in (False, None, 0, "none"))
+
+def plan_rows(estimate, card, host_free, choices, compiled=None):
+    """Each setting of `choices` with the fewest swapped blocks (with checkpointing: autograd keeps weights) that
+    fit `card` and host_free (bytes) -> [PlanRow]; the plan takes unquantised first (quantising changes results).
+    compiled(eager cost) -> the cost compiled, its first compile spread over the run (None: not measured); the plan
+    tries compiling where it was measured (unquantised, no block swapped: the same memory as eager)."""
+    rows, blocks, trying = [], len(estimate.blocks), len(choices["compile"]) > 1
+    for c, (weights, quant), gc in [(c, w, gc) for c in choices["compile"] for w in choices["weights"].items()
+                                    for gc in choices["checkpointing"]]:
+        if c and trying and (quant or not compiled):  # measured unquantised only
+            continue
+        for n in choices["swap"] if gc and not (c and trying) else [0]:
             found = estimate.peak(gc, n, quant)
             host = max(found["host"], found["load"])
             if fits_card(found["peak"], card) and host <= host_free:
-                rows.append(PlanRow(quant, gc, n, found["peak"], host, step_cost(gc, n, blocks, quant)))
+                cost = ((1.0 if gc else STEP_COST["no_checkpointing"]) * (1 + STEP_COST["all_swapped"] * n / blocks)
+                        * (STEP_COST["nf4"] if quant else 1.0))
+                rows.append(PlanRow(quant, gc, n, found["peak"], host, compiled(cost) if c and compiled else cost,
+                                    weights, c))
                 break
         else:
-            rows.append(PlanRow(quant, gc, None, found["peak"], host, math.inf))
+            rows.append(PlanRow(quant, gc, None, found["peak"], host, math.inf, weights, c))
     return rows
-
-def best_row(rows):
-    """Full-precision weights before quantised ones (quantising changes results), then the fastest."""
-    fitting = [r for r in rows if r.swap is not None]
-    return min(fitting, key=lambda r: (r.quant is not None, r.cost)) if fitting else None
 
 @option
 class MemoryPlan(Option):
-    """--memory_plan auto: before any weights load, the run's peak GPU memory is estimated (MemoryEstimate: one
-    forward on the meta device from the checkpoint's configs) for each setting the user left at its default:
-    gradient checkpointing, --blocks_to_swap, NF4 weights, the text encoder's precision; the fastest that fits the
-    card (free memory, the least over the processes; --gpu_memory) and host RAM is taken. Cost: a few seconds at
-    start-up, none per step; --plan_only shows every candidate and stops."""
+    """--memory_plan auto: before any weights load, the run's peak GPU memory is estimated from the checkpoint's
+    configs (MemoryEstimate) for each setting left at its default (checkpointing, swapped blocks, NF4, the text
+    encoder's precision); the fastest that fits the card (the least free over the processes; --gpu_memory) and host
+    RAM is taken. Cost: a few seconds at start-up, none per step; --plan_only shows every candidate and stops."""
 
-    name = "memory_plan"
-    switches, requires = ("memory_plan",), "--memory_plan auto"
+    name, switches, requires = "memory_plan", ("memory_plan",), "--memory_plan auto"
     prints_only = property(lambda self: self.args.plan_only)
     flags = [
         flag("--memory_plan", choices=["off", "auto"], default="off", help="auto: checkpointing, block swapping, NF4 "
              "weights and the text encoder's precision chosen to fit this GPU, fastest first; your flags stay."),
-        flag("--gpu_memory", type=Accepts("a size in GB or GiB, e.g. 24GB", lambda v: v > 0, memory_size, size_text),
+        flag("--gpu_memory", type=Accepts("a size up to 1024 GiB, e.g. 24GB or 24564MiB (a bare number is read in "
+                                          "GiB)", lambda v: 0 < v <= 1024 * GIB, memory_size, size_text),
              help="Plan for a card of this size instead of this machine's free GPU memory."),
         flag("--host_memory", type=Accepts("a size in GB or GiB, e.g. 64GB", lambda v: v > 0, memory_size, size_text),
              help="Plan for this much free host RAM (swapped blocks' pinned memory); default: what is free here."),
@@ -5934,185 +5939,149 @@ class MemoryPlan(Option):
         refuse(self.args.plan_only and self.args.gpu_memory is None and not torch.cuda.is_available(),
                "--plan_only: no GPU here; give --gpu_memory, the size of the card to plan for")
 
-    def plan_memory(self, family):
-        args, can = self.args, vars(self.args)  # can: the flags of the options still in the script
-        card = args.gpu_memory or (agreed_minimum(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None)
+    def plan_memory(self, family, instances):
+        """Sets the plan's flags -> whether it planned (not without a GPU or --gpu_memory)."""
+        from accelerate import PartialState
+        args, cuda = self.args, torch.cuda.is_available()
+        card = args.gpu_memory or (agreed_minimum(torch.cuda.mem_get_info()[0]) if cuda else None)
         if card is None:
             logger.info("--memory_plan auto: no GPU here and no --gpu_memory: the flags stay as given")
-            return None
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-            args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"), torch.float32)
-        text_size = text_encoder_size(args, family) if text_encoder_choices(args) else (0, 0)
+            return False
+        dtype = DTYPES.get(args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION"), torch.float32)
+        text_size = text_encoder_size(args, family) if plan_choices(args, True, 0)["texts"] else (0, 0)
         host = args.host_memory or agreed_minimum(available_host_memory())  # each machine's free RAM: one plan
-        report, chosen, text_choice = make_plan(args, family.name, card, host, run_estimate(args, dtype), text_size,
-                                                dtype)
+        steps = args.max_train_steps or optimizer_steps(args.num_train_epochs, check_batches_early(  # an epoch's
+            args, instances, 0, PartialState().num_processes, 0), args.gradient_accumulation_steps)  # (+ class images)
+        report, chosen, text = make_plan(args, family.name, card, host, run_estimate(args, dtype, instances),
+                                         text_size, dtype, steps)
         if (args.plan_only or chosen is None) and PartialState().is_main_process:  # a refusal's candidates show why
             print("\n".join(report if chosen else report[:-1]))
-        if chosen is None:
-            raise UsageError(f"--memory_plan auto: {report[-1]}")
+        refuse(chosen is None, f"--memory_plan auto: {report[-1]}")
         if args.plan_only:  # what the plan is, for a card of --gpu_memory, and nothing else
             raise SystemExit(0)
         logger.info("\n".join([report[0], *report[-2:]]))
-        settings = dict(gradient_checkpointing=chosen.checkpointing, blocks_to_swap=chosen.swap,
-                        text_encoder_quantization=text_choice or "none")
-        if chosen.quant and not can.get("bnb_quantization_config_path"):
-            settings["bnb_quantization_config_path"] = "nf4"
-        for name, value in settings.items():
-            if name in can:
-                setattr(args, name, value)
+        vars(args).update(plan_settings(chosen, text))
         return True
 
-def make_plan(args, model, card, host, estimate, text_size, dtype):
-    """The plan for `card` bytes of GPU memory and `host` bytes of free host RAM, from the run's MemoryEstimate and
-    its text encoder's (parameters, unquantised parameters), unquantised weights in `dtype` -> (report lines, the
-    chosen PlanRow, the text encoder's precision); nothing fits: (lines ending in the refusal, None, None). README.md's
-    table is made by it."""
-    choices, text, precision = plan_choices(args), text_encoder_choices(args), PRECISIONS[dtype]
+def make_plan(args, model, card, host, estimate, text_size, dtype, steps=None):
+    """The plan for `card` bytes of GPU memory and `host` of free host RAM from the run's MemoryEstimate, its text
+    encoder's (parameters, unquantised ones), weights in `dtype`, its optimizer steps (default --max_train_steps) ->
+    (report lines, the PlanRow, the text encoder's precision or None without one); nothing fits: (lines ending in
+    the refusal, None, None). Makes README's table."""
+    from accelerate import PartialState
+    precision, processes = {v: k for k, v in DTYPES.items()}[dtype], local_processes(PartialState())
+    host_free = 0.8 * host / processes  # each process here pins its swapped blocks; the rest of it needs some too
+    steps, compiled, note = steps or args.max_train_steps or 0, None, []
+    if (m := COMPILE.get(model)) and steps:  # compiling: once, then a shorter step  # option: compile
+        eager = m["image_s"] * estimate.images * args.gradient_accumulation_steps  # option: compile
+        once = m["once"] + m["validation"] * estimate.validates  # option: compile
+        gain = eager * (1 - m["step"])  # seconds a step, with checkpointing  # option: compile
+        compiled = lambda cost: cost * m["step"] + once / steps / eager  # option: compile
+        note = [f"  compiled: {once:.0f} s once, {gain:.2f} s less a step: it pays "  # option: compile
+                f"from {math.ceil(once / gain)} steps; this run trains {steps}"]  # option: compile
 
-    def text_rows_of(precisions):  # (precision, GPU peak, host RAM) of each
-        return [(q, *text_encoder_peak(*text_size, q, dtype.itemsize)) for q in precisions]
-    # swapped blocks pin host memory in every process of this machine; the rest of the process needs some too
-    host_free = 0.8 * host / local_processes(PartialState())
-    rows, text_rows = plan_rows(estimate, card, host_free, **choices), text_rows_of(text)
-    chosen, text_choice = best_row(rows), text_fit(text_rows, card, host_free)
-    report = plan_report(args, model, card, host, rows, chosen, text_rows, text_choice, precision)
-    if chosen is None or text_choice is False:  # why, and the card that would fit, on a machine with CUDA
-        choices, text = plan_choices(args, cuda=True), text_encoder_choices(args, cuda=True)
-        remote = model == FAMILIES["Flux2Pipeline"].name and "remote_text_encoder" in vars(args)  # [dev]'s alone
-        return report + [refusal(estimate, host_free, choices, text_rows_of(text), card, precision, remote,
-                                 text_rows_of([None, "int8", "nf4"] if text else []))], None, None
-    return report, chosen, text_choice
+    def plan(card, cuda, texts=None):  # -> (rows, the row taken or None, text rows, the precision taken or None)
+        choices = plan_choices(args, cuda, len(estimate.blocks))
+        rows = plan_rows(estimate, card, host_free, choices, compiled)
+        texts = [(q, *text_encoder_peak(*text_size, q, dtype.itemsize)) for q in texts or choices["texts"]]
+        best = min((r for r in rows if r.swap is not None), key=lambda r: (r.quant is not None, r.cost), default=None)
+        return rows, best, texts, next((q for q, gpu, ram in texts if fits_card(gpu, card) and ram <= host_free), None)
 
-def text_fit(text_rows, card, host_free):
-    """The first text-encoder precision that fits (None: no text encoder here; False: none fits)."""
-    return next((q for q, peak, host in text_rows if fits_card(peak, card) and host <= host_free),
-                False) if text_rows else None
+    rows, chosen, texts, text = plan(card, torch.cuda.is_available() or args.plan_only)
+    report = plan_report(args, model, card, host, rows, chosen, texts, text, precision, note)
+    if chosen is not None and (text or not texts):
+        return report, chosen, text
+    ram = f"{gib(host_free)} GiB of host RAM (80% of the free{f', shared by {processes} processes' * (processes > 1)})"
+    return report + [refusal(plan, card, precision, ram, model == FAMILIES["Flux2Pipeline"].name)], None, None
 
-def given_flags(argv):
-    """The flags given in a --config file (a switch set false too) or on the command line, which is parsed again with
-    no defaults: one given at its default value (to keep a plan's choice on resume, say) is given all the same."""
-    file_tokens = {}
-    _, file_tokens, argv = config_tokens(argv)  # option: config
-    parser = build_parser()
-    for action in parser._actions:
-        action.default, action.required = argparse.SUPPRESS, False
-    return frozenset(file_tokens).union(vars(parser.parse_args(argv)))
-
-def plan_choices(args, cuda=None):
-    """What the plan may choose: the settings not given, of the options still in the script; swapping and NF4 need
-    CUDA (default: here, or --plan_only: another machine) and a plain LoRA (DoRA, LoKr: unverified)."""
-    can, free = vars(args), vars(args).keys() - args.given_flags
-    cuda = torch.cuda.is_available() or args.plan_only if cuda is None else cuda
-    plain = can.get("adapter", "lora") == "lora" and not can.get("use_dora")
-    bnb = can.get("bnb_quantization_config_path")
-    free_quant = "bnb_quantization_config_path" in can and not (bnb or can.get("do_fp8_training")) and cuda and plain
-    return dict(checkpointing=(False, True) if "gradient_checkpointing" in free and not args.gradient_checkpointing
-                else (args.gradient_checkpointing,),
-                swap=True if "blocks_to_swap" in free and cuda and plain else can.get("blocks_to_swap", 0),
-                quants=(None, "nf4") if free_quant else (None if not bnb else "nf4" if bnb == "nf4" or json.loads(
-                    Path(bnb).read_text()).get("load_in_4bit") else "int8",))  # 4-bit FP4 is NF4's size
-
-def text_encoder_choices(args, cuda=None):
-    """The text encoder's precisions the plan may choose, in order; none without a local text encoder."""
-    can, cuda = vars(args), torch.cuda.is_available() or args.plan_only if cuda is None else cuda
-    if any(can.get(n) for n in ("remote_text_encoder", "fsdp_text_encoder", "from_manifest")):
-        return []
-    given = can.get("text_encoder_quantization", "none")
-    if "text_encoder_quantization" not in can.keys() - args.given_flags:
-        return [None if given == "none" else given]
-    return [None, "int8"] + ["nf4"] * cuda
-
-def plan_flags(row, text_choice):
-    return " ".join(["--gradient_checkpointing"] * row.checkpointing + [f"--blocks_to_swap {row.swap}"] * bool(
-        row.swap) + ["--bnb_quantization_config_path nf4"] * (row.quant == "nf4") + [
-        f"--text_encoder_quantization {text_choice}"] * bool(text_choice))
-
-def plan_report(args, model, card, host, rows, chosen, text_rows, text_choice, precision):
-    """The plan's lines: each candidate (unquantised weights labelled `precision`), the choice and its flags; when
-    nothing fits, the last line says which card would, and with what."""
-    h, w = largest_bucket(args)
-    size = f"{h} px" if h == w == args.resolution else f"{h}x{w} px (the largest bucket)"
-    lines = [f"memory plan: {model}, {size}, batch {args.train_batch_size}, rank {args.rank}, on "
-             f"{gib(card)} GiB of GPU memory and {gib(host)} GiB of host RAM (a peak fits when peak x "
-             f"{PLAN_MARGIN[0]} + {gib(PLAN_MARGIN[1])} GiB does)",
-             "  weights  checkpointing  swapped blocks  peak GiB  host RAM GiB  step time"]
-    for r in rows:
-        lines.append(f"  {r.quant or precision:7}  {'on' if r.checkpointing else 'off':13}  "
-                     f"{'none fits' if r.swap is None else r.swap:>14}  {gib(r.peak):>8}  {gib(r.host):>12}  "
-                     + ("-" if r.swap is None else f"{r.cost:.2f}x") + ("  <- chosen" if r == chosen else ""))
-    lines += [f"  text encoder ({q or precision}): {gib(peak)} GiB while prompts are encoded, {gib(host)} GiB of "
-              "host RAM" + ("  <- chosen" if q == text_choice else "") for q, peak, host in text_rows]
-    if chosen is None or text_choice is False:
-        return lines
-    note = " (quantised weights change results a little: docs/memory.md)" if chosen.quant or text_choice else ""
-    return lines + [f"chosen: estimated peak {gib(chosen.peak)} GiB, step time {chosen.cost:.2f}x of {precision} "
-                    f"with checkpointing{note}", f"flags: {plan_flags(chosen, text_choice) or '(none added)'}"]
-
-def refusal(estimate, host_free, choices, text_rows, card, precision, remote, every_text):
-    """Nothing fits `card` -> the refusal: the margin; what does not fit (training; the text encoder, and a smaller
-    precision of every_text that fits) and what avoids it; the smallest card of CARD_SIZES a plan fits."""
-    rows, ram = plan_rows(estimate, card, host_free, **choices), f"{gib(host_free)} GiB of host RAM (80% of the free)"
-    row, frugal, why = best_row(rows), min(r.peak for r in rows), []
+def refusal(plan, card, precision, ram, dev):
+    """Nothing fits `card` -> why, as on a machine with CUDA (make_plan's `plan`): the margin, what does not fit and
+    what avoids it, the smallest card of CARD_SIZES a plan fits. dev: [dev], whose prompts may be encoded remotely."""
+    (rows, row, texts, text), why = plan(card, True), []
     if row is None:  # its least GPU peak fits: host RAM is what is short
+        frugal = min(r.peak for r in rows)
         why.append(f"training needs more than the plan's {ram} where it fits the GPU" if fits_card(frugal, card)
                    else f"training peaks at {gib(frugal)} GiB at the least")
-    if text_fit(text_rows, card, host_free) is False:
-        q, peak, need = min(text_rows, key=lambda r: r[1])
-        why.append(f"the text encoder ({q or precision}) needs {gib(need)} GiB of host RAM to load, more than the "
-                   f"plan's {ram}" if fits_card(peak, card) else
-                   f"the text encoder peaks at {gib(peak)} GiB ({q or precision}) while prompts are encoded")
-        if smaller := text_fit([r for r in every_text if r[1] < peak], card, host_free):
-            why.append(f"--text_encoder_quantization {smaller} fits")
-        if remote:
-            why.append("--remote_text_encoder (Hugging Face's endpoint encodes the prompts) needs none here" + (
-                f", and training fits with {plan_flags(row, None) or 'no flag added'}" if row else ""))
+    if texts and text is None:
+        q, peak, need = min(texts, key=lambda r: r[1])
+        q = precision if q == "none" else q
+        why.append(f"the text encoder ({q}) needs {gib(need)} GiB of host RAM to load, more than the plan's {ram}"
+                   if fits_card(peak, card) else f"the text encoder peaks at {gib(peak)} GiB ({q}) while prompts are "
+                   "encoded")
+        if smaller := plan(card, True, ["none", "int8", "nf4"])[3]:  # option: text_encoders
+            why.append(f"--text_encoder_quantization {smaller} fits")  # option: text_encoders
+        fits = f", and training fits with {plan_flags(row) or 'no flag added'}" if row else ""  # option: text_encoders
+        if dev:  # option: text_encoders
+            why.append("--remote_text_encoder (Hugging Face's endpoint encodes the prompts) "  # option: text_encoders
+                       f"needs none here{fits}")  # option: text_encoders
     for size in CARD_SIZES:
-        fit, text = best_row(plan_rows(estimate, size * GIB, host_free, **choices)), text_fit(
-            text_rows, size * GIB, host_free)
-        if fit is not None and text is not False:
+        _, fit, texts, text = plan(size * GIB, True)
+        if fit is not None and (text or not texts):
             why.append(f"the smallest card that fits is {size} GB, with {plan_flags(fit, text) or 'these flags'}")
             break
     else:
         why.append(f"nor does any card up to {CARD_SIZES[-1]} GB with the plan's {ram}")
-    return (f"nothing fits {gib(card)} GiB of GPU memory (a peak fits when peak x {PLAN_MARGIN[0]} + "
-            f"{gib(PLAN_MARGIN[1])} GiB does: up to {gib((card - PLAN_MARGIN[1]) / PLAN_MARGIN[0])} GiB): "
-            + "; ".join(why))
+    limit = gib((card - PLAN_MARGIN[1]) / PLAN_MARGIN[0])
+    return f"nothing fits {gib(card)} GiB of GPU memory ({FITS}: up to {limit} GiB): " + "; ".join(why)
+
+def plan_report(args, model, card, host, rows, chosen, text_rows, text, precision, note=()):
+    """The plan's lines: each candidate (unquantised weights labelled `precision`), `note` with compiled ones, the
+    choice and its flags."""
+    h, w = largest_bucket(args)
+    size = f"{h} px" if h == w == args.resolution else f"{h}x{w} px (the largest bucket)"
+    lines = [f"memory plan: {model}, {size}, batch {args.train_batch_size}, rank {args.rank}, on {gib(card)} GiB of "
+             f"GPU memory and {gib(host)} GiB of host RAM ({FITS})",
+             "  weights  checkpointing  compiled  swapped blocks  peak GiB  host RAM GiB  step time"]
+    for r in rows:
+        lines.append(f"  {r.quant or precision:7}  {'on' if r.checkpointing else 'off':13}  "
+                     f"{'on' if r.compiled else 'off':8}  "
+                     f"{'none fits' if r.swap is None else r.swap:>14}  {gib(r.peak):>8}  {gib(r.host):>12}  "
+                     + ("-" if r.swap is None else f"{r.cost:.2f}x") + ("  <- chosen" if r == chosen else ""))
+    lines += [f"  text encoder ({precision if q == 'none' else q}): {gib(peak)} GiB while prompts are encoded, "
+              f"{gib(need)} GiB of host RAM" + ("  <- chosen" if q == text else "") for q, peak, need in text_rows]
+    lines += note if any(r.compiled for r in rows) else []
+    if chosen is None or (text_rows and text is None):
+        return lines
+    note = " (quantised weights change results a little: docs/memory.md)" * bool(chosen.quant or text in QUANT_BYTES)
+    return lines + [f"chosen: estimated peak {gib(chosen.peak)} GiB, step time {chosen.cost:.2f}x of {precision} "
+                    f"with checkpointing{note}", f"flags: {plan_flags(chosen, text) or '(none added)'}"]
+
+def given_flags(argv):
+    """The flags given in a config file (a switch set false too) or on the command line, which is parsed again with
+    no defaults: one given at its default value (to keep a plan's choice on resume, say) is given all the same."""
+    parser, file_tokens = build_parser(), {}
+    _, file_tokens, argv = config_tokens(argv)  # option: config
+    for action in parser._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    return frozenset(file_tokens).union(vars(parser.parse_args(argv)))
 
 def largest_bucket(args):
-    """(height, width) of the run's bucket of most pixels (the first of equals): the one whose activations peak.
-    Buckets are not all --resolution^2: --aspect_ratio_buckets may give any, and a ladder's may exceed it a little."""
+    """(height, width) of the bucket of most pixels (the first of equals), where activations peak: not always the
+    --resolution square (--aspect_ratio_buckets may give any, a ladder's may exceed it a little)."""
     ladders = resolve_buckets(args)
-    buckets = [b for ladder in ladders for b in ladder] if isinstance(ladders[0], list) else ladders
-    return max(buckets, key=lambda b: b[0] * b[1])
+    return max(sum(ladders, []) if isinstance(ladders[0], list) else ladders, key=lambda b: b[0] * b[1])
 
-def run_estimate(args, dtype):
-    """MemoryEstimate of this run: the transformer as setup_training prepares it (LoRA on --lora_layers, an
-    option's adapter) at its largest bucket's tokens (twice with a condition image), its rows (class images and
-    output preservation each double them) and --max_sequence_length, from the checkpoint's config files alone."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
+def run_estimate(args, dtype, instances=()):
+    """This run's MemoryEstimate from the checkpoint's configs: the transformer with its adapter at the largest
+    bucket's tokens and the most condition images a record has (edit training's), the rows of a step."""
     from diffusers import AutoencoderKLFlux2
-    can = vars(args)
-    plain = argparse.Namespace(**{**can, "gradient_checkpointing": False, "blocks_to_swap": 0, "compile": False,
-                                  "bnb_quantization_config_path": None, "do_fp8_training": False,
-                                  "memory_plan": "off"})
-    meta = SimpleNamespace(device=torch.device("meta"), distributed_type=DistributedType.NO, is_main_process=True,
-                           state=SimpleNamespace(fsdp_plugin=None))
     with torch.device("meta"):
-        transformer = prepare_transformer(plain, meta, empty_transformer(args).to(dtype), Hooks(plain))
+        transformer = empty_transformer(args).to(dtype).requires_grad_(False)
+        add_lora(transformer, Hooks(args).chain("adapter_config", lora_config(args, transformer), transformer))
         vae = AutoencoderKLFlux2.from_config(read_model_json(args, "vae/config.json", "vae config"))
     height, width = largest_bucket(args)  # [B, 3, H, W] pixels -> [B, C, H/8, W/8] latents -> H/16 x W/16 tokens
-    tokens = (height // 16) * (width // 16) * (2 if can.get("cond_data_dir") or can.get("cond_image_column") else 1)
-    rows = args.train_batch_size * (2 if can.get("with_prior_preservation") else 1) * (
-        2 if can.get("output_preservation") else 1)
-    validates = any(can.get(n) for n in ("validation_prompt", "final_validation_prompt", "validation_prompts_file"))
+    tokens = (height // 16) * (width // 16)  # and each condition image at reference_size: 16 px a token
+    references = max((len(r.conditions) for r in instances), default=0)  # option: edit
+    tokens += references * math.prod(reference_size((height, width))) // 256  # option: edit
+    rows, validates = args.train_batch_size, bool(args.validation_prompt or args.final_validation_prompt)
+    rows *= 2 if args.with_prior_preservation else 1  # option: class_images
+    rows *= 2 if args.output_preservation else 1  # option: trigger_words
+    validates = validates or bool(args.validation_prompts_file)  # option: validation_extras
     return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, (height // 8, width // 8),
                           validates, args.cache_latents)
 
 def text_encoder_size(args, family):
-    """-> (parameters, those quantisation leaves alone: the input embeddings and the output layer), from the
-    checkpoint's text-encoder config on the meta device."""
+    """-> (parameters, those quantisation leaves alone: input embeddings, output layer), from its config on meta."""
     import transformers
     cls = getattr(transformers, family.text_encoder)
     config = cls.config_class.from_dict(read_model_json(args, "text_encoder/config.json", "text_encoder config"))
@@ -6124,6 +6093,7 @@ def text_encoder_size(args, family):
 
 def agreed_minimum(value):
     """The least `value` over the processes (each plans its own GPU; all must take the same plan)."""
+    from accelerate import PartialState
     from accelerate.utils import gather
     state = PartialState()
     return int(gather(torch.tensor([value], device=state.device)).min()) if state.num_processes > 1 else value

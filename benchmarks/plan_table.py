@@ -73,9 +73,10 @@ def table(found):
             lines.append(f"| {name} | {card} GB | {host_gb(card)} GB | does not fit"
                          f"{f': {smallest.group(1)} GB does' if smallest else ''} | | | |")
             continue
-        text = re.search(rf"text encoder \({text_choice or 'bf16'}\): ([\d.]+) GiB", "\n".join(report)).group(1)
+        label = "bf16" if text_choice in (None, "none") else text_choice
+        text = re.search(rf"text encoder \({label}\): ([\d.]+) GiB", "\n".join(report)).group(1)
         lines.append(f"| {name} | {card} GB | {host_gb(card)} GB | {adds(chosen, text_choice)} | "
-                     f"{chosen.peak / T.GIB:.1f} GiB | {text_choice or 'bf16'}, {text} GiB | {chosen.cost:.2f}x |")
+                     f"{chosen.peak / T.GIB:.1f} GiB | {label}, {text} GiB | {chosen.cost:.2f}x |")
     return "\n".join(lines + ["", END])
 
 

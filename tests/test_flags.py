@@ -314,7 +314,8 @@ def test_a_bad_flag_exits_2_with_one_line_before_anything_loads(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --repeats x: expected an integer >= 1", proc.stderr
 
 
-@pytest.mark.parametrize("flag, value, what", [("gpu_memory", "24000MB", "a size in GB or GiB, e.g. 24GB"),
+@pytest.mark.parametrize("flag, value, what", [("gpu_memory", "24000MB", "a size up to 1024 GiB, e.g. 24GB or "
+                                                                "24564MiB (a bare number is read in GiB)"),
                                                ("seed", "1.5", "an integer from 0 to 4294967295"),
                                                ("timestep_shift", "sometimes", "none, auto, pipeline or a number > 0")])
 def test_a_value_that_is_not_even_of_the_flags_kind_is_told_what_it_accepts(flag, value, what, places):
