@@ -1643,10 +1643,15 @@ def pipeline_call(args, run, spec, device):
     return call
 
 def generate_images(pipeline, call, count):
-    """`count` images of one validation spec: the same noise at every validation, and for the base model's."""
+    """`count` images of one spec in one batch (out of memory: one by one), image k's noise from (seed, k) alone."""
     call = dict(call)
-    generator = torch.Generator(call.pop("device")).manual_seed(call.pop("seed"))
-    return [pipeline(**call, generator=generator).images[0] for _ in range(count)]
+    device, seed = call.pop("device"), call.pop("seed")
+    noise = lambda: [torch.Generator(device).manual_seed(seed_for(seed, k)) for k in range(count)]  # noqa: E731
+    try:
+        return pipeline(**call, num_images_per_prompt=count, generator=noise()).images
+    except torch.OutOfMemoryError:  # caught here, so the batch's tensors are freed before the images one by one
+        logger.warning_once("out of GPU memory making a validation's images in one batch: made one at a time")
+    return [pipeline(**call, generator=g).images[0] for g in noise()]
 
 @torch.no_grad()
 @charged("validation")
@@ -3551,7 +3556,8 @@ def base_record(args, run, specs, scales, condition):
     return json.loads(json.dumps({  # as read back: lists, not tuples
         "specs": [dataclasses.asdict(s) for s in specs], "scales": list(scales), "count": args.num_validation_images,
         "model": [args.pretrained_model_name_or_path, args.revision, args.variant, str(run.weight_dtype)],
-        "seed": run.data.seed, "resolution": args.resolution, "steps": args.validation_inference_steps,
+        "seed": run.data.seed, "noise": "seed_for(seed, k)", "resolution": args.resolution,
+        "steps": args.validation_inference_steps,
         "guidance": [args.validation_guidance_scale, args.guidance_scale],
         "condition": None if condition is None else [condition.mode, list(condition.size),
                                                      hashlib.sha256(condition.tobytes()).hexdigest()]}))

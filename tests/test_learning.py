@@ -340,12 +340,15 @@ def _base_record(*extra, seed=0, condition=None):
 def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
     """validation/base.json records what the base model's images were made from: the same flags skip them (a
     resume), another prompt, strength list, image count, seed, size, steps, guidance, model or condition remakes
-    them and starts the progress sheet again; base images without the record (an older version's) are remade."""
+    them and starts the progress sheet again; base images without the record (an older version's, or one before
+    image k had its own noise) are remade."""
     plain = SimpleNamespace(distributed_type=None)
     made = _base_record()
     assert T.base_images_missing(plain, tmp_path, made)  # none yet
     Image.new("RGB", (8, 8)).save(tmp_path / "base-0.png")
     assert T.base_images_missing(plain, tmp_path, made)  # no record: an older version made them
+    T.write_json_atomic(tmp_path / "base.json", {k: v for k, v in made.items() if k != "noise"})
+    assert T.base_images_missing(plain, tmp_path, made)  # drawn from one generator in sequence: other noise
     (tmp_path / "progress-0.json").write_text('{"columns": [{"tag": "step-10", "step": 10}]}')
     Image.new("RGB", (8, 8)).save(tmp_path / "condition.png")
     T.record_base_images(tmp_path, made, None)
