@@ -114,7 +114,8 @@ def test_base_validation_images_are_redone_when_the_condition_changes(tmp_path):
                            resolution=32, validation_inference_steps=2, validation_guidance_scale=4.0, guidance_scale=3.5)
     run = SimpleNamespace(data=SimpleNamespace(seed=0), weight_dtype=torch.float32)
     plain = SimpleNamespace(distributed_type=None)  # no FSDP
-    made = lambda condition: T.base_record(args, run, [T.ValidationSpec("p")], [1.0], condition)  # noqa: E731
+    model = SimpleNamespace(config={"_name_or_path": "m"})
+    made = lambda condition: T.base_record(args, run, [T.ValidationSpec("p")], [1.0], condition, model, 2)  # noqa: E731
     one, other = _picture(64, 64, 1), _picture(64, 64, 2)
     Image.new("RGB", (8, 8)).save(tmp_path / "base-0.png")
     T.record_base_images(tmp_path, made(one), one)

@@ -1,15 +1,20 @@
 """Validation's cost (issue 54 item 2): a prompt's images in one batched call (one at a time when the batch is out of
-memory), each from its own seed.
+memory), each from its own seed; validation on another transformer (--validation_transformer: the distilled [klein]
+a base-trained LoRA is deployed on).
 """
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import train_dreambooth_lora_flux2 as T
-from tests.tiny_flux2 import KLEIN_TEXT_ENCODER_OUT_LAYERS, MAX_SEQUENCE_LENGTH, build_tiny_flux2_klein
+from tests.conftest import base_args, launch
+from tests.tiny_flux2 import (KLEIN_TEXT_ENCODER_OUT_LAYERS, MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS,
+                              build_tiny_flux2_klein)
 
 LAYERS = KLEIN_TEXT_ENCODER_OUT_LAYERS
 KLEIN = T.Family("FLUX.2 [klein]", "Flux2KleinPipeline", "Qwen3ForCausalLM")
@@ -105,3 +110,103 @@ def test_a_batch_out_of_memory_makes_the_same_images_one_at_a_time_and_says_so_o
         for image, reference in zip(images, expected, strict=True):
             np.testing.assert_allclose(image, reference, rtol=0, atol=ATOL)
     assert caplog.text.count("in one batch: made one at a time") == 1
+
+
+def _images(folder, tag, count=2):
+    return [np.asarray(Image.open(Path(folder, "validation", f"{tag}-{k}.png")), dtype=int) for k in range(count)]
+
+
+def _fingerprint(proc):
+    return re.findall(r"LoRA fingerprint ([0-9a-f]{16})", proc.stderr)
+
+
+def _reference(model, lora_folder=None, weight_name=T.LORA_WEIGHTS_NAME, count=2):
+    """The distilled pipeline as a user runs it with the run's LoRA file: 4 steps, no guidance, the run's noise."""
+    pipe = _pipeline(model, distilled=True)
+    if lora_folder is not None:
+        pipe.load_lora_weights(str(lora_folder), weight_name=weight_name)
+    seed = T.seed_for("validation", 0)  # the run's --seed 0
+    images = pipe(prompt_embeds=_embeds(model, [PROMPT]), height=32, width=32, num_inference_steps=4,
+                  num_images_per_prompt=count, generator=[torch.Generator().manual_seed(T.seed_for(seed, k))
+                                                          for k in range(count)]).images
+    return [np.asarray(image, dtype=int) for image in images]
+
+
+def _close(images, references):
+    """Equal within one level of 8 bits: the LoRA file folds alpha / rank into lora_B, so the reference's float sums
+    differ from the run's in the last bits and a pixel can round the other way."""
+    return all(np.abs(a - b).max() <= 1 for a, b in zip(images, references, strict=True))
+
+
+@pytest.fixture(scope="module")
+def runs(kleins, tmp_path_factory):
+    """A [klein] base run validated as usual, on the distilled checkpoint, and on its transformer folder with EMA."""
+    from tests.tiny_flux2 import make_images
+
+    root = tmp_path_factory.mktemp("validation-runs")
+    make_images(str(root / "images"))
+    base, distilled = kleins
+
+    def run(name, *extra):
+        return launch(base_args(base, root / "images", root / name, "--max_train_steps", "2", "--validation_prompt",
+                                PROMPT, "--num_validation_images", "2", "--learning_rate", "0.05", *extra,
+                                layers=LAYERS))  # a LoRA that shows
+    return root, {"plain": run("plain"), "distilled": run("distilled", "--validation_transformer", distilled),
+                  "folder-ema": run("folder-ema", "--validation_transformer", distilled / "transformer", "--use_ema",
+                                    "--ema_decay", "0.5")}
+
+
+def test_validation_on_the_distilled_transformer_shows_its_images_with_the_same_lora(runs, kleins):
+    root, procs = runs
+    distilled = kleins[1]
+    assert _fingerprint(procs["distilled"]) == _fingerprint(procs["plain"]) != []  # the LoRA is the same
+    assert "validation on " in procs["distilled"].stderr and "4 steps" in procs["distilled"].stderr
+    final, base = _images(root / "distilled", "final"), _images(root / "distilled", "base")
+    assert all(np.abs(a - b).max() > 8 for a, b in zip(final, _images(root / "plain", "final")))
+    with_lora, without = _reference(distilled, root / "distilled"), _reference(distilled)
+    assert not _close(with_lora, without)  # the LoRA shows in the images
+    assert _close(final, with_lora) and _close(base, without)  # its weights, the LoRA, 4 steps, no CFG; base: its own
+    assert "made on " in (root / "distilled" / "README.md").read_text()
+    # a transformer folder alone is sampled as a distilled [klein]; with --use_ema the images show the average,
+    # which is the LoRA file the run saves
+    average = _reference(distilled, root / "folder-ema")
+    assert not _close(average, _reference(distilled, root / "folder-ema", T.RAW_LORA_WEIGHTS_NAME))
+    assert _close(_images(root / "folder-ema", "final"), average)
+
+
+def _resolve(model, *extra, layers=LAYERS):
+    from accelerate import PartialState
+
+    PartialState()
+    args = T.parse_args(["--pretrained_model_name_or_path", str(model), "--instance_data_dir", ".",
+                         "--instance_prompt", "p", "--text_encoder_out_layers", *map(str, layers), *map(str, extra)])
+    hooks = T.Hooks(args)
+    T.validate_args(args, hooks)
+    return T.resolve_model_flags(args, hooks)
+
+
+def test_a_validation_transformer_that_cannot_hold_the_lora_is_refused_before_any_model_loads(
+        kleins, tiny_model, images, tmp_path, monkeypatch):
+    base, distilled = kleins
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    refused = {tmp_path / "empty": "expected a FLUX.2 checkpoint (model_index.json, transformer/) or a",
+               tmp_path / "sd": "is a StableDiffusionPipeline; expected a FLUX.2 checkpoint",
+               tiny_model: "its layers differ from those of"}
+    for source, message in refused.items():
+        with pytest.raises(T.UsageError, match=re.escape(f"--validation_transformer {source}")) as error:
+            _resolve(base, "--validation_transformer", source)
+        assert message in str(error.value), error.value
+    with pytest.raises(T.UsageError, match="a transformer folder alone is taken as a distilled"):
+        _resolve(tiny_model, "--validation_transformer", distilled / "transformer", layers=TEXT_ENCODER_OUT_LAYERS)
+    _resolve(base, "--validation_transformer", distilled)  # accepted
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(T.UsageError, match="--validation_transformer is not supported under FSDP"):
+        T.ValidationTransformer(T.parse_args(["--pretrained_model_name_or_path", str(base), "--instance_data_dir",
+                                              ".", "--validation_transformer", str(distilled)])).check()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    out = tmp_path / "out"
+    proc = launch(base_args(base, images, out, "--validation_transformer", tiny_model, layers=LAYERS), check=False)
+    assert proc.returncode == 2 and "error: --validation_transformer" in proc.stderr, proc.stderr[-2000:]
+    assert "its layers differ" in proc.stderr and not out.exists()
