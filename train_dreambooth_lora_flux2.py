@@ -303,7 +303,7 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
     "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged", "resolved",
-    "lora_loading", "repository", "publish", "validation_model"}
+    "lora_loading", "repository", "publish", "validation_model", "validation_steps"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -1667,7 +1667,7 @@ def run_validation(args, accelerator, run, tag, step):
     # what samples, and in how many steps: this transformer, or an option's (on the CPU but while it samples)
     model, family, steps = run.hooks.chain("validation_model", (trained, run.data.family,
                                                                  args.validation_inference_steps))
-    unwrapped = accelerator.unwrap_model(model)
+    lora_steps, unwrapped = run.hooks.chain("validation_steps", steps, tag), accelerator.unwrap_model(model)
     extra = {"is_distilled": family.distilled} if family.pipeline == "Flux2KleinPipeline" else {}
     pipeline = getattr(diffusers, family.pipeline)(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run.noise_scheduler.config), vae=run.vae,
@@ -1681,10 +1681,10 @@ def run_validation(args, accelerator, run, tag, step):
     base, images, sampling = [], [], on_device(model, device, model is not trained)
     with accelerator.autocast(), on_device(run.vae, device, args.offload), validation_oom(step), sampling:
         for spec in specs:
-            call = pipeline_call(args, run, spec, device, family, steps)
+            base_call, call = (pipeline_call(args, run, spec, device, family, n) for n in (steps, lora_steps))
             if make_base:
-                with adapters_off(unwrapped):  # the same base images in every strength's rows
-                    base += generate_images(pipeline, call, args.num_validation_images) * len(scales)
+                with adapters_off(unwrapped):  # the same base images in every strength's rows, at the final's steps
+                    base += generate_images(pipeline, base_call, args.num_validation_images) * len(scales)
             for scale in scales:
                 with run.hooks.context("lora_strength", unwrapped, scale), run.hooks.context("validation_weights"):
                     images += generate_images(pipeline, call, args.num_validation_images)
@@ -5605,7 +5605,7 @@ class Hub(Option):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: validation_extras (--validation_prompts_file, --validation_lora_scales)
+# Option: validation_extras (--validation_prompts_file, --validation_lora_scales, --intermediate_inference_steps)
 
 @functools.cache
 def read_validation_prompts(path):
@@ -5639,7 +5639,8 @@ def read_validation_prompts(path):
 @option
 class ValidationExtras(Option):
     """More validation prompts (each with its own size, seed, steps, guidance) and the LoRA at several strengths:
-    a row of the progress sheet per prompt and strength. Cost: their images at every validation."""
+    a row of the progress sheet per prompt and strength. Cost: their images at every validation. Or fewer: the
+    LoRA's images before the final validation in fewer steps (the base model's and the final ones keep theirs)."""
 
     name = "validation_extras"
     flags = [
@@ -5648,7 +5649,18 @@ class ValidationExtras(Option):
              "optionally ending in --size WxH --seed N --steps N --guidance X."),
         flag("--validation_lora_scales", type=Accepts("comma-separated numbers >= 0", lambda v: all(
             math.isfinite(x) and x >= 0 for x in v), numbers), default="1",
-             help="The LoRA's strengths each validation shows, e.g. 0.5,1,1.5.")]
+             help="The LoRA's strengths each validation shows, e.g. 0.5,1,1.5."),
+        flag("--intermediate_inference_steps", type=positive_int, help="At most N denoising steps for the LoRA's "
+             "images before the final validation (cheaper previews); default: as the final's.")]
+
+    def check(self):  # option: metrics
+        scored = vars(self.args).get("validation_metrics", "none") != "none"
+        refuse(self.args.intermediate_inference_steps and scored,
+               "--intermediate_inference_steps with --validation_metrics: the scores would compare images sampled in "
+               "different numbers of steps (the base model's and the final ones keep theirs)")
+
+    def validation_steps(self, steps, tag):
+        return min(steps, self.args.intermediate_inference_steps or steps) if tag != "final" else steps
 
     def validation_specs(self):
         return read_validation_prompts(self.args.validation_prompts_file) if self.args.validation_prompts_file else []

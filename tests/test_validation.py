@@ -1,6 +1,6 @@
 """Validation's cost (issue 54 item 2): a prompt's images in one batched call (one at a time when the batch is out of
 memory), each from its own seed; validation on another transformer (--validation_transformer: the distilled [klein]
-a base-trained LoRA is deployed on).
+a base-trained LoRA is deployed on); fewer sampling steps before the final validation (--intermediate_inference_steps).
 """
 
 import re
@@ -210,3 +210,64 @@ def test_a_validation_transformer_that_cannot_hold_the_lora_is_refused_before_an
     proc = launch(base_args(base, images, out, "--validation_transformer", tiny_model, layers=LAYERS), check=False)
     assert proc.returncode == 2 and "error: --validation_transformer" in proc.stderr, proc.stderr[-2000:]
     assert "its layers differ" in proc.stderr and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+def _validate(model, out, accelerator, tags, *extra):
+    """run_validation at `tags` on the tiny [klein] base model (a LoRA added, nothing trained) -> the steps of each
+    call of the pipeline, as (tag, 'base' or 'lora', steps)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    args = T.parse_args(base_args(model, ".", out, "--validation_prompt", PROMPT, "--num_validation_images", "1",
+                                  "--validation_inference_steps", "3", *extra, layers=LAYERS))
+    out.mkdir()
+    hooks = T.Hooks(args)
+    T.validate_args(args, hooks)
+    T.resolve_family_defaults(args, KLEIN)  # CFG's scale
+    transformer = accelerator.prepare(T.prepare_transformer(args, accelerator, T.load_transformer(args, torch.float32)))
+    vae, mean, std = T.load_vae(args, accelerator, torch.float32)
+    prompts = T.SampleCache()
+    for prompt, embeds in zip([PROMPT, ""], _embeds(model, [PROMPT, ""])):
+        prompts.put(prompt, embeds[None])
+    run = T.Run(data=T.Data(KLEIN, None, 0, None, None, None, hooks=hooks), caches=T.Caches(prompts),
+                weight_dtype=torch.float32, vae=vae, latent_stats=(mean, std), transformer=transformer, optimizer=None,
+                lr_scheduler=None, sigmas=None, named_params={}, step_config=None,
+                noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler"))
+    made, generate = [], T.generate_images
+
+    def recorded(pipeline, call, count):
+        off = any(m.disable_adapters for m in pipeline.transformer.modules() if isinstance(m, BaseTunerLayer))
+        made.append((tag, "base" if off else "lora", call["num_inference_steps"]))
+        return generate(pipeline, call, count)
+
+    T.generate_images = recorded
+    try:
+        for tag in tags:
+            T.run_validation(args, accelerator, run, tag, 1 + tags.index(tag))
+    finally:
+        T.generate_images = generate
+    return made
+
+
+def test_intermediate_validations_may_sample_in_fewer_steps_the_base_and_final_images_never(kleins, tmp_path,
+                                                                                         accelerator):
+    base = kleins[0]
+    tags = ["step-000001", "step-000002", "final"]
+    assert _validate(base, tmp_path / "default", accelerator, tags) == [
+        ("step-000001", "base", 3), ("step-000001", "lora", 3), ("step-000002", "lora", 3), ("final", "lora", 3)]
+    assert _validate(base, tmp_path / "fewer", accelerator, tags, "--intermediate_inference_steps", "1") == [
+        ("step-000001", "base", 3), ("step-000001", "lora", 1), ("step-000002", "lora", 1), ("final", "lora", 3)]
+    # at most N: never more steps than the final validation's
+    assert _validate(base, tmp_path / "more", accelerator, tags[:1], "--intermediate_inference_steps", "9") == [
+        ("step-000001", "base", 3), ("step-000001", "lora", 3)]
+    args = T.parse_args(base_args(base, ".", tmp_path / "m", "--intermediate_inference_steps", "1",
+                                  "--validation_metrics", "dino"))
+    with pytest.raises(T.UsageError, match="--intermediate_inference_steps with --validation_metrics: the scores"):
+        T.validate_args(args)
