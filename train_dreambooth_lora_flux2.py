@@ -5693,14 +5693,14 @@ class ValidationExtras(Option):
 
 def model_json(source, name, cache_dir):
     """A small JSON file of a folder or Hub repository -> dict, or None where it has no such file (other failures,
-    such as an unreachable Hub: raised)."""
+    such as an unreachable Hub or an offline one without it: raised)."""
     if Path(source).is_dir():
         return json.loads(Path(source, name).read_text()) if Path(source, name).is_file() else None
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import RemoteEntryNotFoundError
     try:
         return json.loads(Path(hf_hub_download(source, name, cache_dir=cache_dir)).read_text())
-    except EntryNotFoundError:
+    except RemoteEntryNotFoundError:
         return None
 
 @option

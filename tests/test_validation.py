@@ -193,7 +193,8 @@ def test_a_validation_transformer_that_cannot_hold_the_lora_is_refused_before_an
     (tmp_path / "sd" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     refused = {tmp_path / "empty": "expected a FLUX.2 checkpoint (model_index.json, transformer/) or a",
                tmp_path / "sd": "is a StableDiffusionPipeline; expected a FLUX.2 checkpoint",
-               tiny_model: "its layers differ from those of"}
+               tiny_model: "its layers differ from those of",
+               "someone/not-downloaded": "cannot read it"}  # offline (HF_HUB_OFFLINE), not in the Hub's cache
     for source, message in refused.items():
         with pytest.raises(T.UsageError, match=re.escape(f"--validation_transformer {source}")) as error:
             _resolve(base, "--validation_transformer", source)
