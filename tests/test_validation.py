@@ -72,9 +72,11 @@ def _single(pipe, call, k):
     return pipe(**call, generator=torch.Generator(device).manual_seed(T.seed_for(seed, k))).images[0]
 
 
-def test_a_prompts_images_are_made_in_one_batch_each_from_its_own_seed(kleins):
+@pytest.mark.parametrize("edit", [False, True], ids=["text-to-image", "edit"])
+def test_a_prompts_images_are_made_in_one_batch_each_from_its_own_seed(kleins, edit):
     pipe = _pipeline(kleins[0])
-    call = _call(_embeds(kleins[0], [PROMPT, ""]))
+    condition = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    call = _call(_embeds(kleins[0], [PROMPT, ""]), **({"image": [condition]} if edit else {}))  # edit: its tokens
     calls = []
     spy = lambda **kwargs: calls.append(kwargs["num_images_per_prompt"]) or pipe(**kwargs)  # noqa: E731
     batched = T.generate_images(spy, call, 4)
