@@ -41,7 +41,7 @@ Reading map: three parts, drawn by what runs.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
     banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset,
     masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
-    block_swap, attention, compile, hub, validation_extras, memory_plan, metrics.
+    block_swap, attention, compile, hub, validation_extras, validation_transformer, memory_plan, metrics.
 """
 
 # ================================================================================================================
@@ -303,7 +303,7 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
     "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged", "resolved",
-    "lora_loading", "repository", "publish"}
+    "lora_loading", "repository", "publish", "validation_model", "validation_steps"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -1626,14 +1626,13 @@ def uses_cfg(args, data):
     guidances = [args.validation_guidance_scale] + [s.guidance for s in data.specs if s.guidance]
     return samples_with_cfg(data.family, max(guidances))
 
-def pipeline_call(args, run, spec, device):
+def pipeline_call(args, run, spec, device, family, steps):
     """The pipeline's arguments for one validation spec: its cached embeddings (and [klein] CFG's empty prompt), size
     (edit mode: the condition, in its bucket), steps, guidance, and the seed and device of its noise."""
-    family = run.data.family
     guidance = spec.guidance if spec.guidance is not None else guidance_scale(args, family)
     call = {"prompt_embeds": run.caches.prompts[spec.prompt].to(device, run.weight_dtype),
             "height": spec.height or args.resolution, "width": spec.width or args.resolution,
-            "num_inference_steps": spec.steps or args.validation_inference_steps, "guidance_scale": guidance,
+            "num_inference_steps": spec.steps or steps, "guidance_scale": guidance,
             "seed": spec.seed if spec.seed is not None else seed_for("validation", run.data.seed), "device": device}
     if samples_with_cfg(family, guidance):
         call["negative_prompt_embeds"] = run.caches.prompts[""].to(device, run.weight_dtype)
@@ -1643,25 +1642,32 @@ def pipeline_call(args, run, spec, device):
     return call
 
 def generate_images(pipeline, call, count):
-    """`count` images of one validation spec: the same noise at every validation, and for the base model's."""
+    """`count` images of one spec in one batch (out of memory: one by one), image k's noise from (seed, k) alone."""
     call = dict(call)
-    generator = torch.Generator(call.pop("device")).manual_seed(call.pop("seed"))
-    return [pipeline(**call, generator=generator).images[0] for _ in range(count)]
+    device, seed = call.pop("device"), call.pop("seed")
+    noise = lambda: [torch.Generator(device).manual_seed(seed_for(seed, k)) for k in range(count)]  # noqa: E731
+    try:
+        return pipeline(**call, num_images_per_prompt=count, generator=noise()).images
+    except torch.OutOfMemoryError:  # caught here, so the batch's tensors are freed before the images one by one
+        logger.warning_once("out of GPU memory making a validation's images in one batch: made one at a time")
+    return [pipeline(**call, generator=g).images[0] for g in noise()]
 
 @torch.no_grad()
 @charged("validation")
 def run_validation(args, accelerator, run, tag, step):
-    """Generate validation images with the transformer being trained, without moving, casting or hooking it, for
-    each of validation_specs at each of the options' strengths (default: 1); the first time, also the base model's
-    (adapters off, same noise). Saves them in <output_dir>/validation/ (<tag>-<row>.png, a row per prompt, strength
-    and image) and shows them (progress sheet, trackers) -> their paths."""
+    """Generate validation images with the transformer being trained, without moving, casting or hooking it (or an
+    option's, holding the same LoRA), for each of validation_specs at each of the options' strengths (default: 1); the
+    first time, also the base model's (adapters off, same noise). Saves them in <output_dir>/validation/
+    (<tag>-<row>.png, a row per prompt, strength and image) and shows them (progress sheet, trackers) -> their paths."""
     import diffusers
     # FSDP: the wrapped model's forward gathers its shards, a collective, so every process generates
-    model, unwrapped = (run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer),
-                        accelerator.unwrap_model(run.transformer))
-    was_training = model.training
-    model.eval()
-    family = run.data.family
+    trained = run.transformer if is_fsdp(accelerator) else accelerator.unwrap_model(run.transformer)
+    was_training, device = trained.training, accelerator.device
+    trained.eval()
+    # what samples, and in how many steps: this transformer, or an option's (on the CPU but while it samples)
+    model, family, steps = run.hooks.chain("validation_model", (trained, run.data.family,
+                                                                 args.validation_inference_steps))
+    lora_steps, unwrapped = run.hooks.chain("validation_steps", steps, tag), accelerator.unwrap_model(model)
     extra = {"is_distilled": family.distilled} if family.pipeline == "Flux2KleinPipeline" else {}
     pipeline = getattr(diffusers, family.pipeline)(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run.noise_scheduler.config), vae=run.vae,
@@ -1670,19 +1676,19 @@ def run_validation(args, accelerator, run, tag, step):
     condition = run.data.condition[0] if run.data.condition is not None else None
     folder, specs = Path(args.output_dir, "validation"), validation_specs(args, run.data)
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
-    made_from = base_record(args, run, specs, scales, condition)  # what makes base-i.png: a change remakes them
+    made_from = base_record(args, run, specs, scales, condition, unwrapped, steps)  # a change remakes base-i.png
     make_base = base_images_missing(accelerator, folder, made_from)
-    base, images = [], []
-    with accelerator.autocast(), on_device(run.vae, accelerator.device, args.offload), validation_oom(step):
+    base, images, sampling = [], [], on_device(model, device, model is not trained)
+    with accelerator.autocast(), on_device(run.vae, device, args.offload), validation_oom(step), sampling:
         for spec in specs:
-            call = pipeline_call(args, run, spec, accelerator.device)
+            base_call, call = (pipeline_call(args, run, spec, device, family, n) for n in (steps, lora_steps))
             if make_base:
-                with adapters_off(unwrapped):  # the same base images in every strength's rows
-                    base += generate_images(pipeline, call, args.num_validation_images) * len(scales)
+                with adapters_off(unwrapped):  # the same base images in every strength's rows, at the final's steps
+                    base += generate_images(pipeline, base_call, args.num_validation_images) * len(scales)
             for scale in scales:
                 with run.hooks.context("lora_strength", unwrapped, scale), run.hooks.context("validation_weights"):
                     images += generate_images(pipeline, call, args.num_validation_images)
-    model.train(was_training)
+    trained.train(was_training)
     if not accelerator.is_main_process:
         return []
     with writing(folder):
@@ -3551,13 +3557,13 @@ def validation_rows(specs, scales, count):
     """(spec, LoRA strength) of each row of a validation's images, in the order they are made and numbered."""
     return [(spec, scale) for spec in specs for scale in scales for _ in range(count)]
 
-def base_record(args, run, specs, scales, condition):
+def base_record(args, run, specs, scales, condition, model, steps):
     """What the base model's validation images are made from, as validation/base.json holds it: the rows (prompts
-    with their overrides, strengths, images each), the model, the seed, size, steps and guidance, the condition."""
+    with their overrides, strengths, images each), the sampling model, the seed, size, steps, guidance, condition."""
     return json.loads(json.dumps({  # as read back: lists, not tuples
         "specs": [dataclasses.asdict(s) for s in specs], "scales": list(scales), "count": args.num_validation_images,
-        "model": [args.pretrained_model_name_or_path, args.revision, args.variant, str(run.weight_dtype)],
-        "seed": run.data.seed, "resolution": args.resolution, "steps": args.validation_inference_steps,
+        "model": [model.config.get("_name_or_path"), args.revision, args.variant, str(run.weight_dtype)],
+        "seed": run.data.seed, "noise": "seed_for(seed, k)", "resolution": args.resolution, "steps": steps,
         "guidance": [args.validation_guidance_scale, args.guidance_scale],
         "condition": None if condition is None else [condition.mode, list(condition.size),
                                                      hashlib.sha256(condition.tobytes()).hexdigest()]}))
@@ -5606,7 +5612,7 @@ class Hub(Option):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: validation_extras (--validation_prompts_file, --validation_lora_scales)
+# Option: validation_extras (--validation_prompts_file, --validation_lora_scales, --intermediate_inference_steps)
 
 @functools.cache
 def read_validation_prompts(path):
@@ -5640,7 +5646,8 @@ def read_validation_prompts(path):
 @option
 class ValidationExtras(Option):
     """More validation prompts (each with its own size, seed, steps, guidance) and the LoRA at several strengths:
-    a row of the progress sheet per prompt and strength. Cost: their images at every validation."""
+    a row of the progress sheet per prompt and strength. Cost: their images at every validation. Or fewer: the
+    LoRA's images before the final validation in fewer steps (the base model's and the final ones keep theirs)."""
 
     name = "validation_extras"
     flags = [
@@ -5649,7 +5656,18 @@ class ValidationExtras(Option):
              "optionally ending in --size WxH --seed N --steps N --guidance X."),
         flag("--validation_lora_scales", type=Accepts("comma-separated numbers >= 0", lambda v: all(
             math.isfinite(x) and x >= 0 for x in v), numbers), default="1",
-             help="The LoRA's strengths each validation shows, e.g. 0.5,1,1.5.")]
+             help="The LoRA's strengths each validation shows, e.g. 0.5,1,1.5."),
+        flag("--intermediate_inference_steps", type=positive_int, help="At most N denoising steps for the LoRA's "
+             "images before the final validation (cheaper previews); default: as the final's.")]
+
+    def check(self):  # option: metrics
+        scored = vars(self.args).get("validation_metrics", "none") != "none"
+        refuse(self.args.intermediate_inference_steps and scored,
+               "--intermediate_inference_steps with --validation_metrics: the scores would compare images sampled in "
+               "different numbers of steps (the base model's and the final ones keep theirs)")
+
+    def validation_steps(self, steps, tag):
+        return min(steps, self.args.intermediate_inference_steps or steps) if tag != "final" else steps
 
     def validation_specs(self):
         return read_validation_prompts(self.args.validation_prompts_file) if self.args.validation_prompts_file else []
@@ -5676,6 +5694,104 @@ class ValidationExtras(Option):
             for layer, scaling in zip(layers, saved):
                 layer.scaling.update(scaling)
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: validation_transformer (--validation_transformer: validation on another transformer, e.g. distilled [klein])
+
+def model_json(source, name, cache_dir):
+    """A small JSON file of a folder or Hub repository -> dict, or None where it has no such file (other failures,
+    such as an unreachable Hub or an offline one without it: raised)."""
+    if Path(source).is_dir():
+        return json.loads(Path(source, name).read_text()) if Path(source, name).is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+    try:
+        return json.loads(Path(hf_hub_download(source, name, cache_dir=cache_dir)).read_text())
+    except RemoteEntryNotFoundError:
+        return None
+
+@option
+class ValidationTransformer(Option):
+    """Validation (the base model's images too) on another transformer of the same shape holding the LoRA being
+    trained: for a [klein] base run, the distilled [klein] most users deploy a base-trained LoRA on, at its 4 steps
+    without guidance (about 25 times less sampling than the base pipeline's 50 steps with CFG). Loaded once, with the
+    same adapter; the weights validation shows (an EMA's average where one is kept) are copied in at each validation.
+    Cost: its weights in host memory for the whole run (8 GB for [klein] 4B in bf16: loading them again at each
+    validation would take longer than the copy), on the GPU beside the trained transformer only while it validates."""
+
+    name = "validation_transformer"
+    flags = [flag("--validation_transformer", type=model_source, metavar="MODEL", help="Validate on this "
+                  "transformer with the LoRA: a FLUX.2 checkpoint, sampled as its pipeline does (distilled [klein]: 4 "
+                  "steps, no guidance), or a folder of a distilled [klein] transformer alone.")]
+
+    def check(self):
+        refuse(fsdp_requested(), "--validation_transformer is not supported under FSDP (every process validates, "
+               "so each would hold all of it)")
+
+    def resolve(self, family):
+        self.family = family  # the run's
+
+    def check_model(self, model):
+        """It is a FLUX.2 checkpoint or transformer whose layers are those of the one trained (`model`, on the meta
+        device), so the LoRA fits; read from its config files, no weights."""
+        from accelerate import init_empty_weights
+        from diffusers import Flux2Transformer2DModel
+        source, cache_dir = self.args.validation_transformer, self.args.cache_dir
+        name = f"--validation_transformer {source}"
+        try:
+            index = model_json(source, "model_index.json", cache_dir)
+            config = model_json(source, "transformer/config.json" if index else "config.json", cache_dir)
+        except Exception as e:  # noqa: BLE001 - unreachable, not JSON: the same advice
+            raise UsageError(f"{name}: cannot read it ({e})") from None
+        refuse(index is not None and index.get("_class_name") not in FAMILIES, f"{name} is a "
+               f"{(index or {}).get('_class_name')}; expected a FLUX.2 checkpoint ({', '.join(FAMILIES)})")
+        refuse((config or {}).get("_class_name") != "Flux2Transformer2DModel", f"{name}: expected a FLUX.2 checkpoint "
+               "(model_index.json, transformer/) or a Flux2Transformer2DModel folder (config.json)")
+        refuse(index is None and self.family.pipeline != "Flux2KleinPipeline", f"{name}: a transformer folder alone "
+               f"is taken as a distilled [klein]; this run trains {self.family.name} (name its checkpoint instead)")
+        with init_empty_weights():
+            other = Flux2Transformer2DModel.from_config(config)
+        shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}  # noqa: E731
+        refuse(shapes(other) != shapes(model), f"{name}: its layers differ from those of "
+               f"{self.args.pretrained_model_name_or_path}'s transformer, so the LoRA trained on it does not fit")
+        self.subfolder = "transformer" if index else None
+        self.family = (dataclasses.replace(FAMILIES[index["_class_name"]], distilled=bool(index.get("is_distilled")))
+                       if index else dataclasses.replace(self.family, distilled=True))
+
+    def setup(self, run):
+        """Load it on the CPU, where it waits between validations, with the trained transformer's adapter (main
+        process only: the others never validate)."""
+        from accelerate import PartialState
+        from accelerate.utils import extract_model_from_parallel
+        from diffusers import Flux2Transformer2DModel
+        args, self.run, self.sampler, self.params = self.args, run, None, {}
+        if not PartialState().is_main_process:
+            return
+        model = Flux2Transformer2DModel.from_pretrained(args.validation_transformer, subfolder=self.subfolder,
+                                                        torch_dtype=run.weight_dtype, cache_dir=args.cache_dir)
+        add_lora(model, dataclasses.replace(extract_model_from_parallel(run.transformer).peft_config["default"]))
+        self.params = {n: p for n, p in model.named_parameters() if n in run.named_params}
+        if self.params.keys() != run.named_params.keys():
+            raise TrainingStopped(f"--validation_transformer {args.validation_transformer}: the LoRA's layers do not "
+                                  "all match its own")
+        self.sampler = (model.requires_grad_(False).eval(), self.family, default_sampling_steps(self.family))
+        logger.info(f"validation on {args.validation_transformer} ({self.family.name}"
+                    f"{', distilled' if self.family.distilled else ''}: {self.sampler[2]} steps)")
+
+    def validation_model(self, sampler):
+        return self.sampler or sampler
+
+    @contextlib.contextmanager
+    def validation_weights(self):
+        """The weights being trained (inside the EMA's context, an earlier option's: the average) copied in."""
+        for name, param in self.params.items():
+            param.detach().copy_(self.run.named_params[name].detach())
+        yield
+
+    def card(self):
+        family = self.family
+        return ["", f"The validation images were made on {self.args.validation_transformer} ({family.name}"
+                f"{', distilled' if family.distilled else ''}, {default_sampling_steps(family)} steps) with this LoRA."]
 
 # ----------------------------------------------------------------------------------------------------------------
 # Option: memory_plan (--memory_plan auto: the fastest settings that fit this GPU; --plan_only, --gpu_memory)

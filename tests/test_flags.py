@@ -100,6 +100,8 @@ REFUSED = {
     "validation_steps": ["0", "-1"],
     "num_validation_images": ["-1"],
     "validation_inference_steps": ["0"],
+    "intermediate_inference_steps": ["0", "-1"],
+    "validation_transformer": ["FILE", "MISSING", "no spaces allowed/in ids"],  # its files: test_validation
     "validation_guidance_scale": ["-1", "nan"],
     "validation_metrics": ["dino,size", "DINO", ""],
     "metrics_reference_dir": ["MISSING", "FILE"],

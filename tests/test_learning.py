@@ -330,22 +330,28 @@ def _validation_run(*extra):
     return args, SimpleNamespace(data=data, hooks=hooks, weight_dtype=torch.float32)
 
 
-def _base_record(*extra, seed=0, condition=None):
+def _base_record(*extra, seed=0, condition=None, model=None, steps=None):
+    """The record of the run's base images; `model` and `steps`: of another transformer that samples them."""
     args, run = _validation_run(*extra)
     run.data.seed = seed
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
-    return T.base_record(args, run, T.validation_specs(args, run.data), scales, condition)
+    sampler = SimpleNamespace(config={"_name_or_path": model or args.pretrained_model_name_or_path})
+    return T.base_record(args, run, T.validation_specs(args, run.data), scales, condition, sampler,
+                         steps or args.validation_inference_steps)
 
 
 def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
     """validation/base.json records what the base model's images were made from: the same flags skip them (a
-    resume), another prompt, strength list, image count, seed, size, steps, guidance, model or condition remakes
-    them and starts the progress sheet again; base images without the record (an older version's) are remade."""
+    resume), another prompt, strength list, image count, seed, size, steps, guidance, model (or the transformer that
+    samples: --validation_transformer) or condition remakes them and starts the progress sheet again; base images
+    without the record (an older version's, or one before image k had its own noise) are remade."""
     plain = SimpleNamespace(distributed_type=None)
     made = _base_record()
     assert T.base_images_missing(plain, tmp_path, made)  # none yet
     Image.new("RGB", (8, 8)).save(tmp_path / "base-0.png")
     assert T.base_images_missing(plain, tmp_path, made)  # no record: an older version made them
+    T.write_json_atomic(tmp_path / "base.json", {k: v for k, v in made.items() if k != "noise"})
+    assert T.base_images_missing(plain, tmp_path, made)  # drawn from one generator in sequence: other noise
     (tmp_path / "progress-0.json").write_text('{"columns": [{"tag": "step-10", "step": 10}]}')
     Image.new("RGB", (8, 8)).save(tmp_path / "condition.png")
     T.record_base_images(tmp_path, made, None)
@@ -364,7 +370,7 @@ def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
                   _base_record("--validation_inference_steps", "3"),
                   _base_record("--validation_guidance_scale", "2"), _base_record("--guidance_scale", "2"),
                   _base_record("--pretrained_model_name_or_path", "other"), _base_record("--revision", "v2"),
-                  _base_record(condition=condition)):
+                  _base_record(condition=condition), _base_record(model="distilled", steps=4)):
         assert other != made and T.base_images_missing(plain, tmp_path, other), other
     assert _base_record(condition=condition) == _base_record(condition=condition.copy())  # the pixels, not the object
     assert _base_record(condition=condition) != _base_record(condition=Image.new("RGB", (16, 16), (9, 9, 8)))
