@@ -611,9 +611,9 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         """Every text a slot can show: its image's caption alternatives (or the instance prompt); the class prompt."""
         if slot >= self.num_samples:
             return [self.classes[slot % self.num_samples % len(self.classes)].caption]
-        record, prompt = self.instances[self.source(slot)[1]], self.instance_prompt
-        prompt = record.folder.prompt if record.folder else prompt  # option: folders (its folder's prompt)
-        return caption_lines(record.caption) or [prompt]
+        if (record := self.instances[self.source(slot)[1]]).folder:  # option: folders (its folder's prompt)
+            return caption_lines(record.caption) or [record.folder.prompt]
+        return caption_lines(self.instances[self.source(slot)[1]].caption) or [self.instance_prompt]
 
     def prompt_key(self, slot, epoch):
         """The text of a slot in an epoch: an alternative drawn by (seed, epoch, slot), so resumes repeat it."""
