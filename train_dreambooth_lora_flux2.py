@@ -39,7 +39,7 @@ Reading map: three parts, drawn by what runs.
     checkpoint files, the FLUX.2 families, image files and the folder scan, the caches, small helpers, signals,
     several processes, the outputs (progress sheet, model card), trimmed copies.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
-    banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset,
+    banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset, folders,
     masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
     block_swap, attention, compile, hub, validation_extras, validation_transformer, memory_plan, metrics.
 """
@@ -425,6 +425,7 @@ class ImageRecord:
     mask_path: str | None = None
     sha256: str | None = None  # content hash, computed at scan time
     conditions: tuple = ()
+    folder: object = None  # option: folders (its --datasets entry, a Folder: prompt, repeats, caption dropout)
 
     def content_hash(self):
         if self.sha256 is not None:
@@ -515,22 +516,24 @@ def image_buckets(instances, buckets):
     ladders, flat = ladder_buckets(buckets)
     return [[flat.index(ladder[nearest_bucket(r.size[1], r.size[0], ladder)]) for r in instances] for ladder in ladders]
 
-def count_samples(num_instances, num_ladders, repeats, num_classes):
-    """Samples of an epoch: each instance image at each size, --repeats times; at least one per class image."""
-    return max(num_instances * num_ladders * repeats, num_classes)
+def sample_images(instances, repeats, num_ladders):
+    """(image, ladder) of each instance sample of an epoch, in passes: pass p holds the images repeated more than p."""
+    counts = [repeats] * len(instances)
+    counts = [r.folder.repeats if r.folder else repeats for r in instances]  # option: folders (each folder's)
+    return [(i, r) for p in range(max(counts)) for r in range(num_ladders) for i, n in enumerate(counts) if n > p]
 
-def sample_groups(instances, buckets, num_samples):
-    """(bucket id, condition images) of every sample (sample i shows instance image i % I at resolution (i // I) % R),
+def sample_groups(instances, buckets, samples, num_samples):
+    """(bucket id, condition images) of every sample (sample i: samples[i % len(samples)], an (image, ladder) pair),
     for the batch sampler: a batch shares both, so its rows have the same number of target and reference tokens."""
-    ids, count = image_buckets(instances, buckets), len(instances)
-    return [(ids[(i // count) % len(ids)][i % count], len(instances[i % count].conditions)) for i in range(num_samples)]
+    ids, pairs = image_buckets(instances, buckets), [samples[i % len(samples)] for i in range(num_samples)]
+    return [(ids[ladder][i], len(instances[i].conditions)) for i, ladder in pairs]
 
 class DreamBoothDataset(torch.utils.data.Dataset):
     """Samples of a DreamBooth run, addressed by (epoch, index), the pairs the batch sampler yields (so DataLoader
     workers that live for the whole run draw each epoch's crops and flips unasked); items carry their "index".
-    Sample i shows instance image i % I in its bucket of ladder (i // I) % R (`buckets`: a list, or one per
-    --resolution) and class image i % C in the same bucket (their captions: the class prompt); an edit target's
-    condition images travel with it. Slot i is sample i's instance part, N + i its class part: a batch's layout."""
+    Sample i shows pair i of sample_images (one --repeats for all: image i % I at ladder (i // I) % R) in its bucket
+    (`buckets`: a list, or one per --resolution), with an edit target's condition images, and class image i % C (with
+    the class prompt) in that bucket. Slot i is sample i's instance part, N + i its class part: a batch's layout."""
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), seed=0, center_crop=False,
                  random_flip=False, with_pixels=True, fixed_crops=False):
@@ -540,7 +543,8 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
         self.fixed_crops = fixed_crops  # crops drawn once (epoch 0), flips live
         self.with_masks = False  # option: masked_loss (sets it: each item's loss mask too)
-        self.num_samples = count_samples(len(self.instances), len(self.ladders), repeats, len(self.classes))
+        self.samples = sample_images(self.instances, repeats, len(self.ladders))  # one epoch's (image, ladder) pairs
+        self.num_samples = max(len(self.samples), len(self.classes))  # at least one sample per class image
         self.image_buckets = image_buckets(self.instances, self.ladders)  # [R][I]
         # edit training: condition images numbered in one list; instance image i has the ids cond_ids[i]
         self.conditions, self.cond_ids = [], []
@@ -552,7 +556,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def sample_buckets(self):
-        return sample_groups(self.instances, self.ladders, self.num_samples)
+        return sample_groups(self.instances, self.ladders, self.samples, self.num_samples)
 
     @property
     def num_slots(self):
@@ -563,12 +567,12 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         indices = list(indices)
         return indices + [self.num_samples + i for i in indices] if self.classes else indices
 
-    def _source(self, slot):
+    def source(self, slot):
         i = slot % self.num_samples
-        count = len(self.instances)
-        bucket = self.buckets[self.image_buckets[(i // count) % len(self.ladders)][i % count]]
+        image, ladder = self.samples[i % len(self.samples)]
+        bucket = self.buckets[self.image_buckets[ladder][image]]
         if slot < self.num_samples:
-            return "instance", i % count, bucket
+            return "instance", image, bucket
         return "class", i % len(self.classes), bucket
 
     def record_list(self, kind):
@@ -580,7 +584,7 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     def latent_key(self, slot, epoch):
         """What the VAE sees for a slot in an epoch: (kind, image id, bucket, resized size, top, left, flip).
         A pure function of (seed, epoch, slot); with fixed_crops the crop is epoch 0's."""
-        kind, image_id, bucket = self._source(slot)
+        kind, image_id, bucket = self.source(slot)
         crop_rng = random.Random(seed_for("crop", self.seed, 0 if self.fixed_crops else epoch, slot))
         crop = draw_crop(self.record(kind, image_id).size, bucket, self.center_crop, crop_rng)
         flip = self.random_flip and random.Random(seed_for("flip", self.seed, epoch, slot)).random() < 0.5
@@ -607,7 +611,9 @@ class DreamBoothDataset(torch.utils.data.Dataset):
         """Every text a slot can show: its image's caption alternatives (or the instance prompt); the class prompt."""
         if slot >= self.num_samples:
             return [self.classes[slot % self.num_samples % len(self.classes)].caption]
-        return caption_lines(self.instances[slot % len(self.instances)].caption) or [self.instance_prompt]
+        if (record := self.instances[self.source(slot)[1]]).folder:  # option: folders (its folder's prompt)
+            return caption_lines(record.caption) or [record.folder.prompt]
+        return caption_lines(self.instances[self.source(slot)[1]].caption) or [self.instance_prompt]
 
     def prompt_key(self, slot, epoch):
         """The text of a slot in an epoch: an alternative drawn by (seed, epoch, slot), so resumes repeat it."""
@@ -691,8 +697,9 @@ def collate(examples):
     return batch
 
 def drop_captions(keys, num_instance, probability, rng):
-    """Replace each of the first `num_instance` prompt keys (instance rows) by "" with `probability`."""
-    return ["" if i < num_instance and rng.random() < probability else k for i, k in enumerate(keys)]
+    """Replace the first `num_instance` prompt keys (instance rows) by "", each with `probability` (a list: row i's)."""
+    chances = probability if isinstance(probability, list) else [probability] * num_instance
+    return ["" if i < num_instance and rng.random() < chances[i] else k for i, k in enumerate(keys)]
 
 class SampleCache:
     """Tensors stored once per content key (a caption; an image with its bucket, crop and flip), so repeats and
@@ -1404,6 +1411,8 @@ def gather_inputs(batch, dataset, caches, caption_dropout, rng, extra_texts=None
     slots, num_instance = dataset.slots(batch["indices"]), len(batch["indices"])
     texts = [dataset.prompt_key(s, batch["epoch"]) for s in slots]
     extra = extra_texts(texts[:num_instance]) if extra_texts else []
+    if dataset.instances[0].folder:  # option: folders (each row's folder's caption dropout)
+        caption_dropout = [dataset.record(*dataset.source(s)[:2]).folder.caption_dropout for s in slots[:num_instance]]
     embeds, embed_rows = caches.prompts.gather_unique(drop_captions(texts, num_instance, caption_dropout, rng) + extra)
     if caches.latents is None:
         cond = batch.get("cond_pixels")
@@ -2215,9 +2224,9 @@ def check_resume_processes(args, checkpoint, accelerator):
 def check_batches_early(args, instances, seed, processes, classes_wanted):
     """The batch size, before the model's files are read and class images generated."""
     buckets = resolve_buckets(args)
-    count = count_samples(len(instances), len(args.resolutions), args.repeats, classes_wanted)
-    sampler = BucketBatchSampler(sample_groups(instances, buckets, count), args.train_batch_size, seed,
-                                 num_replicas=processes)
+    samples = sample_images(instances, args.repeats, len(args.resolutions))
+    groups = sample_groups(instances, buckets, samples, max(len(samples), classes_wanted))
+    sampler = BucketBatchSampler(groups, args.train_batch_size, seed, num_replicas=processes)
     check_batches(args.train_batch_size, sampler, ladder_buckets(buckets)[1])
     return len(sampler)
 
@@ -3202,6 +3211,8 @@ MANIFEST_DATA_FLAGS = ("instance_prompt", "class_prompt", "with_prior_preservati
 
 def manifest_record(record):  # option: manifest
     row = {"name": record.name, "size": list(record.size), "caption": record.caption, "sha256": record.content_hash()}
+    if record.folder:  # option: folders (its entry as trained: prompt, repeats, caption dropout)
+        row["folder"] = dataclasses.asdict(record.folder)
     return {**row, "conditions": [manifest_record(c) for c in record.conditions]} if record.conditions else row
 
 def build_manifest(data, model, instances, classes, prompt_entries, latent_entries, cache):  # option: manifest
@@ -3915,6 +3926,8 @@ def config_tokens(argv):
             hint = "".join(f" (did you mean --{near}?)" for near in difflib.get_close_matches(name, actions, 1))
             raise UsageError(f"--config {path}: {key!r} is not a flag{hint}")
         action, flag_name = actions[name], actions[name].option_strings[0]
+        if name == "datasets" and not isinstance(value, str):  # option: folders (its list of mappings, as JSON)
+            value = json.dumps(value)
         refuse(isinstance(value, dict) or isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value),
                f"--config {path}: {key}: {value!r} is a mapping or nested list; {flag_name} takes a value as on the "
                "command line")
@@ -4067,6 +4080,136 @@ def row_files(split, i):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Option: folders (--datasets: several folders, each with its prompt, repeats, trigger word and caption dropout)
+
+# what an entry of --datasets may hold -> the rule of its value (None: any text)
+ENTRY_KEYS = {"folder": existing_folder,
+              "dataset": None,  # option: dataset (a `datasets` source instead of a folder, with its columns)
+              "image_column": None,  # option: dataset
+              "caption_column": None,  # option: dataset
+              "prompt": None, "repeats": positive_int,
+              "trigger_word": Accepts("a word or words on one line, without spaces around",  # option: trigger_words
+                                      lambda v: v == v.strip() and "\n" not in v and "\r" not in v),
+              "caption_dropout": probability}
+
+def dataset_entries(text):
+    """--datasets: a JSON or YAML list of mappings -> the list; an entry that is not one (an unknown key, no folder, a
+    folder that is not one, repeats 0, ...) is refused naming it."""
+    import yaml
+    try:
+        entries = yaml.safe_load(text)  # JSON is YAML
+    except yaml.YAMLError:
+        raise ValueError(text) from None
+    if not (isinstance(entries, list) and entries and all(isinstance(e, dict) for e in entries)):
+        raise ValueError(text)
+    for number, entry in enumerate(entries, 1):
+        where = f"--datasets entry {number} ({entry.get('folder') or entry.get('dataset') or 'no folder'})"
+        unknown = [str(key) for key in entry if key not in ENTRY_KEYS]
+        refuse(unknown, f"{where}: unknown key {unknown[:1]} (an entry holds {', '.join(ENTRY_KEYS)})")
+        refuse(("folder" in entry) == ("dataset" in entry), f"{where}: name its folder (or dataset), one of them")
+        for key, value in entry.items():  # YAML has read the value: it is checked as its flag's would be
+            rule = ENTRY_KEYS[key]
+            kind = {str: str, int: int, float: (int, float)}[rule.convert if rule else str]
+            good = isinstance(value, kind) and not isinstance(value, bool) and (kind is not str or value.strip())
+            refuse(not good or rule is not None and not rule.ok(value),
+                   f"{where}: {key} {value!r}: expected {'text' if rule is None else rule.what}")
+    return entries
+
+@dataclass(frozen=True)
+class Folder:
+    """A --datasets entry as the run trains it, carried by each of its images' records (ImageRecord.folder), with
+    the one-folder flags' values where it gives none."""
+
+    source: str  # its folder, or its `datasets` name
+    prompt: str | None  # the prompt of its images without a caption
+    repeats: int
+    caption_dropout: float
+    trigger_word: str | None = None
+
+@option
+class Folders(Option):
+    """Several folders (or `datasets` sources), each with its own prompt for images without a caption, repeats,
+    trigger word and caption dropout (kohya's subsets); --instance_data_dir and its flags are the one-folder case,
+    and give each entry what it leaves out. Each record carries its Folder: the dataset repeats an image its
+    folder's times an epoch (sample_images: in passes, so alike repeats keep the one-folder order) and shows its
+    prompt, the step drops its caption at its folder's rate. Cost: none (each folder is scanned as one would be)."""
+
+    name, switches, source, replaces_data = "folders", ("datasets",), "--datasets", True
+    flags = [flag("--datasets", type=Accepts(f"a JSON or YAML list of entries, mappings of {', '.join(ENTRY_KEYS)}",
+                                             convert=dataset_entries),
+                  help="Several folders, each with its own prompt, repeats, trigger word and caption dropout (a "
+                       "config file's datasets: list); the one-folder flags give what an entry leaves out.")]
+
+    def check(self):
+        args, folders = self.args, [Path(e["folder"]).resolve() for e in self.args.datasets if "folder" in e]
+        refuse(args.instance_data_dir is not None, "give exactly one of --instance_data_dir or --datasets (a folder "
+               "of --instance_data_dir is an entry of --datasets)")
+        refuse(vars(args).get("dataset_name"),  # option: dataset
+               "give exactly one of --dataset_name or --datasets (an entry of --datasets may name a dataset)")
+        refuse(vars(args).get("cond_data_dir"),  # option: edit
+               "--cond_data_dir pairs with --instance_data_dir: edit training takes one folder, not --datasets")
+        refuse(vars(args).get("class_data_dir")  # option: class_images
+               and Path(args.class_data_dir).resolve() in folders, "--class_data_dir is a folder of --datasets: its "
+               "images would train as the class too; use another")
+        refuse(vars(args).get("output_preservation") and any(  # option: trigger_words
+            e.get("trigger_word", args.trigger_word) != args.trigger_word for e in args.datasets),
+            "--output_preservation replaces --trigger_word in every caption: the entries of --datasets cannot have "
+            "trigger words of their own with it")
+
+    def load_images(self, cache, accelerator):
+        """Each entry's records, in entry order, carrying its Folder; an image in two entries is refused."""
+        args, records, owner = self.args, [], {}
+        for number, entry in enumerate(args.datasets, 1):
+            folder = Folder(entry.get("folder") or entry.get("dataset"), entry.get("prompt", args.instance_prompt),
+                            entry.get("repeats", args.repeats), entry.get("caption_dropout", args.caption_dropout),
+                            entry.get("trigger_word", vars(args).get("trigger_word")))
+            where, found = f"--datasets entry {number} ({folder.source})", entry_records(args, entry, cache,
+                                                                                         accelerator)
+            refuse(not found, f"{where}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+            check_captioned(found, folder.prompt, where, "image(s) have no caption, and the entry no prompt")
+            for record in found:
+                first = owner.setdefault(record.content_hash(), (number, record.name))
+                refuse(first[0] != number, f"{where}: {record.name} is entry {first[0]}'s {first[1]} (the same "
+                       "image): an image belongs to one entry; remove one of them")
+            records += [dataclasses.replace(r, folder=folder) for r in found]
+        return records
+
+    def images(self, instances):  # option: trigger_words
+        """Each folder's trigger word (its own, else --trigger_word) fills [trigger] in its prompt and captions and
+        goes before each caption line lacking it, as --trigger_word does for one folder (fill_trigger)."""
+        records, folders = [], dict.fromkeys(r.folder for r in instances)  # entry order: each has an image
+        for number, (entry, given) in enumerate(zip(self.args.datasets, folders), 1):
+            where, word = f"--datasets entry {number} ({given.source})", given.trigger_word
+            named = (f"{where} trigger_word" if "trigger_word" in entry else "--trigger_word",
+                     f"{where} prompt" if "prompt" in entry else "--instance_prompt")
+            refuse(TRIGGER in (given.prompt or "") and not word, f"{TRIGGER} in {named[1]}: give {named[0]}, the "
+                   "word it stands for")
+            folder = dataclasses.replace(given, prompt=with_trigger(given.prompt, word))
+            mine = [dataclasses.replace(r, folder=folder) for r in instances if r.folder == given]
+            records += fill_trigger(mine, word, folder.prompt, *named)
+        return records
+
+    def extra_prompts(self, texts):
+        """The empty prompt, when an entry drops captions and --caption_dropout (which asks for it) does not."""
+        return [""] if any(e.get("caption_dropout", 0) > 0 for e in self.args.datasets) else []
+
+    def describe(self, dataset):
+        folders = collections.Counter(r.folder for r in dataset.instances)
+        return [f"{len(folders)} folders (--datasets):"] + [
+            f"- `{f.source}`: {n} images, repeats {f.repeats}" + (f", prompt `{f.prompt}`" if f.prompt else "") + (
+                f", trigger word `{f.trigger_word}`" if f.trigger_word else "") + (
+                f", caption dropout {f.caption_dropout:g}" if f.caption_dropout else "") for f, n in folders.items()]
+
+def entry_records(args, entry, cache, accelerator):
+    """An entry's images: its folder's files, each named <folder>/<file>, or its `datasets` source's rows."""
+    if "dataset" in entry:  # option: dataset
+        return load_hf_dataset(entry["dataset"], None, entry.get("image_column", "image"), entry.get("caption_column"),
+                               args.cache_dir, progress=accelerator.is_local_main_process)
+    found = scan_folder(entry["folder"], cache, accelerator, with_masks=vars(args).get("masked_loss"))
+    return [dataclasses.replace(r, name=f"{entry['folder']}/{r.name}") for r in found]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Option: masked_loss (--masked_loss: weight the loss by a mask beside each image)
 
 @option
@@ -4161,7 +4304,7 @@ class FromManifest(Option):
 
     def check(self):
         args = self.args
-        for name in ("instance_data_dir", "dataset_name", "class_data_dir", "cond_data_dir"):
+        for name in ("instance_data_dir", "dataset_name", "datasets", "class_data_dir", "cond_data_dir"):
             refuse(vars(args).get(name) is not None,
                    f"--from_manifest replaces --{name}: the manifest names the data, the cache holds it")
         refuse(not args.cache_latents, "--from_manifest needs --cache_latents (without the images, latents can only "
@@ -4178,6 +4321,9 @@ class FromManifest(Option):
 
     def class_count(self):
         return len(self.classes)
+
+    def extra_prompts(self, texts):  # option: folders (a folder's caption dropout trains on the empty prompt)
+        return [""] if any(r.get("folder", {}).get("caption_dropout") for r in self.manifest["instances"]) else []
 
     def class_images(self, accelerator, seed, family, cache):
         return self.classes
@@ -4249,6 +4395,8 @@ def apply_manifest(args, manifest):
                             conditions=tuple(records(r.get("conditions", [])))) for r in rows]
 
     instances, classes = records(manifest["instances"]), records(manifest["classes"], data["class_prompt"])
+    instances = [dataclasses.replace(r, folder=Folder(**row["folder"])) if "folder" in row else r  # option: folders
+                 for r, row in zip(instances, manifest["instances"])]
     logger.info(f"--from_manifest {args.from_manifest}: {len(instances)} instance and {len(classes)} class images, "
                 f"their data settings and seed {data['seed']}")
     return instances, classes
@@ -4973,24 +5121,10 @@ class TriggerWords(Option):
             setattr(self.args, name, with_trigger(getattr(self.args, name), self.args.trigger_word))
 
     def images(self, instances):
-        """[trigger] filled in every caption, and 'WORD, ' put before each caption line lacking the word; refused by
-        name: a [trigger] without the word, images whose only prompt lacks it (the run could not name its subject)."""
-        args, word, bare = self.args, self.args.trigger_word, [r.name for r in instances if not r.caption]
-        if not word:
-            placed = [r.name for r in instances if TRIGGER in (r.caption or "")]
-            refuse(placed, f"{TRIGGER} in the captions of {', '.join(placed[:5])}{', ...' * (len(placed) > 5)}: give "
-                   "--trigger_word, the word it stands for")
+        """--trigger_word in the captions (fill_trigger)."""
+        if vars(self.args).get("datasets"):  # option: folders (each folder's word: that option fills them)
             return instances
-        refuse(bare and not mentions(args.instance_prompt, word), f"--trigger_word {word}: --instance_prompt "
-               f"{args.instance_prompt!r}, the prompt of {len(bare)} image(s) without a caption "
-               f"({', '.join(bare[:3])}), does not contain it; write it in (or {TRIGGER} where it goes)")
-
-        def fill(line):
-            line = with_trigger(line, word)
-            return line if mentions(line, word) else f"{word}, {line}"
-
-        return [dataclasses.replace(r, caption="\n".join(map(fill, caption_lines(r.caption)))) if r.caption else r
-                for r in instances]
+        return fill_trigger(instances, self.args.trigger_word, self.args.instance_prompt)
 
     def prompt(self, text):
         refuse(TRIGGER in text and not self.args.trigger_word,
@@ -5027,6 +5161,27 @@ class TriggerWords(Option):
             return joined, lambda pred: weight * (pred.float() - base.float()).pow(2).mean()
 
         return extra
+
+def fill_trigger(records, word, prompt, word_flag="--trigger_word", prompt_flag="--instance_prompt"):
+    """`records` with [trigger] filled in every caption, and 'WORD, ' put before each caption line lacking the word;
+    refused by name: a [trigger] without the word, images whose only prompt (`prompt`) lacks it (the run could not
+    name its subject). word_flag, prompt_flag: where the word and the prompt were given."""
+    bare = [r.name for r in records if not r.caption]
+    if not word:
+        placed = [r.name for r in records if TRIGGER in (r.caption or "")]
+        refuse(placed, f"{TRIGGER} in the captions of {', '.join(placed[:5])}{', ...' * (len(placed) > 5)}: give "
+               f"{word_flag}, the word it stands for")
+        return records
+    refuse(bare and not mentions(prompt, word), f"{word_flag} {word}: {prompt_flag} {prompt!r}, the prompt of "
+           f"{len(bare)} image(s) without a caption ({', '.join(bare[:3])}), does not contain it; write it in (or "
+           f"{TRIGGER} where it goes)")
+
+    def fill(line):
+        line = with_trigger(line, word)
+        return line if mentions(line, word) else f"{word}, {line}"
+
+    return [dataclasses.replace(r, caption="\n".join(map(fill, caption_lines(r.caption)))) if r.caption else r
+            for r in records]
 
 def preservation_text(text, word, class_word):
     """An instance text with the trigger word replaced by the class word: what output preservation keeps unchanged."""

@@ -26,6 +26,7 @@ from tests.conftest import ROOT, base_args, launch
 from tests.test_cache import _sourceless, entries
 from tests.test_copies import load_copy, write
 from tests.test_edit import _picture, edit_args
+from tests.test_folders import _two_folders
 from tests.test_fsdp import FORCE_FSDP, FSDP_ENV
 from tests.test_inputs import _dataset_folder
 from tests.test_paths import fake_prodigy  # noqa: F401  (a fixture: prodigy's run asks for it)
@@ -101,6 +102,17 @@ def run_dataset(copy, model, images, tmp_path, request):
     args[args.index("--instance_data_dir")] = "--dataset_name"
     proc = launch(args, script=copy)
     assert "4 samples" in proc.stderr and "4 unique prompts" in proc.stderr, proc.stderr[-3000:]
+
+
+@run_of("folders")
+def run_folders(copy, model, images, tmp_path, request):
+    """--datasets: two folders, the first repeated twice, are 3 x 2 + 3 samples, each folder listed."""
+    a, b = _two_folders(tmp_path)
+    args = base_args(model, a, tmp_path / "out", *ONE_STEP, "--datasets", json.dumps(
+        [{"folder": str(a), "repeats": 2}, {"folder": str(b), "prompt": "a photo of a dog"}]))
+    i = args.index("--instance_data_dir")
+    proc = launch(args[:i] + args[i + 2:], script=copy)
+    assert "9 samples" in proc.stderr and f"- `{b}`: 3 images, repeats 1, prompt `a photo of a dog`" in proc.stderr
 
 
 @run_of("masked_loss")

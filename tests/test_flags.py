@@ -25,6 +25,7 @@ REFUSED = {
     "instance_data_dir": ["MISSING", "FILE"],
     "cond_data_dir": ["MISSING", "FILE"],
     "repeats": ["0", "-3", "1.5", "x"],
+    "datasets": ["[]", "a folder", "{folder: x}", "[1, 2]", "[unclosed"],  # not a list of entries (entries: test_folders)
     "blocks_to_swap": ["-1", "1.5"],
     "class_data_dir": ["FILE", "UNDER_FILE"],
     "num_class_images": ["0", "-1"],
