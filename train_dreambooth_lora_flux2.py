@@ -2600,7 +2600,8 @@ def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length
 # Image files and loss masks: decoding, EXIF, modes, the folder scan and its index, `datasets` rows
 
 NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
-RACY_SECONDS = 2.0  # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
+# a file modified this close to its scan is not indexed: a same-size edit could share its mtime
+RACY_SECONDS = 2.0  # option: disk_cache
 
 def to_rgb(image):
     """Any Pillow mode -> 8-bit RGB: 16/32-bit grey scaled (not clipped) to 8 bits, palettes expanded, CMYK
@@ -2649,11 +2650,10 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False, wi
 
     Every image is decoded and hashed once, on as many threads as cores, so a corrupt, truncated, empty or oversized
     (decompression-bomb) file is reported now, all of them in one message; files `index` (a ScanIndex, updated in
-    place) knows unchanged are neither decoded nor hashed again. `progress` shows a bar."""
+    place; the disk cache's) knows unchanged are neither decoded nor hashed again. `progress` shows a bar."""
     folder = Path(folder)
     refuse(not folder.is_dir(), f"{folder}: no such folder")
-    index = ScanIndex() if index is None else index
-    scanned_at = time.time()
+    scanned_at = time.time()  # option: disk_cache
     records, bad, empty_captions, found = [], [], [], {}
     entries = [p for p in sorted(folder.iterdir()) if not p.name.startswith(".")]
     candidates = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
@@ -2663,9 +2663,10 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False, wi
     images = [p for p in candidates if p not in set(masks.values())]  # x_mask.png beside x.png is x's mask
     files = images + ([masks[p.stem] for p in images if p.stem in masks] if with_masks else [])
     stats = {p: p.stat() for p in files}
-    known = {p: index.lookup(p.name, stats[p]) for p in files}
+    known = dict.fromkeys(files)  # path -> (size, sha256) where an earlier scan knows the file unchanged
+    if index is not None:  # option: disk_cache
+        known = {p: index.lookup(p.name, stats[p]) for p in files}
     todo = [p for p in files if known[p] is None]
-    index.hits, index.decoded = len(files) - len(todo), len(todo)
     # the filter is process-wide, so the threads see it; only this thread enters and leaves it
     with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(cpu_cores()) as pool:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -2689,14 +2690,15 @@ def scan_image_folder(folder, read_captions=True, index=None, progress=False, wi
                 empty_captions.append(txt.name)
         records.append(ImageRecord(name=path.name, size=size, caption=caption, path=str(path),
                                    mask_path=str(mask) if mask else None, sha256=sha))
-    index.keep(found, scanned_at)
+    if index is not None:  # option: disk_cache
+        index.keep(found, scanned_at, hits=len(files) - len(todo), decoded=len(todo))
     refuse(bad, f"cannot use {len(bad)} file(s) in {folder}; fix or remove them:\n  " + "\n  ".join(bad))
     if empty_captions:
         warnings.warn(f"{len(empty_captions)} empty caption file(s) in {folder} ({', '.join(empty_captions[:5])}); "
                       "those images use --instance_prompt", stacklevel=2)
     return records
 
-class ScanIndex:
+class ScanIndex:  # option: disk_cache
     """What the scan learnt about each image file, keyed by name and trusted while the file's size and modification
     time are unchanged (git's index does the same): a warm start neither decodes nor hashes an unchanged file.
     `files`: name -> [bytes, mtime_ns, width, height, sha256]; `hits` and `decoded` count the last scan's files."""
@@ -2717,9 +2719,10 @@ class ScanIndex:
             return tuple(entry[2:4]), entry[4]
         return None
 
-    def keep(self, found, scanned_at):
+    def keep(self, found, scanned_at, hits, decoded):
         """Keep the entries of `found` ({name: (stat, size, sha256)}), dropping files no longer there; a file changed
         within RACY_SECONDS of the scan is left out (a same-size edit in the same tick would look unchanged)."""
+        self.hits, self.decoded = hits, decoded
         self.files = {name: [st.st_size, st.st_mtime_ns, *size, sha] for name, (st, size, sha) in found.items()
                       if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
 
@@ -2729,8 +2732,11 @@ def scan_folder(folder, cache, accelerator, read_captions=True, with_masks=False
     with cache.scan_index(folder, accelerator) as index:
         records = scan_image_folder(folder, read_captions, index, accelerator.is_local_main_process, with_masks)
     masks = f" with {sum(r.mask_path is not None for r in records)} masks" if with_masks else ""
-    logger.info(f"scanned {folder}: {len(records)} images{masks}, {index.hits} unchanged since the last scan, "
-                f"{index.decoded} decoded and hashed in {time.perf_counter() - tic:.1f} s", main_process_only=False)
+    decoded = "decoded and hashed"
+    if index is not None:  # option: disk_cache
+        decoded = f"{index.hits} unchanged since the last scan, {index.decoded} decoded and hashed"
+    logger.info(f"scanned {folder}: {len(records)} images{masks}, {decoded} in {time.perf_counter() - tic:.1f} s",
+                main_process_only=False)
     return records
 
 def load_instance_images(args, cache, accelerator):
@@ -2763,7 +2769,7 @@ class MemoryCache:
 
     @contextlib.contextmanager
     def scan_index(self, folder, accelerator):
-        yield ScanIndex()
+        yield None  # nothing learnt: every file is decoded and hashed
 
     def stores(self, args, data, weight_dtype):
         return SampleCache(), SampleCache() if args.cache_latents else None

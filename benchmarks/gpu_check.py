@@ -195,8 +195,10 @@ def figures(log, out_dir):
             return None
 
     lines = log.splitlines()
-    steps = [float(m.group(1)) for m in re.finditer(r" step \d+/\d+ loss \S+ lr \S+ ([\d.]+) s/step", log)]
-    result = dict(steps=len(steps), s_per_step=statistics.median(steps[3:] or steps) if steps else tqdm_seconds(log))
+    logged = re.findall(r" step (\d+)/\d+ loss \S+ lr \S+ ([\d.]+) s/step", log)  # every --logging_steps, and the last
+    steps = [float(seconds) for _, seconds in logged]
+    result = dict(steps=max((int(n) for n, _ in logged), default=0),
+                  s_per_step=statistics.median(steps[3:] or steps) if steps else tqdm_seconds(log))
     start = [t for t in (stamp(x) for x in lines if "loading the text encoder" in x) if t]
     done = [t for t in (stamp(x) for x in lines if re.search(r"encoded \d+ of \d+ missing images|all latents cached",
                                                              x)) if t]

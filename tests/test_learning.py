@@ -219,7 +219,7 @@ def test_noisy_input_and_target_are_computed_in_float32_and_cast_at_the_transfor
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     # and the latents reach the step in float32, whatever the training dtype
     inputs = T.StepInputs(embeds[:1], torch.zeros(2, dtype=torch.long), latents.to(torch.float32),
-                          torch.arange(2), None, encoded=True)
+                          torch.arange(2), encoded=True)
     run = SimpleNamespace(weight_dtype=torch.bfloat16)
     out_latents, out_embeds, _, _ = T.model_inputs(inputs, run, torch.Generator(), False, "mode")
     assert out_latents.dtype == torch.float32 and torch.equal(out_latents, latents)

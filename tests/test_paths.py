@@ -296,7 +296,7 @@ def test_uncached_training_encodes_under_offload(monkeypatch):
     moves = []
     vae = Spy(moves)
     monkeypatch.setattr(T, "encode_images", lambda module, pixels, *a: (moves.append("encode"), torch.zeros(len(pixels), 4, 2, 2))[1])
-    inputs = T.StepInputs(torch.zeros(1, 3, 2), torch.tensor([0, 0]), torch.zeros(2, 3, 16, 16), torch.arange(2), None,
+    inputs = T.StepInputs(torch.zeros(1, 3, 2), torch.tensor([0, 0]), torch.zeros(2, 3, 16, 16), torch.arange(2),
                           encoded=False)
     run = SimpleNamespace(weight_dtype=torch.float32, vae=vae, latent_stats=(torch.zeros(4), torch.ones(4)))
     T.model_inputs(inputs, run, torch.Generator().manual_seed(0), offload=True, latent_sampling="mode")

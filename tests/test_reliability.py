@@ -652,7 +652,7 @@ def test_processes_accelerate_did_not_join_are_refused_saying_how_to_launch(tiny
     """torchrun on a machine without a GPU and without ACCELERATE_USE_CPU: accelerate 1.15 makes each process a run of
     its own, and the second was refused as if another user's run held --output_dir (issue 52 item 18)."""
     proc = launch(base_args(tiny_model, images, tmp_path / "out", "--max_train_steps", "1"), num_processes=2,
-                  env={"ACCELERATE_USE_CPU": "false"}, check=False)
+                  env={"ACCELERATE_USE_CPU": "false"}, check=False, torchrun=True)
     assert proc.returncode != 0 and "exitcode: 2" in proc.stderr, proc.stderr[-3000:]  # torchrun's agent: 1
     refusal = ("error: the launcher started 2 processes (WORLD_SIZE), but accelerate made this one a run of its own: "
                "without a GPU it joins them only when told to run on the CPU; set ACCELERATE_USE_CPU=true for torchrun, "

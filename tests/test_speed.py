@@ -47,7 +47,7 @@ def _train(args, tiny_model, shapes, steps_per_shape=2, preservation=0.0):
             prompts = 2 if preservation else 1  # [the rows' prompt, their preservation prompt]
             inputs = T.StepInputs(torch.randn(prompts, MAX_SEQUENCE_LENGTH, JOINT_ATTENTION_DIM, generator=g),
                                   torch.tensor([0, 0] + [1, 1] * bool(preservation)), torch.randn(2, 4, h, w, generator=g),
-                                  torch.arange(2), None, encoded=True, extra_rows=2 if preservation else 0)
+                                  torch.arange(2), encoded=True, extra_rows=2 if preservation else 0)
             loss, _ = T.micro_step(accelerator, run, inputs, 2, micro, False, "mode")
             T.optimizer_step(args, accelerator, run)
             losses.append(loss.item())
