@@ -6095,6 +6095,8 @@ class MemoryEstimate:
         self.images = batch * image_tokens / 4096  # a micro-step's work: 1024 px images' tokens, 4,096 each
         self.outside, self.inputs, self.saved = saved_bytes(transformer, batch, image_tokens, text_tokens)
         self.vae = 0 if vae is None else sum(p.numel() for p in vae.parameters()) * 2
+        self.unquantised = sum(p.numel() * p.element_size() for p in transformer.parameters())
+        self.weights = {}  # (swap, quant) -> weight_bytes: 50 ms each on [dev]'s shapes, and a plan asks hundreds
         self.sampling = self.decode = self.encode = 0
         with shapes_only(), torch.no_grad():
             if validates:
@@ -6109,12 +6111,14 @@ class MemoryEstimate:
         """-> {weights, host (pinned), load (host RAM to load unquantised weights), lora, activations, training,
         validation, peak} in bytes. Checkpointing keeps what is saved outside the blocks, each block's input and twice
         the largest block's saved (one recomputed, its gradients); without, all saved and one block's in flight."""
-        weights, host, lora = weight_bytes(self.transformer, swap, quant)
+        if (swap, quant) not in self.weights:
+            self.weights[swap, quant] = weight_bytes(self.transformer, swap, quant)
+        weights, host, lora = self.weights[swap, quant]
         kept = sum(self.inputs) + 2 * max(self.saved) if checkpointing else sum(self.saved) + max(self.saved)
         activations = (self.outside + kept) * (NF4_ACTIVATIONS if quant == "nf4" else 1)
         training = weights + lora + (0 if self.cached else self.vae) + max(activations, self.encode)
         validation = weights + lora + self.vae + max(self.sampling, self.decode) if self.validates else 0
-        load = 0 if quant else sum(p.numel() * p.element_size() for p in self.transformer.parameters())
+        load = 0 if quant else self.unquantised
         return dict(weights=weights, host=host, load=load, lora=lora, activations=activations, training=training,
                     validation=validation, peak=max(training, validation))
 

@@ -163,7 +163,9 @@ def whole_flags(flags, work, tiny):
     schedule (--validation_epochs as written, the pipeline's sampling steps): validations keep their share."""
     readme = readme_command()
     epochs = readme[readme.index("--validation_epochs") + 1]
-    return set_flags(flags, output_dir=str(work / "whole"), max_train_steps="6" if tiny else "100",
+    # its own cache folder: a user's first run encodes everything, and the readme row after it stays a cold start
+    return set_flags(flags, output_dir=str(work / "whole"), precompute_cache_dir=str(work / "whole-cache"),
+                     max_train_steps="6" if tiny else "100",
                      validation_epochs="1" if tiny else epochs, logging_steps="25",
                      validation_inference_steps="2" if tiny else False)
 

@@ -263,9 +263,11 @@ def run_attention(copy, model, images, tmp_path, request):
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     calls, kernel = [], _AttentionBackendRegistry._backends[AttentionBackendName._NATIVE_MATH]
-    request.getfixturevalue("monkeypatch").setitem(_AttentionBackendRegistry._backends,
-                                                   AttentionBackendName._NATIVE_MATH,
-                                                   lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    monkeypatch.setitem(_AttentionBackendRegistry._backends, AttentionBackendName._NATIVE_MATH,
+                        lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    # the run sets diffusers' process-wide active backend too: restored, or later tests here would run _native_math
+    monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", _AttentionBackendRegistry._active_backend)
     in_process(copy, request, base_args(model, images, tmp_path / "out", *ONE_STEP, "--attention_backend",
                                         "_native_math"))
     assert len(calls) >= 2 and (tmp_path / "out" / LORA).is_file()  # a double- and a single-stream block

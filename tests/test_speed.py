@@ -98,6 +98,8 @@ def test_attention_backend_is_the_one_that_runs(tiny_model, images, tmp_path, mo
         return math_kernel(*a, **k)
 
     monkeypatch.setitem(_AttentionBackendRegistry._backends, AttentionBackendName._NATIVE_MATH, counting)
+    # set_attention_backend also sets diffusers' process-wide active backend: restored for the tests after this one
+    monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", _AttentionBackendRegistry._active_backend)
     native, _ = _train(_args(tiny_model, images, tmp_path), tiny_model, [(4, 4)], steps_per_shape=1)
     assert calls == []
     with_math, _ = _train(_args(tiny_model, images, tmp_path, "--attention_backend", "_native_math"), tiny_model,
