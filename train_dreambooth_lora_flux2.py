@@ -232,6 +232,8 @@ def validation_flags(p):
     g.add_argument("--validation_epochs", type=positive_int, default=50, help="Validate every N epochs.")
     g.add_argument("--validation_steps", type=positive_int, help="Also validate every N optimizer steps.")
     g.add_argument("--num_validation_images", type=non_negative_int, default=4, help="Images per validation.")
+    g.add_argument("--validation_batch", type=positive_int, help="Images made in one pipeline call; default: all of "
+                   "a prompt's (out of GPU memory: one at a time).")
     g.add_argument("--validation_inference_steps", type=positive_int,
                    help="Denoising steps; default: the pipeline's (4 for distilled [klein]).")
     g.add_argument("--validation_guidance_scale", type=non_negative,
@@ -1650,16 +1652,21 @@ def pipeline_call(args, run, spec, device, family, steps):
         call.update(image=[condition], height=spec.height or height, width=spec.width or width)
     return call
 
-def generate_images(pipeline, call, count):
-    """`count` images of one spec in one batch (out of memory: one by one), image k's noise from (seed, k) alone."""
-    call = dict(call)
+def generate_images(pipeline, call, count, batch=None):
+    """`count` images of one spec, `batch` (default: all) a pipeline call (out of memory: one by one), image k's
+    noise from (seed, k) alone, whatever the batch."""
+    call, images = dict(call), []
     device, seed = call.pop("device"), call.pop("seed")
-    noise = lambda: [torch.Generator(device).manual_seed(seed_for(seed, k)) for k in range(count)]  # noqa: E731
-    try:
-        return pipeline(**call, num_images_per_prompt=count, generator=noise()).images
-    except torch.OutOfMemoryError:  # caught here, so the batch's tensors are freed before the images one by one
-        logger.warning_once("out of GPU memory making a validation's images in one batch: made one at a time")
-    return [pipeline(**call, generator=g).images[0] for g in noise()]
+    for first in range(0, count, batch or count):
+        ks = range(first, min(count, first + (batch or count)))
+        noise = lambda: [torch.Generator(device).manual_seed(seed_for(seed, k)) for k in ks]  # noqa: E731
+        try:
+            images.extend(pipeline(**call, num_images_per_prompt=len(ks), generator=noise()).images)
+            continue
+        except torch.OutOfMemoryError:  # caught here, so the batch's tensors are freed before the images one by one
+            logger.warning_once("out of GPU memory making a validation's images in one batch: made one at a time")
+        images.extend(pipeline(**call, generator=g).images[0] for g in noise())
+    return images
 
 @torch.no_grad()
 @charged("validation")
@@ -1693,10 +1700,11 @@ def run_validation(args, accelerator, run, tag, step):
             base_call, call = (pipeline_call(args, run, spec, device, family, n) for n in (steps, lora_steps))
             if make_base:
                 with adapters_off(unwrapped):  # the same base images in every strength's rows, at the final's steps
-                    base += generate_images(pipeline, base_call, args.num_validation_images) * len(scales)
+                    base += generate_images(pipeline, base_call, args.num_validation_images,
+                                            args.validation_batch) * len(scales)
             for scale in scales:
                 with run.hooks.context("lora_strength", unwrapped, scale), run.hooks.context("validation_weights"):
-                    images += generate_images(pipeline, call, args.num_validation_images)
+                    images += generate_images(pipeline, call, args.num_validation_images, args.validation_batch)
     trained.train(was_training)
     if not accelerator.is_main_process:
         return []
@@ -6086,9 +6094,11 @@ def weight_bytes(transformer, swap=0, quant=None):
 class MemoryEstimate:
     """A run's peak GPU memory at any setting the plan chooses, from shapes on the meta device: weights (swapped and
     quantised counted exactly), LoRA, one forward's activations, validation's (one image sampled, then decoded in
-    float32, as measured). Checked on H100 and H200 runs: docs/memory.md. side: latents' (height, width), or one."""
+    float32, as measured; and `images` in one pipeline call, --validation_batch's). Checked on H100 and H200 runs:
+    docs/memory.md. side: latents' (height, width), or one."""
 
-    def __init__(self, transformer, vae, batch, image_tokens, text_tokens, side, validates=True, cached=True):
+    def __init__(self, transformer, vae, batch, image_tokens, text_tokens, side, validates=True, cached=True,
+                 images=1):
         height, width = side if isinstance(side, tuple) else (side, side)
         self.transformer, self.blocks, self.validates, self.cached = (transformer, transformer_blocks(transformer),
                                                                       validates, cached)
@@ -6097,30 +6107,34 @@ class MemoryEstimate:
         self.vae = 0 if vae is None else sum(p.numel() for p in vae.parameters()) * 2
         self.unquantised = sum(p.numel() * p.element_size() for p in transformer.parameters())
         self.weights = {}  # (swap, quant) -> weight_bytes: 50 ms each on [dev]'s shapes, and a plan asks hundreds
-        self.sampling = self.decode = self.encode = 0
+        self.decode = self.encode = 0
+        self.per_call, self.calls = images, dict.fromkeys((1, images), 0)  # images in one call -> the call's peak
         with shapes_only(), torch.no_grad():
-            if validates:
-                self.sampling = peak_bytes(
-                    lambda: transformer(**forward_inputs(transformer, 1, image_tokens, text_tokens)))
-            if vae is not None and validates:
-                self.decode = peak_bytes(lambda: vae.decode(torch.empty(1, vae.config.latent_channels, height, width)))
+            for n in self.calls if validates else ():  # [klein]'s CFG is a second forward, not a batch of 2n
+                sampling = peak_bytes(lambda n=n: transformer(**forward_inputs(transformer, n, image_tokens,
+                                                                                text_tokens)))
+                decode = 0 if vae is None else peak_bytes(  # the pipeline decodes the call's images at once
+                    lambda n=n: vae.decode(torch.empty(n, vae.config.latent_channels, height, width)))
+                self.calls[n], self.decode = max(sampling, decode), decode if n == 1 else self.decode
             if vae is not None and not cached:  # latents encoded at every step: the VAE stays on the GPU
                 self.encode = peak_bytes(lambda: vae.encode(torch.empty(batch, 3, height * 8, width * 8)))
 
     def peak(self, checkpointing, swap=0, quant=None):
         """-> {weights, host (pinned), load (host RAM to load unquantised weights), lora, activations, training,
-        validation, peak} in bytes. Checkpointing keeps what is saved outside the blocks, each block's input and twice
-        the largest block's saved (one recomputed, its gradients); without, all saved and one block's in flight."""
+        validation, peak, peak_one (validation's images one at a time)} in bytes. Checkpointing keeps what is saved
+        outside the blocks, each block's input and twice the largest block's saved (one recomputed, its gradients);
+        without, all saved and one block's in flight."""
         if (swap, quant) not in self.weights:
             self.weights[swap, quant] = weight_bytes(self.transformer, swap, quant)
         weights, host, lora = self.weights[swap, quant]
         kept = sum(self.inputs) + 2 * max(self.saved) if checkpointing else sum(self.saved) + max(self.saved)
         activations = (self.outside + kept) * (NF4_ACTIVATIONS if quant == "nf4" else 1)
         training = weights + lora + (0 if self.cached else self.vae) + max(activations, self.encode)
-        validation = weights + lora + self.vae + max(self.sampling, self.decode) if self.validates else 0
+        validation = (weights + lora + self.vae) * self.validates + self.calls[self.per_call]
+        one = (weights + lora + self.vae) * self.validates + self.calls[1]  # validation's images one at a time
         load = 0 if quant else self.unquantised
         return dict(weights=weights, host=host, load=load, lora=lora, activations=activations, training=training,
-                    validation=validation, peak=max(training, validation))
+                    validation=validation, peak=max(training, validation), peak_one=max(training, one))
 
 def text_encoder_peak(params, kept, quant, element_size=2):
     """quant (None or 'none', 'int8', 'nf4') -> (GPU peak while prompts are encoded: the weights, embeddings and output
@@ -6130,8 +6144,8 @@ def text_encoder_peak(params, kept, quant, element_size=2):
 
 # A candidate: frozen weights (quant: None, 'nf4', 'int8'; weights: the flag's value, a file given kept), checkpointing,
 # the fewest swapped blocks that fit (None: none does), GPU peak, host RAM (pinned blocks, or loading), step cost
-PlanRow = collections.namedtuple("PlanRow", "quant checkpointing swap peak host cost weights compiled",
-                                 defaults=[None, False])
+PlanRow = collections.namedtuple("PlanRow", "quant checkpointing swap peak host cost weights compiled one_at_a_time",
+                                 defaults=[None, False, False])
 
 def plan_choices(args, cuda, blocks):
     """What the plan may try, one line an option, a flag given keeping its value: checkpointing, swapped blocks (fewest
@@ -6141,6 +6155,7 @@ def plan_choices(args, cuda, blocks):
     plain = plain and args.adapter == "lora" and not args.use_dora  # option: adapters
     gc = (False, True) if "gradient_checkpointing" in free else (args.gradient_checkpointing,)
     choices = dict(checkpointing=gc, swap=(0,), weights={None: None}, compile=(vars(args).get("compile", False),))
+    choices["one_at_a_time"] = (False, True) if "validation_batch" in free else (False,)  # validation's images
     choices["swap"] = range(blocks + 1) if "blocks_to_swap" in free and plain else (  # option: block_swap
         args.blocks_to_swap,)  # option: block_swap
     bnb = args.bnb_quantization_config_path  # option: compile
@@ -6165,6 +6180,8 @@ def plan_settings(row, text):
     settings["bnb_quantization_config_path"] = row.weights  # option: compile
     settings["compile"] = row.compiled  # option: compile
     settings["text_encoder_quantization"] = text or "none"  # option: text_encoders
+    if row.one_at_a_time:  # a prompt's validation images in one call would not fit
+        settings["validation_batch"] = 1
     return settings
 
 def plan_flags(row, text=None):
@@ -6184,15 +6201,17 @@ def plan_rows(estimate, card, host_free, choices, compiled=None):
             continue
         for n in choices["swap"] if gc and not (c and trying) else [0]:
             found = estimate.peak(gc, n, quant)
-            host = max(found["host"], found["load"])
-            if fits_card(found["peak"], card) and host <= host_free:
+            host = max(found["host"], found["load"])  # a validation batch that does not fit: one image a call
+            one = True in choices["one_at_a_time"] and not fits_card(found["peak"], card)
+            peak = found["peak_one" if one else "peak"]
+            if fits_card(peak, card) and host <= host_free:
                 cost = ((1.0 if gc else STEP_COST["no_checkpointing"]) * (1 + STEP_COST["all_swapped"] * n / blocks)
                         * (STEP_COST["nf4"] if quant else 1.0))
-                rows.append(PlanRow(quant, gc, n, found["peak"], host, compiled(cost) if c and compiled else cost,
-                                    weights, c))
+                rows.append(PlanRow(quant, gc, n, peak, host, compiled(cost) if c and compiled else cost, weights, c,
+                                    one))
                 break
         else:
-            rows.append(PlanRow(quant, gc, None, found["peak"], host, math.inf, weights, c))
+            rows.append(PlanRow(quant, gc, None, peak, host, math.inf, weights, c, one))
     return rows
 
 @option
@@ -6324,6 +6343,7 @@ def plan_report(args, model, card, host, rows, chosen, text_rows, text, precisio
     if chosen is None or (text_rows and text is None):
         return lines
     note = " (quantised weights change results a little: docs/memory.md)" * bool(chosen.quant or text in QUANT_BYTES)
+    note += f"; validation one image a call ({args.num_validation_images} in one would not fit)" * chosen.one_at_a_time
     return lines + [f"chosen: estimated peak {gib(chosen.peak)} GiB, step time {chosen.cost:.2f}x of {precision} "
                     f"with checkpointing{note}", f"flags: {plan_flags(chosen, text) or '(none added)'}"]
 
@@ -6358,8 +6378,9 @@ def run_estimate(args, dtype, instances=()):
     rows *= 2 if args.with_prior_preservation else 1  # option: class_images
     rows *= 2 if args.output_preservation else 1  # option: trigger_words
     validates = validates or bool(args.validation_prompts_file)  # option: validation_extras
+    images = max(1, min(args.validation_batch or args.num_validation_images, args.num_validation_images))
     return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, (height // 8, width // 8),
-                          validates, args.cache_latents)
+                          validates, args.cache_latents, images)
 
 def text_encoder_size(args, family):
     """-> (parameters, those quantisation leaves alone: input embeddings, output layer), from its config on meta."""

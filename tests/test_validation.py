@@ -87,6 +87,10 @@ def test_a_prompts_images_are_made_in_one_batch_each_from_its_own_seed(kleins, e
     assert min(np.abs(batched[0] - batched[k]).max() for k in range(1, 4)) > 0.05  # four noises, not one
     # image k does not depend on how many are made with it (a different --num_validation_images keeps image 0)
     np.testing.assert_allclose(T.generate_images(pipe, call, 2)[1], batched[1], rtol=0, atol=ATOL)
+    calls.clear()  # --validation_batch 3 (or the memory plan's 1): calls of at most 3, image k still from (seed, k)
+    for image, reference in zip(T.generate_images(spy, call, 4, batch=3), batched, strict=True):
+        np.testing.assert_allclose(image, reference, rtol=0, atol=ATOL)
+    assert calls == [3, 1]
 
 
 def test_a_batch_out_of_memory_makes_the_same_images_one_at_a_time_and_says_so_once(kleins, caplog):
