@@ -3810,6 +3810,8 @@ def write_copy(argv):
     refuse(target.exists() and os.path.samefile(target, source), f"--write_copy {target} is this script; name "
            "another file")
     refuse(target.is_dir(), f"--write_copy {target} is a folder; name a file")
+    refuse(target.stem in sys.stdlib_module_names, f"--write_copy {target}: run as a script, it would be imported "
+           f"in place of Python's own {target.stem} module (its folder comes first on the path); name it otherwise")
     refuse(target.exists() and not args.overwrite, f"--write_copy {target} exists; pass --overwrite to replace it")
     text = source.read_text(encoding="utf-8")
     header = copy_header(keep, VERSION, hashlib.sha256(text.encode()).hexdigest()[:12])
@@ -3834,14 +3836,26 @@ def trimmed_source(source, options, keep, header):
     definition with its decorators; any other marked line goes alone, e.g. an entry of a list) and the module
     docstring's lines that name their flags. The reading map lists the options kept; `header` (comment lines)
     replaces an earlier copy's, after the licence line."""
-    import ast
-    import tokenize
     gone = {name: flags for name, flags in options.items() if name not in keep}
-    lines, drop, spans = source.splitlines(keepends=True), set(), {}
+    lines, drop = source.splitlines(keepends=True), set()
     for i, line in enumerate(lines):  # a section: from its banner to the next banner
         if (m := re.match(r"# Option: (\w+)", line)) and m.group(1) in gone:
             drop.update(range(i - 1, next(j for j in range(i + 1, len(lines)) if lines[j].startswith(
                 ("# ---", "# ===", "if __name__")))))
+    marks, doc = marked_lines(source)
+    drop.update(i for name, span in marks if name in gone for i in span)
+    flags = [f for names in gone.values() for f in names]
+    drop.update(i for i in doc if any(re.search(rf"{f}(?![\w-])", lines[i]) for f in flags))
+    kept = [line for i, line in enumerate(lines) if i not in drop]
+    text = "".join(kept[:2] + header + kept[next(i for i, line in enumerate(kept) if line.startswith('"""')):])
+    return reading_map(text, [n for n in options if n in keep])
+
+@functools.lru_cache(maxsize=4)  # a second copy of the same source skips the parse (1 s of the 1.1 a copy takes)
+def marked_lines(source):
+    """-> ([(option name, the line indexes its `# option: NAME` comment takes)], the module docstring's lines)."""
+    import ast
+    import tokenize
+    lines, spans, marks = source.splitlines(keepends=True), {}, []
     tree = ast.parse(source)
     for node in ast.walk(tree):  # breadth first: the outermost statement or entry starting on a line is found first
         entries = ([(node, node)] if isinstance(node, ast.stmt) else [(e, e) for e in node.elts] if isinstance(
@@ -3852,20 +3866,14 @@ def trimmed_source(source, options, keep, header):
             for start in {first, entry.lineno}:
                 spans.setdefault(start - 1, range(first - 1, entry.end_lineno))
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT and (m := re.search(r"# option: (\w+)\b", token.string)) and (
-                m.group(1) in gone):
+        if token.type == tokenize.COMMENT and (m := re.search(r"# option: (\w+)\b", token.string)):
             span = spans.get(token.start[0] - 1, range(token.start[0] - 1, token.start[0]))
             above = span.start  # the comment lines just above a statement are about it
             while above > 1 and lines[above - 1].lstrip().startswith("#") and not (
                     lines[above - 1].startswith(("# ---", "# ===")) or lines[above - 2].startswith(("# ---", "# ==="))):
                 above -= 1
-            drop.update(range(above, span.stop))
-    doc, flags = tree.body[0], [f for names in gone.values() for f in names]
-    drop.update(i for i in range(doc.lineno - 1, doc.end_lineno)
-                if any(re.search(rf"{f}(?![\w-])", lines[i]) for f in flags))
-    kept = [line for i, line in enumerate(lines) if i not in drop]
-    text = "".join(kept[:2] + header + kept[next(i for i, line in enumerate(kept) if line.startswith('"""')):])
-    return reading_map(text, [n for n in options if n in keep])
+            marks.append((m.group(1), range(above, span.stop)))
+    return marks, range(tree.body[0].lineno - 1, tree.body[0].end_lineno)
 
 def reading_map(text, names):
     """`text` with the reading map's Part 3 paragraph listing the options `names`, wrapped as the docstring is."""

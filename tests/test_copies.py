@@ -143,14 +143,15 @@ def test_a_bad_keep_is_refused_listing_the_options(argv, message, tmp_path):
 
 def test_a_copy_neither_overwrites_a_file_nor_the_running_script(tmp_path):
     """Refused, exit 2 and one error line, before anything is written; the script lives in tmp_path, so a failing check
-    would overwrite only that copy of it."""
+    would overwrite only that copy of it. A copy named after a module of Python's (copy.py) would fail at its first
+    import when run: refused too."""
     script = tmp_path / "train.py"
     script.write_text(SOURCE)
     (tmp_path / "link.py").symlink_to(script)
     (tmp_path / "mine.py").write_text("my own edits")
     (tmp_path / "folder").mkdir()
     cases = {"train.py": "is this script", "link.py": "is this script", "mine.py": "exists; pass --overwrite",
-             "folder": "is a folder"}
+             "folder": "is a folder", "copy.py": "in place of Python's own copy module"}
     for name, message in cases.items():
         extra = ["--overwrite"] if name.endswith("train.py") or name == "link.py" else []
         proc = subprocess.run([sys.executable, str(script), "--write_copy", str(tmp_path / name), "--keep", "ema",
@@ -159,6 +160,7 @@ def test_a_copy_neither_overwrites_a_file_nor_the_running_script(tmp_path):
         assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, (name, proc)
         assert len(proc.stderr.strip().splitlines()) == 1
     assert script.read_text() == SOURCE and (tmp_path / "mine.py").read_text() == "my own edits"
+    assert not (tmp_path / "copy.py").exists()
     write(T, "--write_copy", tmp_path / "mine.py", "--keep", "ema", "--overwrite")
     assert (tmp_path / "mine.py").read_text().startswith("#!/usr/bin/env python")
     assert os.stat(tmp_path / "mine.py").st_mode & 0o777 == os.stat(SCRIPT).st_mode & 0o777
@@ -176,7 +178,7 @@ def cached_runs(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("stale")
     images = root / "images"
     make_images(str(images))
-    copy = root / "copy.py"
+    copy = root / "kept.py"  # (not copy.py: run as a script, it would shadow Python's copy module)
     write(T, "--write_copy", copy, "--keep", "disk_cache")
     edited = root / "edited.py"
     source = copy.read_text()
