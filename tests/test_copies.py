@@ -74,12 +74,16 @@ def literal_flags(source):
     return found
 
 
+def write_copies(folder, kinds):
+    """{kind: the copy `--keep kind` wrote into `folder`}."""
+    for keep in kinds:
+        write(T, "--write_copy", folder / f"{keep}.py", "--keep", keep)
+    return {keep: folder / f"{keep}.py" for keep in kinds}
+
+
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("copies")
-    for keep in KINDS:
-        write(T, "--write_copy", folder / f"{keep}.py", "--keep", keep)
-    return {keep: folder / f"{keep}.py" for keep in KINDS}
+    return write_copies(tmp_path_factory.mktemp("copies"), KINDS)
 
 
 @pytest.mark.parametrize("keep", KINDS)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import ROOT, base_args, launch
 from tests.test_cache import _sourceless, entries
-from tests.test_copies import load_copy, write
+from tests.test_copies import load_copy, write_copies
 from tests.test_edit import _picture, edit_args
 from tests.test_folders import _two_folders
 from tests.test_fsdp import FORCE_FSDP, FSDP_ENV
@@ -49,10 +49,7 @@ def run_of(name):
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
     """{option: the copy keeping only it (and what it needs)}."""
-    folder = tmp_path_factory.mktemp("single-option-copies")
-    for name in NAMES:
-        write(T, "--write_copy", folder / f"{name}.py", "--keep", name)
-    return {name: folder / f"{name}.py" for name in NAMES}
+    return write_copies(tmp_path_factory.mktemp("single-option-copies"), NAMES)
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,7 @@ REFUSED = {
     "validation_epochs": ["0"],
     "validation_steps": ["0", "-1"],
     "num_validation_images": ["-1"],
+    "validation_batch": ["0"],
     "validation_inference_steps": ["0"],
     "intermediate_inference_steps": ["0", "-1"],
     "validation_transformer": ["FILE", "MISSING", "no spaces allowed/in ids"],  # its files: test_validation

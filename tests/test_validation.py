@@ -249,10 +249,10 @@ def _validate(model, out, accelerator, tags, *extra):
                 noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler"))
     made, generate = [], T.generate_images
 
-    def recorded(pipeline, call, count):
+    def recorded(pipeline, call, count, batch=None):
         off = any(m.disable_adapters for m in pipeline.transformer.modules() if isinstance(m, BaseTunerLayer))
         made.append((tag, "base" if off else "lora", call["num_inference_steps"]))
-        return generate(pipeline, call, count)
+        return generate(pipeline, call, count, batch)
 
     T.generate_images = recorded
     try:
