@@ -51,6 +51,7 @@ Reading map: three parts, drawn by what runs.
 from __future__ import annotations
 
 import argparse
+import ast  # option: copies
 import atexit
 import collections
 import concurrent.futures
@@ -62,6 +63,7 @@ import importlib.util
 import inspect
 import io
 import json
+import keyword  # option: copies
 import math
 import os
 import random
@@ -72,6 +74,7 @@ import signal
 import sys
 import threading
 import time
+import tokenize  # option: copies
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +124,7 @@ def build_parser():
     for add_flags in (model_flags, data_flags, caching_flags, quality_flags,
                       lora_flags, optimisation_flags, output_flags, validation_flags):
         add_flags(p)
-    for option in OPTIONS:  # each option's flags, under its name
+    for option in OPTIONS:  # option: any (each option's flags, under its name)
         g = p.add_argument_group(f"option {option.name}")
         for names, settings in option.flags:
             g.add_argument(*names, **settings)
@@ -266,10 +269,11 @@ def validate_args(args, hooks=None):
            "distinct layers")
     refuse(not folder_can_be(Path(args.output_dir, args.logging_dir)), f"--logging_dir {args.logging_dir}: "
            f"{Path(args.output_dir, args.logging_dir)} cannot be a folder (a file is in the way)")
-    sources = ["--instance_data_dir", *(o.source for o in OPTIONS if o.source)]  # where images can come from
+    sources = ["--instance_data_dir"]  # where images can come from
+    sources += [o.source for o in OPTIONS if o.source]  # option: any
     refuse(args.instance_data_dir is None and not hooks.flag("replaces_data"),
            f"give exactly one of {' or '.join(sources)} (the subject's images)")
-    for option in OPTIONS:  # an option's setting without its switch would be ignored: say so
+    for option in OPTIONS:  # option: any (an option's setting without its switch would be ignored: say so)
         for name in option.stray_flags(args)[:1]:
             raise UsageError(f"--{name} has no effect without "
                              f"{option.requires or ' or '.join('--' + s for s in option.switches)}")
@@ -301,11 +305,13 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "check", "notes", "resolve", "check_model", "load_images", "class_images", "class_count", "images", "condition",
     "describe", "adapter_name", "validation_specs", "prompt", "extra_prompts", "prompt_encoder", "text_encoder",
     "prompt_batch_size", "cache_identity", "cache_held", "load_transformer", "quantization_config", "before_lora",
-    "adapter_config", "after_lora", "optimizer", "step_config", "setup", "extra_texts", "step_extra",
+    "adapter_config", "after_lora", "optimizer", "setup", "extra_texts",
     "after_optimizer_step", "training_state", "load_training_state", "training_state_problem", "lora_state",
     "optimizer_state", "load_state", "expected_lora", "validation_scales", "lora_strength", "validation_weights",
     "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged", "resolved",
-    "lora_loading", "repository", "publish", "validation_model", "validation_steps"}
+    "lora_loading", "repository", "publish", "validation_model", "validation_steps",
+    # Hooks.flag's: an option that is on brings the images, no text encoder, places the transformer, ... (True)
+    "replaces_data", "no_text_encoder", "places_transformer", "sharded_text_encoder", "prints_only", "replaces_optimizer"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -320,11 +326,10 @@ class Option:
     """A feature of Part 3: its flags and what it does at the recipe's seams (SEAMS; the Hooks calls in the recipe
     show what each receives). On while one of its `switches` (default: all its flags) is not its default, its `env`
     variable is "true", or a flag, prompt or caption holds its `placeholder`; never called while off, when its other
-    flags are refused (they would do nothing). Hooks.flag reads: replaces_data, no_text_encoder, places_transformer,
-    sharded_text_encoder, prints_only. Another option's flag is read with vars(args).get(name): gone once that option
-    is."""
+    flags are refused (they would do nothing). Another option's flag is read with vars(args).get(name): gone once
+    that option is. `words`: the nouns of its text beyond its flags, which a copy without it names nowhere."""
 
-    name, flags, switches, env, placeholder = "", (), (), None, None
+    name, flags, switches, env, placeholder, words = "", (), (), None, None, ()
     source = None  # the flag of another source of images than --instance_data_dir, if it is one
     needs = ()  # the options it cannot do without (a copy that keeps it keeps them)
     resume_flags = ()  # its flags a resumed run must share with its checkpoint (the adapter's)
@@ -401,7 +406,7 @@ class Hooks:
         return [item for answer in self._calls(seam, *args) for item in answer]
 
     def flag(self, name):
-        return any(getattr(o, name, False) for o in self.options)
+        return any(getattr(o, name) for o in self._with(name))
 
     @contextlib.contextmanager
     def context(self, seam, *args):
@@ -525,32 +530,38 @@ def sample_images(instances, repeats, num_ladders):
     return [(i, r) for p in range(max(counts)) for r in range(num_ladders) for i, n in enumerate(counts) if n > p]
 
 def sample_groups(instances, buckets, samples, num_samples):
-    """(bucket id, condition images) of every sample (sample i: samples[i % len(samples)], an (image, ladder) pair),
-    for the batch sampler: a batch shares both, so its rows have the same number of target and reference tokens."""
+    """The group of every sample (sample i: samples[i % len(samples)], an (image, ladder) pair) for the batch sampler,
+    which batches each group apart: (its bucket id,)."""
     ids, pairs = image_buckets(instances, buckets), [samples[i % len(samples)] for i in range(num_samples)]
-    return [(ids[ladder][i], len(instances[i].conditions)) for i, ladder in pairs]
+    groups = [(ids[ladder][i],) for i, ladder in pairs]
+    # option: edit (and its number of condition images: a batch's rows have as many reference tokens)
+    groups = [(g, len(instances[i].conditions)) for (g,), (i, _) in zip(groups, pairs)]  # option: edit
+    return groups
 
 class DreamBoothDataset(torch.utils.data.Dataset):
     """Samples of a DreamBooth run, addressed by (epoch, index), the pairs the batch sampler yields (so DataLoader
     workers that live for the whole run draw each epoch's crops and flips unasked); items carry their "index".
-    Sample i shows pair i of sample_images (one --repeats for all: image i % I at ladder (i // I) % R) in its bucket
-    (`buckets`: a list, or one per --resolution), with an edit target's condition images, and class image i % C (with
-    the class prompt) in that bucket. Slot i is sample i's instance part, N + i its class part: a batch's layout."""
+    Sample i shows pair i of sample_images (image i % I at ladder (i // I) % R) in its bucket (`buckets`: a list, or
+    one per --resolution).
+    Class image i % C shows in sample i's bucket under the class prompt: slot N + i, sample i's class part.
+    """
 
     def __init__(self, instances, instance_prompt, buckets, repeats=1, classes=(), seed=0, center_crop=False,
                  random_flip=False, with_pixels=True, fixed_crops=False):
         refuse(not instances, "no instance images found")
-        self.instances, self.classes, self.instance_prompt = list(instances), list(classes), instance_prompt
+        self.instances, self.instance_prompt = list(instances), instance_prompt
         (self.ladders, self.buckets), self.seed = ladder_buckets(buckets), seed
         self.center_crop, self.random_flip, self.with_pixels = center_crop, random_flip, with_pixels
         self.fixed_crops = fixed_crops  # crops drawn once (epoch 0), flips live
         self.with_masks = False  # option: masked_loss (sets it: each item's loss mask too)
         self.samples = sample_images(self.instances, repeats, len(self.ladders))  # one epoch's (image, ladder) pairs
-        self.num_samples = max(len(self.samples), len(self.classes))  # at least one sample per class image
+        self.num_samples = len(self.samples)
         self.image_buckets = image_buckets(self.instances, self.ladders)  # [R][I]
-        # edit training: condition images numbered in one list; instance image i has the ids cond_ids[i]
-        self.conditions, self.cond_ids = [], []
-        for record in self.instances:
+        self.classes = list(classes)  # option: class_images
+        self.num_samples = max(self.num_samples, len(self.classes))  # option: class_images (one sample or more each)
+        # option: edit (condition images numbered in one list; instance image i has the ids cond_ids[i])
+        self.conditions, self.cond_ids = [], []  # option: edit
+        for record in self.instances:  # option: edit
             self.cond_ids.append(tuple(range(len(self.conditions), len(self.conditions) + len(record.conditions))))
             self.conditions.extend(record.conditions)
 
@@ -560,36 +571,30 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     def sample_buckets(self):
         return sample_groups(self.instances, self.ladders, self.samples, self.num_samples)
 
-    @property
-    def num_slots(self):
-        return self.num_samples * (2 if self.classes else 1)
+    def class_slots(self, indices):  # option: class_images
+        """The class slots of samples `indices`: N + i is sample i's class part."""
+        return [self.num_samples + i for i in indices] if self.classes else []
 
-    def slots(self, indices):
-        """Batch layout: instance slots of `indices`, then their class slots."""
-        indices = list(indices)
-        return indices + [self.num_samples + i for i in indices] if self.classes else indices
-
-    def source(self, slot):
-        i = slot % self.num_samples
-        image, ladder = self.samples[i % len(self.samples)]
-        bucket = self.buckets[self.image_buckets[ladder][image]]
-        if slot < self.num_samples:
-            return "instance", image, bucket
-        return "class", i % len(self.classes), bucket
-
-    def record_list(self, kind):
-        return {"instance": self.instances, "class": self.classes, "cond": self.conditions}[kind]
+    def source(self, index):
+        """(kind, image id, bucket) of sample `index`."""
+        if index >= self.num_samples:  # option: class_images (slot N + i: class image i % C in sample i's bucket)
+            return "class", index % self.num_samples % len(self.classes), self.source(index % self.num_samples)[2]
+        image, ladder = self.samples[index % len(self.samples)]
+        return "instance", image, self.buckets[self.image_buckets[ladder][image]]
 
     def record(self, kind, image_id):
-        return self.record_list(kind)[image_id]
+        records = {"instance": self.instances}
+        records["class"] = self.classes  # option: class_images
+        records["cond"] = self.conditions  # option: edit
+        return records[kind][image_id]
 
-    def latent_key(self, slot, epoch):
-        """What the VAE sees for a slot in an epoch: (kind, image id, bucket, resized size, top, left, flip).
-        A pure function of (seed, epoch, slot); with fixed_crops the crop is epoch 0's."""
-        kind, image_id, bucket = self.source(slot)
-        crop_rng = random.Random(seed_for("crop", self.seed, 0 if self.fixed_crops else epoch, slot))
+    def latent_key(self, index, epoch):
+        """What the VAE sees for a sample in an epoch: (kind, image id, bucket, resized size, top, left, flip).
+        A pure function of (seed, epoch, index); with fixed_crops the crop is epoch 0's."""
+        kind, image_id, bucket = self.source(index)
+        crop_rng = random.Random(seed_for("crop", self.seed, 0 if self.fixed_crops else epoch, index))
         crop = draw_crop(self.record(kind, image_id).size, bucket, self.center_crop, crop_rng)
-        flip = self.random_flip and random.Random(seed_for("flip", self.seed, epoch, slot)).random() < 0.5
+        flip = self.random_flip and random.Random(seed_for("flip", self.seed, epoch, index)).random() < 0.5
         return (kind, image_id, bucket, *crop, flip)
 
     def condition_keys(self, key):  # option: edit
@@ -603,24 +608,26 @@ class DreamBoothDataset(torch.utils.data.Dataset):
                 for c in self.cond_ids[image_id]]
 
     def cached_latent_keys(self):
-        """Every latent key training may ask for under fixed crops: epoch 0's, flipped too if flipping, conditions'."""
-        keys = [self.latent_key(s, 0) for s in range(self.num_slots)]
+        """Every latent key training may ask for under fixed crops: epoch 0's, flipped too if flipping."""
+        keys = [self.latent_key(i, 0) for i in range(self.num_samples)]
+        keys += [self.latent_key(s, 0) for s in self.class_slots(range(self.num_samples))]  # option: class_images
         keys = keys + [k[:-1] + (not k[-1],) for k in keys] if self.random_flip else keys
         keys += [c for k in keys for c in self.condition_keys(k)]  # option: edit
         return keys
 
-    def prompt_keys(self, slot):
-        """Every text a slot can show: its image's caption alternatives (or the instance prompt); the class prompt."""
-        if slot >= self.num_samples:
-            return [self.classes[slot % self.num_samples % len(self.classes)].caption]
-        if (record := self.instances[self.source(slot)[1]]).folder:  # option: folders (its folder's prompt)
+    def prompt_keys(self, index):
+        """Every text a sample can show: its image's caption alternatives, or the instance prompt."""
+        if index >= self.num_samples:  # option: class_images (a class slot's: the class prompt)
+            return [self.classes[index % self.num_samples % len(self.classes)].caption]
+        if (record := self.instances[self.source(index)[1]]).folder:  # option: folders (its folder's prompt)
             return caption_lines(record.caption) or [record.folder.prompt]
-        return caption_lines(self.instances[self.source(slot)[1]].caption) or [self.instance_prompt]
+        return caption_lines(self.instances[self.source(index)[1]].caption) or [self.instance_prompt]
 
-    def prompt_key(self, slot, epoch):
-        """The text of a slot in an epoch: an alternative drawn by (seed, epoch, slot), so resumes repeat it."""
-        texts = self.prompt_keys(slot)
-        return texts[0] if len(texts) == 1 else random.Random(seed_for("caption", self.seed, epoch, slot)).choice(texts)
+    def prompt_key(self, index, epoch):
+        """The text of a sample in an epoch: an alternative drawn by (seed, epoch, index), so resumes repeat it."""
+        texts = self.prompt_keys(index)
+        return texts[0] if len(texts) == 1 else random.Random(seed_for("caption", self.seed, epoch, index)).choice(
+            texts)
 
     def pixels(self, key):
         """Decode and transform the image a latent key names -> [3, H, W] in [-1, 1]."""
@@ -630,7 +637,8 @@ class DreamBoothDataset(torch.utils.data.Dataset):
     def __getitem__(self, epoch_and_index):
         epoch, index = epoch_and_index
         item = {"index": index, "epoch": epoch}
-        keys = [self.latent_key(s, epoch) for s in self.slots([index])]
+        keys = [self.latent_key(index, epoch)]
+        keys += [self.latent_key(s, epoch) for s in self.class_slots([index])]  # option: class_images
         if self.with_pixels:
             item["pixel_values"] = torch.stack([self.pixels(k) for k in keys])
             if self.with_masks:  # option: masked_loss
@@ -649,7 +657,7 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     A replacement must keep: each epoch's batches a pure function of (seed, epoch), the same on every process (exact
     resume and the precompute both rely on it); its own split over the processes (the loader is not passed to
     accelerator.prepare, which would split it again); len() as this process's batches per epoch; set_epoch(epoch,
-    start) to resume mid-epoch; by_bucket ({(bucket, references): sample indices}, read by check_batches)."""
+    start) to resume mid-epoch; by_bucket ({group: sample indices}, read by check_batches)."""
 
     def __init__(self, sample_buckets, batch_size, seed, drop_last=True, num_replicas=1, rank=0):
         self.by_bucket = {}
@@ -689,19 +697,17 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             epoch, start = epoch + 1, 0
 
 def collate(examples):
-    """-> {"indices": [B], "epoch": e, "pixel_values": [B * parts, 3, H, W], "masks": [B * parts, 1, H, W]}, rows
-    laid out as DreamBoothDataset.slots (all instance parts, then all class parts); edit training adds
-    "cond_pixels": [R * B, 3, H, W], reference by reference (the first reference of every row, then the second...)."""
+    """Items -> {"indices": [B], "epoch": e, "pixel_values": [B, 3, H, W]}: each tensor of the items, stacked."""
     batch = {"indices": [ex["index"] for ex in examples], "epoch": examples[0]["epoch"]}
     for name in (name for name, value in examples[0].items() if torch.is_tensor(value)):
-        parts = examples[0][name].shape[0]  # 1, or 2 with a class image
-        batch[name] = torch.stack([ex[name][k] for k in range(parts) for ex in examples])
+        # an item's rows [k, ...] (one image; k > 1 with an option's parts): all first rows, then all second, ...
+        batch[name] = torch.stack([ex[name][k] for k in range(examples[0][name].shape[0]) for ex in examples])
     return batch
 
-def drop_captions(keys, num_instance, probability, rng):
-    """Replace the first `num_instance` prompt keys (instance rows) by "", each with `probability` (a list: row i's)."""
-    chances = probability if isinstance(probability, list) else [probability] * num_instance
-    return ["" if i < num_instance and rng.random() < chances[i] else k for i, k in enumerate(keys)]
+def drop_captions(texts, probability, rng):
+    """Replace each text by "" with `probability` (a list: text i's own)."""
+    chances = probability if isinstance(probability, list) else [probability] * len(texts)
+    return ["" if rng.random() < chances[i] else text for i, text in enumerate(texts)]
 
 class SampleCache:
     """Tensors stored once per content key (a caption; an image with its bucket, crop and flip), so repeats and
@@ -734,11 +740,11 @@ class SampleCache:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Model maths: encoders, noise levels, loss, one step
+# Model maths: the VAE's latents, the LoRA
 
 def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
     """[B, 3, H, W] in [-1, 1] -> the VAE posterior, patchified and normalised as FLUX.2 trains on it:
-    mode: its mean [B, 4C, H/16, W/16]; sample: mean and std [B, 2, 4C, H/16, W/16] for draw_latents."""
+    mode: its mean [B, 4C, H/16, W/16]; sample: mean and std [B, 2, 4C, H/16, W/16], drawn from at each use."""
     from diffusers import Flux2Pipeline
     posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist  # diagonal Gaussian, [B, C, H/8, W/8]
     mean = Flux2Pipeline._patchify_latents(posterior.mean)  # 2x2 patches into channels
@@ -747,113 +753,6 @@ def encode_images(vae, pixels, latent_mean, latent_std, sampling="mode"):
         return mean
     std = Flux2Pipeline._patchify_latents(posterior.std) / latent_std.to(mean)
     return torch.stack([mean, std], dim=1)
-
-def draw_latents(params, generator):
-    """Cached posterior -> training latents. params: [B, C, h, w] (mode: the mean, used as is) or
-    [B, 2, C, h, w] (sample: mean and std, drawn z = mean + std * eps from `generator`)."""
-    if params.ndim == 4:
-        return params
-    mean, std = params.unbind(1)
-    eps = torch.randn(mean.shape, generator=generator, device=generator.device).to(mean)
-    return mean + std * eps
-
-def sample_sigmas(scheduler_sigmas, batch_size, weighting_scheme, logit_mean, logit_std, mode_scale, generator):
-    """Draw one training sigma per sample from the timestep density (diffusers' SD3/FLUX recipe) -> [B].
-    scheduler_sigmas: [T] the training schedule (timestep / 1000 of the untouched scheduler, highest first)."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-    u = compute_density_for_timestep_sampling(weighting_scheme, batch_size, logit_mean, logit_std, mode_scale,
-                                              device=generator.device, generator=generator)
-    num_timesteps = scheduler_sigmas.shape[0]
-    index = (u * num_timesteps).long().clamp(0, num_timesteps - 1)
-    return scheduler_sigmas.to(u.device)[index]
-
-def shift_sigmas(sigmas, shift):
-    """FLUX's time shift: sigma -> shift * sigma / (1 + (shift - 1) * sigma). It is the scheduler's exponential
-    shift exp(mu) / (exp(mu) + 1 / sigma - 1) with shift = exp(mu): it moves noise levels up, keeping 0 and 1."""
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
-
-def timestep_shift_for(mode, image_tokens, num_steps):
-    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) noisy target tokens (edit conditions stay
-    clean: not counted), None for none. auto: FLUX.2's training schedule; pipeline: the FLUX.2 pipelines' shift."""
-    if mode == "auto":  # mu linear from 0.5 at 256 tokens to 1.15 at 4,096, unclamped (512²: shift 1.9; 1024²: 3.2)
-        return math.exp(0.5 + (1.15 - 0.5) * (image_tokens - 256) / (4096 - 256))
-    if mode == "pipeline":
-        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # [klein]'s is a copy of it
-        return math.exp(compute_empirical_mu(image_tokens, num_steps))
-    return None if mode == "none" else float(mode)
-
-def flow_matching_loss(pred, target, weighting, num_instance, prior_loss_weight, mask=None):
-    """Weighted MSE per sample -> instance loss + prior_loss_weight * class loss (the first `num_instance` rows are
-    instance samples). pred, target: [B, L, C] packed tokens; weighting: [B]; mask: [B, L, 1] token weights in [0, 1]
-    or None: a masked sample's loss is its mean over the mask, so its scale does not depend on the mask's area."""
-    err = weighting.float().view(-1, 1, 1) * (pred.float() - target.float()) ** 2
-    per_sample = err.flatten(1).mean(1)
-    if mask is not None:  # option: masked_loss
-        mask = mask.float()
-        per_sample = (err * mask).flatten(1).sum(1) / (mask.flatten(1).sum(1) * err.shape[-1]).clamp_min(1e-8)
-    loss = per_sample[:num_instance].mean()
-    if num_instance < per_sample.shape[0]:
-        loss = loss + prior_loss_weight * per_sample[num_instance:].mean()
-    return loss
-
-@dataclass(frozen=True)
-class StepConfig:
-    """Settings of one training step that do not change during a run."""
-
-    weighting_scheme: str
-    logit_mean: float
-    logit_std: float
-    mode_scale: float
-    guidance_scale: float | None  # None for checkpoints without a guidance embedding
-    prior_loss_weight: float = 1.0  # the class images' share of the loss
-    timestep_shift: str | float = "none"  # --timestep_shift
-    shift_steps: int = 50  # the family's default sampling steps, which --timestep_shift pipeline matches
-
-def reference_tokens(conditions, dtype):  # option: edit
-    """Edit training: condition latents, a list of R [B, C, h, w], -> (tokens [B, R*h*w, C] in `dtype`, image ids
-    [B, R*h*w, 4] int64), packed and numbered as Flux2Pipeline.prepare_image_latents does: reference r at time
-    coordinate 10 + 10 r, each one's rows and columns from 0, concatenated in reference order."""
-    from diffusers import Flux2Pipeline
-    bsz = conditions[0].shape[0]
-    tokens = torch.cat([Flux2Pipeline._pack_latents(c) for c in conditions], dim=1).to(dtype)
-    ids = Flux2Pipeline._prepare_image_ids([c[:1] for c in conditions]).to(conditions[0].device)
-    return tokens, ids.repeat(bsz, 1, 1)
-
-def flow_matching_step(transformer, latents, prompt_embeds, num_instance, sigmas_table, cfg, generator, mask=None,
-                       conditions=(), extra=None):
-    """One forward pass and its loss (a scalar). latents: [B, C, h, w]; prompt_embeds: [B, L, D] in the transformer's
-    dtype; mask: [B, 1, h, w] or None; conditions (edit): R clean latents [B, C, h', w'], their tokens after the noisy
-    target's as in Flux2Pipeline; extra (output preservation): inputs -> (P more rows, their pred -> a loss term)."""
-    from diffusers import Flux2Pipeline
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-    bsz = latents.shape[0]
-    latents = latents.float()  # the path and its target in float32; only the transformer's input is cast
-    noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(latents.device)
-    sigma = sample_sigmas(sigmas_table, bsz, cfg.weighting_scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale,
-                          generator)
-    shift = timestep_shift_for(cfg.timestep_shift, latents.shape[-2] * latents.shape[-1], cfg.shift_steps)
-    sigma = (sigma if shift is None else shift_sigmas(sigma, shift)).to(latents.device)
-    s = sigma.view(-1, 1, 1, 1)
-    noisy = (1.0 - s) * latents + s * noise  # the flow-matching path from data (s=0) to noise (s=1)
-    packed = Flux2Pipeline._pack_latents(noisy).to(prompt_embeds.dtype)  # [B, C, h, w] -> [B, h*w, C]
-    img_ids = Flux2Pipeline._prepare_latent_ids(latents).to(latents.device)  # [B, h*w, 4]
-    hidden = packed
-    if conditions:  # option: edit
-        tokens, ids = reference_tokens(conditions, prompt_embeds.dtype)
-        hidden, img_ids = torch.cat([packed, tokens], dim=1), torch.cat([img_ids, ids], dim=1)
-    guidance = None if cfg.guidance_scale is None else torch.full((bsz,), cfg.guidance_scale, device=latents.device)
-    # the transformer takes timestep / 1000 == sigma; txt_ids: [B, L, 4]
-    inputs = dict(hidden_states=hidden, timestep=sigma, guidance=guidance, encoder_hidden_states=prompt_embeds,
-                  txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds).to(latents.device), img_ids=img_ids)
-    extra_loss = None
-    if extra is not None:
-        inputs, extra_loss = extra(transformer, inputs)
-    pred = transformer(**inputs, return_dict=False)[0][:, : packed.shape[1]]  # target tokens (references untrained)
-    target = Flux2Pipeline._pack_latents(noise - latents)  # velocity, packed like the prediction, float32
-    weighting = compute_loss_weighting_for_sd3(cfg.weighting_scheme, sigma)
-    mask = None if mask is None else Flux2Pipeline._pack_latents(mask)  # option: masked_loss ([B, h*w, 1])
-    loss = flow_matching_loss(pred[:bsz], target, weighting, num_instance, cfg.prior_loss_weight, mask)
-    return loss if extra_loss is None else loss + extra_loss(pred[bsz:])
 
 def peft_matches(name, targets):
     """Whether PEFT's target_modules `targets` name module `name`: the whole name or a dotted suffix."""
@@ -946,7 +845,8 @@ class Run:
     noise_scheduler: object  # FlowMatchEulerDiscreteScheduler; validation builds its pipeline from its config
     sigmas: torch.Tensor  # [T] training sigmas, highest first
     named_params: dict  # trainable (LoRA) parameters by name
-    step_config: StepConfig
+    guidance: float | None  # --guidance_scale for a checkpoint with a guidance embedding ([dev]), else None
+    shift_steps: int  # the family's sampling steps, which --timestep_shift pipeline matches
     clock: Clock = dataclasses.field(default_factory=lambda: Clock())  # where the run's time goes
 
     @property
@@ -1042,7 +942,8 @@ def prepare_data(args, accelerator, cache, hooks=None):
     if args.max_train_steps is None:
         args.max_train_steps = optimizer_steps(args.num_train_epochs, len(sampler), args.gradient_accumulation_steps)
     condition = hooks.first("condition", dataset, bool(args.validation_prompt or args.final_validation_prompt or specs))
-    images = {f"{kind}/{r.name}": r.content_hash() for kind in ("instance", "class") for r in dataset.record_list(kind)}
+    images = {f"instance/{r.name}": r.content_hash() for r in dataset.instances}
+    images.update({f"class/{r.name}": r.content_hash() for r in dataset.classes})  # option: class_images
     check_resume_point(args, checkpoint, images)
     freeze(args)
     return Data(family, checkpoint, seed, dataset, sampler, loader, condition, hooks, specs,
@@ -1078,7 +979,9 @@ def needed_prompts(args, data):
     """Every text whose embedding the run reads: training slots, the options' (output preservation's), validation
     prompts, and the empty prompt for dropped captions and the negative prompt of [klein] validation with CFG."""
     dataset = data.dataset
-    keys = [text for s in range(dataset.num_slots) for text in dataset.prompt_keys(s)]
+    samples = list(range(len(dataset)))
+    samples += dataset.class_slots(samples)  # option: class_images
+    keys = [text for i in samples for text in dataset.prompt_keys(i)]
     keys += data.hooks.collect("extra_prompts", keys) + validation_prompts(args, data)
     cfg = validation_prompts(args, data) and uses_cfg(args, data)
     return list(dict.fromkeys(keys + ([""] if args.caption_dropout > 0 or cfg else [])))
@@ -1243,8 +1146,9 @@ def setup_optimizer(args, params, accelerator, hooks=None):
     # fused: one kernel for all LoRA tensors instead of several per tensor. Not under FSDP, whose sharded
     # (DTensor) parameters it has not been verified with here.
     fused = accelerator.device.type == "cuda" and not is_fsdp(accelerator)
-    return (hooks or Hooks(args)).first("optimizer", params, hyper, default=lambda: torch.optim.AdamW(
-        params, **hyper, fused=fused or None))
+    hooks = hooks or Hooks(args)
+    return hooks.first("optimizer", params, hyper, default=lambda: torch.optim.AdamW(params, **hyper,
+                                                                                      fused=fused or None))
 
 def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dtype, clock=None):
     """Transformer with LoRA, optimizer, LR schedule and noise schedule (clock: the run's, since its start)."""
@@ -1264,12 +1168,10 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
     named_params = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
     guidance = args.guidance_scale if accelerator.unwrap_model(transformer).config.guidance_embeds else None
-    step_config = StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale, guidance,
-                             timestep_shift=args.timestep_shift, shift_steps=default_sampling_steps(data.family))
     run = Run(data=data, caches=caches, weight_dtype=weight_dtype, vae=vae, latent_stats=latent_stats,
               transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
-              sigmas=noise_scheduler.sigmas.float(), named_params=named_params,
-              step_config=hooks.chain("step_config", step_config), clock=clock or Clock())
+              sigmas=noise_scheduler.sigmas.float(), named_params=named_params, guidance=guidance,
+              shift_steps=default_sampling_steps(data.family), clock=clock or Clock())
     hooks.each("setup", run)
     return run
 
@@ -1392,45 +1294,47 @@ def start_logging(args, accelerator, run, global_step):
 
 @dataclass
 class StepInputs:
-    """A micro-batch's inputs as gathered on the host: each distinct cache entry once, plus which entry each row
-    takes (rows of a batch sharing a prompt move one embedding, 15.7 MB for [dev], not B of them). B' = 2B rows
-    with prior preservation: instance rows, then class rows."""
+    """A micro-batch's inputs as gathered on the host: each distinct cache entry once, and which entry each row takes
+    (rows of a batch sharing a prompt move one embedding, 15.7 MB for [dev], not B of them)."""
 
     embeds: torch.Tensor  # [U, L, D] distinct prompt embeddings
-    embed_rows: torch.Tensor  # [B'] long, row -> embeds
-    # cached: [V, 4C, h, w] latents ([V, 2, 4C, h, w] mean and std); else pixels [B'(1 + R), 3, H, W]
-    images: torch.Tensor
-    image_rows: torch.Tensor  # [B'(1 + R)] long, row -> images: the B' targets, then R references of B' rows each
+    embed_rows: torch.Tensor  # [B] long, row -> embeds
+    images: torch.Tensor  # cached: [V, 4C, h, w] latents ([V, 2, 4C, h, w] mean and std); else pixels [B, 3, H, W]
+    image_rows: torch.Tensor  # [B] long, row -> images
     encoded: bool  # images are cached latents (else pixels the VAE encodes on the device)
-    references: int = 0  # edit training: condition images per row (R)
-    extra_rows: int = 0  # an option's prompts (output preservation): the last P of embed_rows
-    masks: torch.Tensor | None = None  # option: masked_loss ([V, 1, h, w] beside cached `images`, else [B', 1, H, W])
+    # option: class_images (B = 2 x the batch size: the instance rows, then their class rows)
+    references: int = 0  # option: edit (condition images R per row: image_rows holds B(1 + R), the B targets first)
+    extra_rows: int = 0  # option: trigger_words (output preservation's prompts: the last P of embed_rows)
+    masks: torch.Tensor | None = None  # option: masked_loss ([V, 1, h, w] beside cached `images`, else [B, 1, H, W])
 
 def gather_inputs(batch, dataset, caches, caption_dropout, rng, extra_texts=None):
-    """Host side of a step: a collated batch -> StepInputs from the caches. `rng` draws caption dropout;
-    `extra_texts` (an option's, output preservation) maps the instance texts to more prompts. Edit training: each
-    row's condition images are looked up from its target's latent key, so they cannot part."""
-    slots, num_instance = dataset.slots(batch["indices"]), len(batch["indices"])
-    texts = [dataset.prompt_key(s, batch["epoch"]) for s in slots]
-    extra = extra_texts(texts[:num_instance]) if extra_texts else []
+    """Host side of a step: a collated batch -> StepInputs from the caches; `rng` draws caption dropout."""
+    rows = list(batch["indices"])
+    texts = [dataset.prompt_key(i, batch["epoch"]) for i in rows]
+    extra = extra_texts(texts) if extra_texts else []  # option: trigger_words (output preservation's prompts)
     if dataset.instances[0].folder:  # option: folders (each row's folder's caption dropout)
-        caption_dropout = [dataset.record(*dataset.source(s)[:2]).folder.caption_dropout for s in slots[:num_instance]]
-    embeds, embed_rows = caches.prompts.gather_unique(drop_captions(texts, num_instance, caption_dropout, rng) + extra)
+        caption_dropout = [dataset.record(*dataset.source(i)[:2]).folder.caption_dropout for i in rows]
+    texts = drop_captions(texts, caption_dropout, rng)
+    rows += dataset.class_slots(rows)  # option: class_images
+    texts += [dataset.prompt_key(s, batch["epoch"]) for s in rows[len(texts):]]  # option: class_images
+    texts += extra  # option: trigger_words
+    embeds, embed_rows = caches.prompts.gather_unique(texts)
     if caches.latents is None:
-        cond = batch.get("cond_pixels")
-        images = batch["pixel_values"] if cond is None else torch.cat([batch["pixel_values"], cond])
-        inputs = StepInputs(embeds, embed_rows, images, torch.arange(len(images)), encoded=False,
-                            references=len(images) // len(slots) - 1, extra_rows=len(extra))
+        inputs = StepInputs(embeds, embed_rows, batch["pixel_values"], torch.arange(len(rows)), encoded=False)
+        if "cond_pixels" in batch:  # option: edit (the condition images after the targets, reference by reference)
+            inputs.images = torch.cat([inputs.images, batch["cond_pixels"]])
+            inputs.image_rows = torch.arange(len(inputs.images))
+            inputs.references = len(batch["cond_pixels"]) // len(rows)
         inputs.masks = batch.get("masks")  # option: masked_loss
-        return inputs
-    keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
-    references = [[] for _ in keys]  # [B'][R]: each row's condition images
-    references = [dataset.condition_keys(k) for k in keys]  # option: edit
-    keys += [refs[r] for r in range(len(references[0])) for refs in references]  # reference-major, as collate
-    latents, image_rows = caches.latents.gather_unique(keys)
-    inputs = StepInputs(embeds, embed_rows, latents, image_rows, encoded=True, references=len(references[0]),
-                        extra_rows=len(extra))
-    inputs.masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None  # option: masked_loss
+    else:
+        keys = [dataset.latent_key(s, batch["epoch"]) for s in rows]
+        references = [dataset.condition_keys(k) for k in keys]  # option: edit ([B][R]: each row's condition images)
+        keys += [refs[r] for r in range(len(references[0])) for refs in references]  # option: edit (reference-major)
+        latents, image_rows = caches.latents.gather_unique(keys)
+        inputs = StepInputs(embeds, embed_rows, latents, image_rows, encoded=True)
+        inputs.references = len(references[0])  # option: edit
+        inputs.masks = caches.masks.gather_unique(keys)[0] if caches.masks is not None else None  # option: masked_loss
+    inputs.extra_rows = len(extra)  # option: trigger_words
     return inputs
 
 def each_tensor(inputs, fn):
@@ -1441,7 +1345,7 @@ def each_tensor(inputs, fn):
 
 class Prefetcher:
     """Runs a loader one micro-batch ahead: the next batch is fetched, gathered, pinned and copied to the GPU on a side
-    stream while this step computes; the loop calls prefetch() once the step's GPU work is queued and before anything
+    stream while this step computes; the step calls prefetch() once its GPU work is queued and before anything
     waits for the GPU, so host work hides behind it. Yields (micro-step, batch, StepInputs on the device)."""
 
     def __init__(self, loader, first_micro, prepare, device):
@@ -1474,43 +1378,113 @@ class Prefetcher:
                 each_tensor(inputs, lambda t: t.record_stream(stream))  # made on the side stream, used on this one
             yield micro, batch, inputs
 
-def model_inputs(inputs, run, generator, offload, latent_sampling):
-    """Device side of a step: StepInputs already on the device -> latents [B', 4C, h, w], prompt embeddings
-    [B', L, D], loss mask [B', 1, h, w] or None, condition latents (R of [B', 4C, h, w]: the posterior mean, as the
-    pipeline encodes references). Uncached pixels are encoded here; `generator` draws posterior samples."""
-    embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # expanded on the device
-    rows, mask = len(inputs.embed_rows) - inputs.extra_rows, None
-    if inputs.encoded:
-        params = inputs.images[inputs.image_rows]
-        mask = None if inputs.masks is None else inputs.masks[inputs.image_rows[:rows]]  # option: masked_loss
-    else:
-        with torch.no_grad(), on_device(run.vae, inputs.images.device, offload):
-            params = encode_images(run.vae, inputs.images, *run.latent_stats, latent_sampling)
-        mask = None if inputs.masks is None else reduce_mask(inputs.masks, params.shape[-2:])  # option: masked_loss
-    params = params.float()  # float32: the step casts at the transformer
-    means = params if params.ndim == 4 else params[:, 0]  # references: the posterior mean
-    references = [means[rows * r: rows * (r + 1)] for r in range(1, 1 + inputs.references)]
-    return draw_latents(params[:rows], generator), embeds, mask, references
+def draw_latents(params, generator):
+    """Cached posteriors -> training latents. params: [B, C, h, w] (mode: the mean, used as is) or
+    [B, 2, C, h, w] (sample: mean and std, drawn z = mean + std * eps from `generator`)."""
+    if params.ndim == 4:
+        return params
+    mean, std = params.unbind(1)
+    eps = torch.randn(mean.shape, generator=generator, device=generator.device).to(mean)
+    return mean + std * eps
 
-def micro_step(accelerator, run, inputs, num_instance, micro, offload, latent_sampling):
-    """Forward and backward of one micro-batch (queued, not waited for) -> (detached loss, latent size). Noise,
-    timesteps and posterior draws come from a generator seeded by (seed, micro-step, process): resumes draw alike."""
+def sample_sigmas(scheduler_sigmas, batch_size, weighting_scheme, logit_mean, logit_std, mode_scale, generator):
+    """Draw one training sigma per sample from the timestep density (diffusers' SD3/FLUX recipe) -> [B].
+    scheduler_sigmas: [T] the training schedule (timestep / 1000 of the untouched scheduler, highest first). A
+    replacement draws from `generator` alone: a resumed run must draw what a straight run drew."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+    u = compute_density_for_timestep_sampling(weighting_scheme, batch_size, logit_mean, logit_std, mode_scale,
+                                              device=generator.device, generator=generator)
+    num_timesteps = scheduler_sigmas.shape[0]
+    index = (u * num_timesteps).long().clamp(0, num_timesteps - 1)
+    return scheduler_sigmas.to(u.device)[index]
+
+def shift_sigmas(sigmas, shift):
+    """FLUX's time shift: sigma -> shift * sigma / (1 + (shift - 1) * sigma). It is the scheduler's exponential
+    shift exp(mu) / (exp(mu) + 1 / sigma - 1) with shift = exp(mu): it moves noise levels up, keeping 0 and 1."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+def timestep_shift_for(mode, image_tokens, num_steps):
+    """--timestep_shift -> the shift of a batch of `image_tokens` (h * w) noisy tokens, None for none. auto: FLUX.2's
+    training schedule; pipeline: the FLUX.2 pipelines' shift for `num_steps` sampling steps."""
+    if mode == "auto":  # mu linear from 0.5 at 256 tokens to 1.15 at 4,096, unclamped (512²: shift 1.9; 1024²: 3.2)
+        return math.exp(0.5 + (1.15 - 0.5) * (image_tokens - 256) / (4096 - 256))
+    if mode == "pipeline":
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # [klein]'s is a copy of it
+        return math.exp(compute_empirical_mu(image_tokens, num_steps))
+    return None if mode == "none" else float(mode)
+
+def flow_matching_loss(model_pred, target, weighting):
+    """The weighted MSE of the velocity prediction, per sample, in float32: model_pred, target [B, L, C] packed
+    tokens; weighting [B] -> [B]."""
+    return (weighting.float().view(-1, 1, 1) * (model_pred.float() - target.float()) ** 2).flatten(1).mean(1)
+
+def training_step(args, accelerator, run, micro, batch, inputs, prefetch, stop):
+    """One micro-batch, top to bottom: the noisy input, the prediction, the loss and its backward; at the last
+    micro-batch of an accumulation, the update (clipping, optimizer, learning rate) -> (the loss, detached; the stop
+    signal the processes agreed at an update, else 0; the latents' (h, w)). Noise, timesteps and posterior draws come from a generator
+    seeded by (seed, micro-step, process): a resumed run draws what a straight run drew."""
+    from diffusers import Flux2Pipeline
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
     generator = torch.Generator(accelerator.device).manual_seed(
         seed_for("step", run.data.seed, micro, accelerator.process_index))
-    latents, embeds, mask, references = model_inputs(inputs, run, generator, offload, latent_sampling)
-    rows = len(latents)  # an option's prompt embeddings (if any) follow the rows'
-    extra = run.hooks.first("step_extra", embeds[rows:]) if inputs.extra_rows else None
-    loss = flow_matching_step(run.transformer, latents, embeds[:rows], num_instance, run.sigmas, run.step_config,
-                              generator, mask, references, extra)
+    if inputs.encoded:  # cached posteriors, [V, 4C, h, w] (or [V, 2, 4C, h, w]: mean and std) -> one per row
+        params = inputs.images[inputs.image_rows]
+    else:  # pixels [B, 3, H, W], encoded here
+        with torch.no_grad(), on_device(run.vae, inputs.images.device, args.offload):
+            params = encode_images(run.vae, inputs.images, *run.latent_stats, args.latent_sampling)
+    params = params.float()  # the path and its target in float32; only the transformer's input is cast
+    prompt_embeds = inputs.embeds.to(run.weight_dtype)[inputs.embed_rows]  # [B, L, D], expanded on the device
+    bsz = len(inputs.embed_rows)
+    bsz -= inputs.extra_rows  # option: trigger_words (output preservation's P rows come last)
+    model_input = draw_latents(params[:bsz], generator)  # [B, 4C, h, w]
+    noise = torch.randn(model_input.shape, generator=generator, device=generator.device).to(model_input.device)
+    sigmas = sample_sigmas(run.sigmas, bsz, args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
+                           generator)  # [B]
+    shift = timestep_shift_for(args.timestep_shift, model_input.shape[-2] * model_input.shape[-1], run.shift_steps)
+    sigmas = (sigmas if shift is None else shift_sigmas(sigmas, shift)).to(model_input.device)
+    s = sigmas.view(-1, 1, 1, 1)
+    noisy_model_input = (1.0 - s) * model_input + s * noise  # the straight path from data (s=0) to noise (s=1)
+    packed = Flux2Pipeline._pack_latents(noisy_model_input).to(run.weight_dtype)  # [B, 4C, h, w] -> [B, h*w, 4C]
+    guidance = None if run.guidance is None else torch.full((bsz,), run.guidance, device=model_input.device)
+    model_kwargs = dict(hidden_states=packed, timestep=sigmas, guidance=guidance,  # timestep / 1000 == sigma
+                        encoder_hidden_states=prompt_embeds[:bsz], img_ids=Flux2Pipeline._prepare_latent_ids(
+                            model_input).to(model_input.device),  # [B, h*w, 4]
+                        txt_ids=Flux2Pipeline._prepare_text_ids(prompt_embeds[:bsz]).to(model_input.device))
+    if inputs.references:  # option: edit (the clean references' tokens after the noisy target's, as the pipeline)
+        means = params if params.ndim == 4 else params[:, 0]  # a reference: its posterior mean
+        references = [means[bsz * r: bsz * (r + 1)] for r in range(1, 1 + inputs.references)]  # R of [B, 4C, h, w]
+        model_kwargs = with_references(model_kwargs, references, run.weight_dtype)
+    if inputs.extra_rows:  # option: trigger_words (P more rows, pulled toward the base model's prediction)
+        model_kwargs, preservation_loss = with_preservation(run.transformer, model_kwargs, prompt_embeds[bsz:],
+                                                            args.output_preservation_weight)
+    model_pred = run.transformer(**model_kwargs, return_dict=False)[0]
+    model_pred = model_pred[:, :packed.shape[1]]  # option: edit (the references' tokens are not trained)
+    if inputs.extra_rows:  # option: trigger_words
+        model_pred, preserved_pred = model_pred[:bsz], model_pred[bsz:]
+    target = Flux2Pipeline._pack_latents(noise - model_input)  # the velocity, packed like the prediction
+    weighting = compute_loss_weighting_for_sd3(args.weighting_scheme, sigmas)  # [B]
+    per_sample = flow_matching_loss(model_pred, target, weighting)  # [B]
+    if inputs.masks is not None:  # option: masked_loss (each sample's mean over its mask)
+        per_sample = masked_loss(model_pred, target, weighting, token_mask(inputs, bsz, model_input.shape[-2:]))
+    loss = per_sample.mean()
+    if (n := len(batch["indices"])) < bsz:  # option: class_images (the class rows' loss, weighted, and the rest's)
+        loss = per_sample[:n].mean() + args.prior_loss_weight * per_sample[n:].mean()
+    if inputs.extra_rows:  # option: trigger_words
+        loss = loss + preservation_loss(preserved_pred)
     accelerator.backward(loss)
-    return loss.detach(), list(latents.shape[-2:])
-
-def optimizer_step(args, accelerator, run):
+    prefetch()  # the next batch's host work, while the GPU runs this one
+    stop.finite = stop.finite & torch.isfinite(loss)  # every micro-batch of the update (read below: no sync here)
+    if not accelerator.sync_gradients:
+        return loss.detach(), 0, list(model_input.shape[-2:])
+    signum, bad = stop.agreed(accelerator, (~stop.finite).long())  # the update's one host-device sync
+    if bad:
+        raise TrainingStopped(non_finite_loss(args, accelerator, micro // args.gradient_accumulation_steps + 1, batch))
     accelerator.clip_grad_norm_(list(run.named_params.values()), args.max_grad_norm)
     run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.hooks.each("after_optimizer_step", run)
+    return loss.detach(), signum, list(model_input.shape[-2:])
 
 def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
     """Every step's figures go to the progress bar and the trackers; a log line at the first and last step, every
@@ -1527,59 +1501,46 @@ def log_step(args, accelerator, run, bar, global_step, loss, epoch, seconds):
         logger.info(line)
     accelerator.log(logs, step=global_step)
 
+def sample_log(args, accelerator, resumed):
+    """Which samples this process trained on, a JSON line per micro-batch: cheap, and answers "what did it see?".
+    Line-buffered, so readable while training runs; a fresh run's starts empty (an earlier run's is overwritten)."""
+    path = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.open("a" if resumed else "w", buffering=1)
+
 def train(args, accelerator, run, global_step):
     """The loop: one flat stream of micro-batches across epochs; micro-step m is batch m % len(sampler) of epoch
-    m // len(sampler), so a resumed run skips exactly the batches already trained."""
+    m // len(sampler), so a resumed run skips exactly the batches already trained -> a stop signal's number, or 0."""
     if global_step >= args.max_train_steps:  # resumed from the last step's checkpoint: only `finish` is left
         return 0
-    data, accum = run.data, args.gradient_accumulation_steps
-    batches_per_epoch, micro = len(data.sampler), global_step * accum
+    data, micro = run.data, global_step * args.gradient_accumulation_steps
     accelerator.step = micro  # accelerate's accumulation counter: sync on every accum-th micro-step
-    data.sampler.set_epoch(*divmod(micro, batches_per_epoch))
+    data.sampler.set_epoch(*divmod(micro, len(data.sampler)))
     extra_texts = run.hooks.first("extra_texts")
     prefetcher = Prefetcher(data.loader, micro, lambda m, batch: gather_inputs(
         batch, data.dataset, run.caches, args.caption_dropout,
         random.Random(seed_for("caption-dropout", data.seed, m, accelerator.process_index)), extra_texts),
         accelerator.device)
-    finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
     bar = tqdm(total=args.max_train_steps, initial=global_step, desc="Steps",
                disable=not accelerator.is_local_main_process)
-    # which samples each process trained on, one JSON line per micro-batch: cheap, and answers "what did it see?"
-    sample_log = Path(args.output_dir, args.logging_dir, f"samples-{accelerator.process_index}.jsonl")
-    sample_log.parent.mkdir(parents=True, exist_ok=True)
+    stop = StopRequest("after this step and saving a checkpoint")
     run.transformer.train()
     tic = time.perf_counter()
-    # sample_log is line-buffered: readable while training runs; log lines print above the progress bar
-    stop = StopRequest("after this step and saving a checkpoint")
-    mode = "a" if run.data.checkpoint else "w"  # a fresh run's log starts empty (an earlier run's, overwritten, too)
-    with sample_log.open(mode, buffering=1) as sample_log, stop, logging_redirect_tqdm(), bar:  # the bar closes first
+    # log lines print above the progress bar, which closes first
+    with sample_log(args, accelerator, data.checkpoint) as samples, stop, logging_redirect_tqdm(), bar:
         for micro, batch, inputs in prefetcher:
-            epoch, signum = batch["epoch"], 0
             with accelerator.accumulate(run.transformer):
-                loss, latent_hw = micro_step(accelerator, run, inputs, len(batch["indices"]), micro, args.offload,
-                                             args.latent_sampling)
-                prefetcher.prefetch()  # the next step's host work, while the GPU runs this one
-                finite &= torch.isfinite(loss)
-                if accelerator.sync_gradients:
-                    signum, bad = stop.agreed(accelerator, (~finite).long())
-                    if bad:
-                        found = list_checkpoints(args.output_dir)
-                        raise TrainingStopped(
-                            f"the loss became NaN or infinite at step {global_step + 1} (samples {batch['indices']}); "
-                            "stopped without applying that update and without writing a final LoRA. Last good "
-                            f"checkpoint: {found[-1] if found else 'none'}: resume from it with a lower "
-                            "--max_grad_norm, or start over (--overwrite_output_dir) with a lower --learning_rate" + (
-                                ", or --mixed_precision bf16" if accelerator.mixed_precision == "fp16" else ""))
-                    optimizer_step(args, accelerator, run)
-            sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
-                                         "latent_hw": latent_hw}) + "\n")
+                loss, signum, latent_hw = training_step(args, accelerator, run, micro, batch, inputs,
+                                                        prefetcher.prefetch, stop)
+            samples.write(json.dumps({"micro_step": micro, "epoch": batch["epoch"], "indices": batch["indices"],
+                                      "latent_hw": latent_hw}) + "\n")
             if accelerator.sync_gradients:
                 global_step += 1
-                log_step(args, accelerator, run, bar, global_step, loss, epoch, time.perf_counter() - tic)
+                log_step(args, accelerator, run, bar, global_step, loss, batch["epoch"], time.perf_counter() - tic)
                 tic = time.perf_counter()
                 after_optimizer_step(args, accelerator, run, global_step, signum)
-            if (micro + 1) % batches_per_epoch == 0:
-                after_epoch(args, accelerator, run, global_step, epoch)
+            if (micro + 1) % len(data.sampler) == 0:
+                after_epoch(args, accelerator, run, global_step, batch["epoch"])
             if global_step >= args.max_train_steps:
                 break
         late = stop.agreed(accelerator)[0]  # a signal after the last step's agreement counts too
@@ -1764,6 +1725,8 @@ def finish(args, accelerator, run, signum=0):
 # Main
 
 def main(argv=None):
+    if "--write_copy" in {a.split("=")[0] for a in argv or sys.argv[1:]}:  # option: copies (a copy, no run)
+        return write_copy(argv or sys.argv[1:])
     umask()  # settled while no thread runs
     quiet_library_imports()
     args = parse_args(argv)
@@ -2157,7 +2120,7 @@ def surprising_values(args, hooks=None):
         (args.max_sequence_length < 64, f"--max_sequence_length {args.max_sequence_length}: the chat template's system "
                                         "message fills about 25 tokens first, so captions are cut short or away"),
         (args.resolution > 2048, f"--resolution {args.resolution}: beyond FLUX.2's 4-megapixel range (2048^2)"),
-        (args.learning_rate > 1e-2 and not hooks.flag("replaces_optimizer"), f"--learning_rate {args.learning_rate} "
+        (not hooks.flag("replaces_optimizer") and args.learning_rate > 1e-2, f"--learning_rate {args.learning_rate} "
          "with AdamW: LoRA runs use 1e-4 to 1e-3 and usually diverge above 1e-2"),
         (args.dataloader_num_workers is not None and args.dataloader_num_workers > cores,
          f"--dataloader_num_workers {args.dataloader_num_workers}: more workers than this machine's {cores} cores"),
@@ -2241,7 +2204,8 @@ def check_batches_early(args, instances, seed, processes, classes_wanted):
 def check_batches(batch_size, sampler, buckets):
     """Refuse a batch size that leaves a process no full batch in an epoch (each batch holds one bucket)."""
     if len(sampler) == 0:
-        sizes = {(*buckets[b], f"{r} references") if r else buckets[b]: len(members)
+        sizes = {buckets[group[0]]: len(members) for group, members in sorted(sampler.by_bucket.items())}
+        sizes = {(*buckets[b], f"{r} references") if r else buckets[b]: len(members)  # option: edit
                  for (b, r), members in sorted(sampler.by_bucket.items())}
         raise UsageError(f"--train_batch_size {batch_size} leaves no full batch: samples per bucket (h, w) are {sizes} "
                          f"over {sampler.num_replicas} process(es); lower --train_batch_size, raise --repeats, or use "
@@ -2450,9 +2414,9 @@ def flags_to_keep(args):
     """The flags a resumed run must share with its checkpoint: the adapter's rank, scale, layers and kind, the
     optimizer's settings (its restored state carries the checkpoint's: a new value would be ignored), and the batches'
     shape (a resume starts at step x accumulation batches: another shape would retrain or skip samples)."""
-    names = ("rank", "lora_alpha", "lora_layers", "learning_rate", "scale_lr", "adam_beta1", "adam_beta2",
-             "adam_weight_decay", "adam_epsilon", "train_batch_size", "gradient_accumulation_steps",
-             *(n for o in OPTIONS for n in o.resume_flags))
+    names = ["rank", "lora_alpha", "lora_layers", "learning_rate", "scale_lr", "adam_beta1", "adam_beta2",
+             "adam_weight_decay", "adam_epsilon", "train_batch_size", "gradient_accumulation_steps"]
+    names += [n for o in OPTIONS for n in o.resume_flags]  # option: any
     return {name: vars(args).get(name) for name in names}
 
 def check_resume_flags(args, checkpoint):
@@ -3355,6 +3319,15 @@ def quiet_library_imports():
     for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
+def non_finite_loss(args, accelerator, step, batch):
+    """What to do when the loss of `batch` turned NaN or infinite, before its update `step` was applied."""
+    found = list_checkpoints(args.output_dir)
+    return (f"the loss became NaN or infinite at step {step} (samples {batch['indices']}); stopped without applying "
+            "that update and without writing a final LoRA. Last good checkpoint: "
+            f"{found[-1] if found else 'none'}: resume from it with a lower --max_grad_norm, or start over "
+            "(--overwrite_output_dir) with a lower --learning_rate" + (
+                ", or --mixed_precision bf16" if accelerator.mixed_precision == "fp16" else ""))
+
 @contextlib.contextmanager
 def validation_oom(step):
     """Out of GPU memory making validation images: advice for them (OOM_ADVICE's training flags would not help), and
@@ -3395,6 +3368,7 @@ class StopRequest:
     def __init__(self, after, interrupt=False):
         self.after, self.signum, self.since = after, 0, 0.0  # after: what finishes first, for the message
         self.interrupt = interrupt  # nothing to finish (the final validation): stop at once, saying so
+        self.finite = True  # in the loop: whether every loss since the run began was finite (a tensor, not synced)
 
     def __enter__(self):  # where signals arrive: the main thread (Ray Train runs main() in another, and stops it)
         sigs = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
@@ -3784,107 +3758,6 @@ def markdown_text(text):
     """`text` shown as written in Markdown (alt text, captions): one line, its markup characters escaped."""
     return re.sub(r"([\\`*_\[\]<>|#!])", r"\\\1", " ".join(text.split()))
 
-# ----------------------------------------------------------------------------------------------------------------
-# Trimmed copies (--write_copy): this script with only the options a user keeps, to read and edit
-
-# --keep's named set: the diffusers example's scope (class images, Prodigy, 8-bit Adam, its text-encoder flags, FSDP,
-# a `datasets` loader)
-OPTION_SETS = {"diffusers": ("class_images", "prodigy", "compile", "text_encoders", "fsdp", "dataset")}
-
-def write_copy(argv):
-    """`--write_copy FILE [--keep NAMES] [--overwrite]`: write this script with Parts 1 and 2 and only the options
-    kept, as torchtune's `tune cp` copies a recipe to edit; a copy can trim itself again."""
-    p = _Parser(prog=Path(__file__).name, description="Write a copy of this script with only the options kept.")
-    p.add_argument("--write_copy", required=True, metavar="FILE", help="The copy to write.")
-    p.add_argument("--keep", default="none", help="Options to keep, comma-separated: names --help lists as "
-                   f"'option NAME'; none, all, or {', '.join(OPTION_SETS)} (the diffusers example's scope).")
-    p.add_argument("--overwrite", action="store_true", help="Replace FILE if it exists.")
-    args, names = p.parse_args(argv), [o.name for o in OPTIONS]
-    words = [w.strip() for w in args.keep.split(",") if w.strip()]
-    unknown = [w for w in words if w not in (*names, "none", "all", *OPTION_SETS)]
-    refuse(unknown, f"--keep {args.keep}: no option {', '.join(unknown)}; this script's options are "
-           f"{', '.join(names) or 'none'} (or none, all, {', '.join(OPTION_SETS)})")
-    keep = {n for n in names if "all" in words or n in words or any(n in OPTION_SETS.get(w, ()) for w in words)}
-    keep = [n for n in names if n in keep or any(n in o.needs for o in OPTIONS if o.name in keep)]
-    source, target = Path(__file__), Path(args.write_copy)
-    refuse(target.exists() and os.path.samefile(target, source), f"--write_copy {target} is this script; name "
-           "another file")
-    refuse(target.is_dir(), f"--write_copy {target} is a folder; name a file")
-    refuse(target.stem in sys.stdlib_module_names, f"--write_copy {target}: run as a script, it would be imported "
-           f"in place of Python's own {target.stem} module (its folder comes first on the path); name it otherwise")
-    refuse(target.exists() and not args.overwrite, f"--write_copy {target} exists; pass --overwrite to replace it")
-    text = source.read_text(encoding="utf-8")
-    header = copy_header(keep, VERSION, hashlib.sha256(text.encode()).hexdigest()[:12])
-    text = trimmed_source(text, {o.name: [n for names, _ in o.flags for n in names] for o in OPTIONS}, keep, header)
-    with writing(target):
-        write_text_atomic(target, text)
-        shutil.copymode(source, target)
-    print(f"wrote {target}: {len(text.splitlines())} lines, options: {', '.join(keep) or 'none'}")
-
-def copy_header(keep, version, digest):
-    """The comment lines that open a trimmed copy: what it is, what it came from, where the rest is."""
-    import textwrap
-    text = (f"A copy of train_dreambooth_lora_flux2.py (version {version}; the file it was trimmed from has SHA-256 "
-            f"{digest}...) written by --write_copy: Parts 1 and 2, and the options {', '.join(keep) or 'none'}. "
-            "The full script, with every option, is in the project's repository (README.md: Copy and edit); "
-            "--write_copy FILE --keep NAMES trims this copy further.")
-    return [line + "\n" for line in textwrap.wrap(text, 118, initial_indent="# ", subsequent_indent="# ")]
-
-def trimmed_source(source, options, keep, header):
-    """`source` with only the options `keep` of `options` ({name: its flags}): the others' sections go, and so do
-    the lines marked `# option: NAME` for them (a marked line that starts a statement takes the whole statement, a
-    definition with its decorators; any other marked line goes alone, e.g. an entry of a list) and the module
-    docstring's lines that name their flags. The reading map lists the options kept; `header` (comment lines)
-    replaces an earlier copy's, after the licence line."""
-    gone = {name: flags for name, flags in options.items() if name not in keep}
-    lines, drop = source.splitlines(keepends=True), set()
-    for i, line in enumerate(lines):  # a section: from its banner to the next banner
-        if (m := re.match(r"# Option: (\w+)", line)) and m.group(1) in gone:
-            drop.update(range(i - 1, next(j for j in range(i + 1, len(lines)) if lines[j].startswith(
-                ("# ---", "# ===", "if __name__")))))
-    marks, doc = marked_lines(source)
-    drop.update(i for name, span in marks if name in gone for i in span)
-    flags = [f for names in gone.values() for f in names]
-    drop.update(i for i in doc if any(re.search(rf"{f}(?![\w-])", lines[i]) for f in flags))
-    kept = [line for i, line in enumerate(lines) if i not in drop]
-    text = "".join(kept[:2] + header + kept[next(i for i, line in enumerate(kept) if line.startswith('"""')):])
-    return reading_map(text, [n for n in options if n in keep])
-
-@functools.lru_cache(maxsize=4)  # a second copy of the same source skips the parse (1 s of the 1.1 a copy takes)
-def marked_lines(source):
-    """-> ([(option name, the line indexes its `# option: NAME` comment takes)], the module docstring's lines)."""
-    import ast
-    import tokenize
-    lines, spans, marks = source.splitlines(keepends=True), {}, []
-    tree = ast.parse(source)
-    for node in ast.walk(tree):  # breadth first: the outermost statement or entry starting on a line is found first
-        entries = ([(node, node)] if isinstance(node, ast.stmt) else [(e, e) for e in node.elts] if isinstance(
-            node, (ast.List, ast.Tuple, ast.Set)) else [(k or v, v) for k, v in zip(node.keys, node.values)]
-            if isinstance(node, ast.Dict) else [])
-        for head, entry in entries:  # a statement (a definition from its first decorator), or an entry of a literal
-            first = min([head.lineno, *(d.lineno for d in getattr(entry, "decorator_list", []))])
-            for start in {first, entry.lineno}:
-                spans.setdefault(start - 1, range(first - 1, entry.end_lineno))
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT and (m := re.search(r"# option: (\w+)\b", token.string)):
-            span = spans.get(token.start[0] - 1, range(token.start[0] - 1, token.start[0]))
-            above = span.start  # the comment lines just above a statement are about it
-            while above > 1 and lines[above - 1].lstrip().startswith("#") and not (
-                    lines[above - 1].startswith(("# ---", "# ===")) or lines[above - 2].startswith(("# ---", "# ==="))):
-                above -= 1
-            marks.append((m.group(1), range(above, span.stop)))
-    return marks, range(tree.body[0].lineno - 1, tree.body[0].end_lineno)
-
-def reading_map(text, names):
-    """`text` with the reading map's Part 3 paragraph listing the options `names`, wrapped as the docstring is."""
-    import textwrap
-
-    def fill(m):
-        words = f"{' '.join(m.group(1).split())} {', '.join(names) or 'none in this copy'}."
-        return textwrap.fill(words, 120, initial_indent="  ", subsequent_indent="    ") + "\n"
-    return re.sub(r"  (Part 3, the options .*?while it is on:) [^.]*\.\n", fill, text, count=1, flags=re.S)
-
-
 # ================================================================================================================
 # Part 3: options (delete what you do not use)
 # Each section is one feature: its flags and an Option class the recipe calls at its seams while the feature is on.
@@ -3901,6 +3774,7 @@ class ConfigFile(Option):
     config.yaml, a file that repeats it); --print_config shows them resolved and stops; a switch takes true or false,
     so the command line can undo the file. Cost: none (parse_args reads the file; Switch is in Part 2)."""
 
+    words = ("config file", "YAML", "TOML")
     name, switches = "config", ("config", "print_config")
     flags = [flag("--config", type=readable_file, help="Flags from a YAML, TOML or JSON file; the command line wins."),
              flag("--print_config", action="store_true", help="Print the resolved flags (a --config file) and stop.")]
@@ -4010,6 +3884,7 @@ class HubDataset(Option):
     folder) instead of --instance_data_dir's files; edit training names its condition column (read with the rows).
     `datasets` is imported only here. Cost: every row decoded and hashed at start-up."""
 
+    words = ("`datasets`", "dataset row", "Hugging Face dataset")
     name, switches, source, replaces_data = "dataset", ("dataset_name",), "--dataset_name", True
     requires = "--dataset_name (its columns; --instance_data_dir reads same-stem .txt captions)"
     flags = [flag("--dataset_name", help="A Hugging Face `datasets` name or folder, instead of --instance_data_dir."),
@@ -4156,6 +4031,7 @@ class Folders(Option):
     folder's times an epoch (sample_images: in passes, so alike repeats keep the one-folder order) and shows its
     prompt, the step drops its caption at its folder's rate. Cost: none (each folder is scanned as one would be)."""
 
+    words = ("several folders", "folder entr")
     name, switches, source, replaces_data = "folders", ("datasets",), "--datasets", True
     flags = [flag("--datasets", type=Accepts(f"a JSON or YAML list of entries, mappings of {', '.join(ENTRY_KEYS)}",
                                              convert=dataset_entries),
@@ -4241,6 +4117,7 @@ class MaskedLoss(Option):
     cache, with cached latents, each crop's at latent resolution) and the step weights its tokens (Part 1's lines
     marked for it). Cost: a mask decoded with each image."""
 
+    words = ("mask",)
     name = "masked_loss"
     flags = [flag("--masked_loss", action="store_true",
                   help="Weight the loss by x_mask.png beside an image, else its alpha channel.")]
@@ -4279,6 +4156,18 @@ def reduce_mask(mask, latent_hw):
     """Pixel mask [B, 1, H, W] -> the share of each latent token's pixels inside it, [B, 1, h, w]."""
     return torch.nn.functional.interpolate(mask.float(), size=tuple(latent_hw), mode="area")
 
+def token_mask(inputs, rows, latent_hw):
+    """The step's loss mask: each latent token's share of its pixels inside the mask, [B, h*w, 1]."""
+    from diffusers import Flux2Pipeline
+    mask = inputs.masks[inputs.image_rows[:rows]] if inputs.encoded else reduce_mask(inputs.masks, latent_hw)
+    return Flux2Pipeline._pack_latents(mask)  # [B, 1, h, w] -> [B, h*w, 1]
+
+def masked_loss(model_pred, target, weighting, mask):
+    """flow_matching_loss with each token weighted by `mask` [B, L, 1] in [0, 1] -> [B]: a sample's loss is its mean
+    over the mask, so its scale does not depend on the mask's area."""
+    err, mask = weighting.float().view(-1, 1, 1) * (model_pred.float() - target.float()) ** 2, mask.float()
+    return (err * mask).flatten(1).sum(1) / (mask.flatten(1).sum(1) * err.shape[-1]).clamp_min(1e-8)
+
 def prepare_masks(dataset, latents):
     """--masked_loss with cached latents: the mask of every cached (image, crop, flip) at latent resolution
     [1, 1, h, w]; small, so kept in memory and computed from the images (no VAE)."""
@@ -4304,6 +4193,7 @@ class DiskCacheOption(Option):
     code is Part 2's disk cache, each definition marked for it; a copy without it keeps the entries in memory. Cost:
     none (it saves the encoders' loading and work on every later run)."""
 
+    words = ("disk cache", "cache folder", "lease", "evict", "scan index", "DiskStore", "DiskCache")
     name = "disk_cache"
     flags = [flag("--precompute_cache_dir", type=cache_folder,
                   help=f"Disk cache that later runs reuse; default: $XDG_CACHE_HOME/{TRAINER_NAME}."),
@@ -4319,6 +4209,7 @@ class FromManifest(Option):
     """The disk cache and a dataset_manifest.json (every run writes one: the data flags, the seed, the image records)
     replace the images, the text encoder and, unless validation needs it, the VAE. Cost: none."""
 
+    words = ("manifest",)
     name, needs = "manifest", ("disk_cache",)
     flags = [flag("--from_manifest", type=readable_file, help="Train from a dataset_manifest.json and the disk "
                   "cache alone: no images, no text encoder (needs --cache_latents).")]
@@ -4432,6 +4323,7 @@ class ClassImages(Option):
     """DreamBooth's prior preservation: class images (missing ones generated by the base model) train beside the
     instance images under the class prompt, so the class keeps its look. Cost: a class row per instance row."""
 
+    words = ("class image", "class prompt", "class row", "class slot", "class part", "prior preservation")
     name = "class_images"
     flags = [
         flag("--with_prior_preservation", action="store_true", help="Also train on class images of the class."),
@@ -4467,9 +4359,6 @@ class ClassImages(Option):
     def class_images(self, accelerator, seed, family, cache):
         args = self.args
         return load_class_images(args, accelerator, seed, family, cache) if args.with_prior_preservation else None
-
-    def step_config(self, config):
-        return dataclasses.replace(config, prior_loss_weight=self.args.prior_loss_weight)
 
 def load_class_images(args, accelerator, seed, family, cache):
     Path(args.class_data_dir).mkdir(parents=True, exist_ok=True)
@@ -4551,6 +4440,7 @@ class EditTraining(Option):
     the noisy target's in the sequence, as Flux2Pipeline appends a reference image's (the dataset, collate and the
     step carry them in Part 1); validation edits --validation_image. Cost: the references' tokens in every step."""
 
+    words = ("edit training", "edit LoRA", "edit mode", "image-to-image", "condition image", "reference")
     name = "edit"
     flags = [
         flag("--cond_data_dir", type=existing_folder, help="Condition images: x.* pairs with the target x.*"),
@@ -4617,6 +4507,17 @@ class EditTraining(Option):
                 f"{' or '.join(map(str, counts))} per target, their tokens after the target's (the loss covers the "
                 "target's)"] if dataset.conditions else []
 
+def with_references(model_kwargs, references, dtype):
+    """The step's transformer inputs with clean references (R latents [B, 4C, h, w]) after the noisy target's tokens,
+    packed and numbered as Flux2Pipeline.prepare_image_latents does: reference r at time coordinate 10 + 10 r, each
+    one's rows and columns from 0, concatenated in reference order (tokens [B, R*h*w, 4C], ids [B, R*h*w, 4])."""
+    from diffusers import Flux2Pipeline
+    tokens = torch.cat([Flux2Pipeline._pack_latents(c) for c in references], dim=1).to(dtype)
+    ids = Flux2Pipeline._prepare_image_ids([c[:1] for c in references]).to(references[0].device)
+    ids = ids.repeat(len(references[0]), 1, 1)
+    return {**model_kwargs, "hidden_states": torch.cat([model_kwargs["hidden_states"], tokens], dim=1),
+            "img_ids": torch.cat([model_kwargs["img_ids"], ids], dim=1)}
+
 def fit_to_bucket(image, buckets):
     """A condition image as training fits conditions -> (RGB image, its nearest bucket: the edited image's size)."""
     bucket = buckets[nearest_bucket(image.height, image.width, buckets)]
@@ -4657,6 +4558,7 @@ class EMA(Option):
     """An exponential moving average of the LoRA, validated and saved as the LoRA (the last raw weights beside it),
     checkpointed with the run. Cost: a float32 copy of the LoRA (on the CPU by default) and its update per step."""
 
+    words = ("EMA", "moving average")
     name = "ema"
     switches = ("use_ema",)
     flags = [
@@ -4771,6 +4673,7 @@ class Adapters(Option):
     file in the BFL layout (--lora_format comfyui; ComfyUI reads the diffusers file too). Cost: DoRA, LoKr and LoHa
     compute their weight update every forward."""
 
+    words = ("DoRA", "LoKr", "LoHa", "LyCORIS", "ComfyUI")
     name = "adapters"
     switches = ("adapter", "use_dora", "init_lora", "lora_format")
     resume_flags = ("adapter", "use_dora", "lokr_factor", "lokr_decompose_both")
@@ -5099,6 +5002,7 @@ class TriggerWords(Option):
     prediction for the caption with the word replaced by --class_word toward the base model's (same noisy latents).
     Cost: output preservation adds a forward without gradients and P more rows to the trained forward and backward."""
 
+    words = ("trigger", "output preservation", "class word")
     name = "trigger_words"
     placeholder = TRIGGER  # a [trigger] without --trigger_word turns this on, to refuse it
     switches, requires = ("trigger_word", "output_preservation", "class_word"), "--output_preservation"
@@ -5168,21 +5072,17 @@ class TriggerWords(Option):
     def extra_texts(self):
         return self.extra_prompts if self.args.output_preservation else None
 
-    def step_extra(self, embeds):
-        """The base model (adapters off, no gradients) predicts the first P rows under their preservation prompts
-        `embeds` [P, L, D]; those rows join the trained forward, pulled toward the base prediction by weight x MSE."""
-        from accelerate.utils import extract_model_from_parallel
-        weight = self.args.output_preservation_weight
-
-        def extra(transformer, inputs):
-            rows = {k: None if v is None else v[:len(embeds)] for k, v in inputs.items()}
-            rows["encoder_hidden_states"] = embeds
-            with torch.no_grad(), adapters_off(extract_model_from_parallel(transformer)):
-                base = transformer(**rows, return_dict=False)[0]
-            joined = {k: None if v is None else torch.cat([v, rows[k]]) for k, v in inputs.items()}
-            return joined, lambda pred: weight * (pred.float() - base.float()).pow(2).mean()
-
-        return extra
+def with_preservation(transformer, model_kwargs, embeds, weight):
+    """The step's transformer inputs with its first P rows again under their preservation prompts `embeds` [P, L, D],
+    after its B rows; the base model (adapters off, no gradients) predicts them -> (those inputs, the P rows' prediction
+    -> weight x MSE to the base's)."""
+    from accelerate.utils import extract_model_from_parallel
+    rows = {k: None if v is None else v[:len(embeds)] for k, v in model_kwargs.items()}
+    rows["encoder_hidden_states"] = embeds
+    with torch.no_grad(), adapters_off(extract_model_from_parallel(transformer)):
+        base = transformer(**rows, return_dict=False)[0]
+    joined = {k: None if v is None else torch.cat([v, rows[k]]) for k, v in model_kwargs.items()}
+    return joined, lambda pred: weight * (pred.float() - base.float()).pow(2).mean()
 
 def fill_trigger(records, word, prompt, word_flag="--trigger_word", prompt_flag="--instance_prompt"):
     """`records` with [trigger] filled in every caption, and 'WORD, ' put before each caption line lacking the word;
@@ -5221,9 +5121,11 @@ class TextEncoders(Option):
     """Prompts encoded without a whole text encoder on each GPU: [dev]'s remote encoder (a Hugging Face endpoint),
     int8 (torchao) or NF4 (bitsandbytes) weights, or sharded with FSDP2. Precompute only: no cost per step."""
 
+    words = ("remote text encoder", "remote encoder", "sharded text encoder", "quantised text encoder")
     name = "text_encoders"
     switches = ("remote_text_encoder", "text_encoder_quantization", "fsdp_text_encoder")
     requires = "--remote_text_encoder"
+    no_text_encoder = sharded_text_encoder = False  # per run: set from its flags
     flags = [
         flag("--remote_text_encoder", action="store_true",
              help="[dev]: embeddings from Hugging Face's remote text encoder (uses your Hub login)."),
@@ -5337,6 +5239,7 @@ class Prodigy(Option):
     """Prodigy (the prodigyopt package) finds its own step size; its learning rate multiplies it (usually 1.0).
     Cost: about twice AdamW's optimizer state."""
 
+    words = ("Prodigy", "prodigy")
     name = "prodigy"
     switches, requires = ("optimizer",), "--optimizer prodigy"
     replaces_optimizer = True
@@ -5375,6 +5278,7 @@ class FSDP(Option):
     """Training under accelerate's FSDP (its config turns it on): the LoRA and the optimizer state are gathered from
     the shards to save them and scattered to resume. Cost: those collectives at each checkpoint."""
 
+    words = ("FSDP", "shard")
     name = "fsdp"
     env = "ACCELERATE_USE_FSDP"
     places_transformer = True  # accelerate moves and shards one wrapped block at a time
@@ -5447,6 +5351,7 @@ class BlockSwapping(Option):
     """The frozen weights of the last N blocks live in pinned host memory, each copied in just before it runs: a peak
     N - 2 blocks lower. Cost: their weights cross the bus once a forward and a backward (mostly hidden by compute)."""
 
+    words = ("swap",)
     name = "block_swap"
     places_transformer = True  # the swapped blocks are placed once their LoRA exists
     flags = [flag("--blocks_to_swap", type=non_negative_int, default=0, help="Keep the frozen weights of the last "
@@ -5645,6 +5550,7 @@ class AttentionBackends(Option):
     """Another attention kernel for training and validation than native SDPA (diffusers' attention dispatch). Cost:
     none of its own; docs/speed.md measures what each kernel gains."""
 
+    words = ("attention backend",)
     name = "attention"
     usable = ", ".join(b for b in TRAINING_ATTENTION_BACKENDS if b not in BROKEN_ATTENTION_BACKENDS)
     flags = [flag("--attention_backend", default="native", help="Attention kernel (one whose package or GPU is "
@@ -5678,6 +5584,7 @@ class SpeedAndMemory(Option):
     (QLoRA, bitsandbytes) and bitsandbytes' 8-bit AdamW. Costs: a one-off compile; fp8 and NF4 change the
     numbers a little (NF4 costs dequantisation in every matmul); docs/speed.md and docs/memory.md measure them."""
 
+    words = ("compile", "fp8", "8-bit", "NF4", "nf4", "bitsandbytes", "torchao", "quantis")
     name = "compile"
     flags = [
         flag("--compile", action="store_true", help="torch.compile the blocks: a one-off compile, then faster steps."),
@@ -5756,6 +5663,7 @@ class Hub(Option):
     """At the end, the output folder (not its checkpoints, logs or what names this machine) goes to a Hub repository,
     made if missing; the model card's snippet then loads the LoRA from it. Cost: the upload, the only network use."""
 
+    words = ("Hub repository", "upload")
     name = "hub"  # --hub_token also serves the remote text encoder, --hub_model_id alone names the card's repository
     flags = [flag("--push_to_hub", action="store_true", help="Upload the LoRA; the only flag using the network."),
              flag("--hub_model_id", help="Hub repository; default: the name of --output_dir."),
@@ -5826,6 +5734,7 @@ class ValidationExtras(Option):
     a row of the progress sheet per prompt and strength. Cost: their images at every validation. Or fewer: the
     LoRA's images before the final validation in fewer steps (the base model's and the final ones keep theirs)."""
 
+    words = ("prompts file", "LoRA strength", "intermediate")
     name = "validation_extras"
     flags = [
         flag("--validation_prompts_file", type=Accepts("a readable text file of prompts (checked line by line)",
@@ -5896,6 +5805,7 @@ class ValidationTransformer(Option):
     Cost: its weights in host memory for the whole run (8 GB for [klein] 4B in bf16: loading them again at each
     validation would take longer than the copy), on the GPU beside the trained transformer only while it validates."""
 
+    words = ("validation transformer",)
     name = "validation_transformer"
     flags = [flag("--validation_transformer", type=model_source, metavar="MODEL", help="Validate on this "
                   "transformer with the LoRA: a FLUX.2 checkpoint, sampled as its pipeline does (distilled [klein]: 4 "
@@ -6230,6 +6140,7 @@ class MemoryPlan(Option):
     encoder's precision); the fastest that fits the card (the least free over the processes; --gpu_memory) and host
     RAM is taken. Cost: a few seconds at start-up, none per step; --plan_only shows every candidate and stops."""
 
+    words = ("memory plan",)
     name, switches, requires = "memory_plan", ("memory_plan",), "--memory_plan auto"
     prints_only = property(lambda self: self.args.plan_only)
     flags = [
@@ -6542,6 +6453,7 @@ class ValidationMetrics(Option):
     trackers, the card; --keep_best keeps the best LoRA in best/. Cost: about 1 GB of models, on the GPU only while
     they score, and a forward pass of each a validation."""
 
+    words = ("metric", "score", "DINO", "CLIP", "drift")
     name, switches, run, models, references = "metrics", ("validation_metrics",), None, None, None
     names = property(lambda self: metric_names(self.args.validation_metrics))  # the flag keeps the words as typed
     sources = property(lambda self: {SCORER[s]: vars(self.args)[f"metrics_{SCORER[s]}_model"] for s in self.names})
@@ -6709,9 +6621,630 @@ class ValidationMetrics(Option):
                 "agreement; drift: 1 - DINO similarity of the drift prompts' images to the base model's):", "",
                 "| step | subject | prompt | drift |", "|---|---|---|---|", *rows, *kept] if history else []
 
+# ----------------------------------------------------------------------------------------------------------------
+# Option: copies (--write_copy: this script with only the options kept, to read and edit)
+
+# --keep's named set: the diffusers example's scope (class images, Prodigy, 8-bit Adam, its text-encoder flags, FSDP,
+# a `datasets` loader)
+OPTION_SETS = {"diffusers": ("class_images", "prodigy", "compile", "text_encoders", "fsdp", "dataset")}
+
+@option
+class Copies(Option):
+    """`--write_copy FILE --keep NAMES`: this script with Parts 1 and 2 and only the options kept, as torchtune's
+    `tune cp` copies a recipe to edit. The others go with their sections, the lines marked for them and the docstring
+    and comment lines naming their words; the seams no kept option implements are folded (a call becomes what it does
+    without options: nothing, its default, the value passed in), and what that leaves unread goes too: parameters,
+    dataclass fields, locals, definitions, imports. A copy is written without this option unless it is kept. Cost:
+    none in a run; about two CPU-seconds a copy."""
+
+    name, switches, requires = "copies", ("write_copy",), "--write_copy FILE"
+    words = ("write_copy", "trimmed copy", "copy writer")
+    flags = [flag("--write_copy", metavar="FILE", help="Write this script trimmed to the options kept, and stop."),
+             flag("--keep", default="none", help="Options a copy keeps, comma-separated: names --help lists as "
+                  f"'option NAME'; none, all, or {', '.join(OPTION_SETS)} (the diffusers example's scope)."),
+             flag("--overwrite", action="store_true", help="Replace the copy if the file exists.")]
+
+def write_copy(argv):
+    """Write the copy --write_copy names, with the options --keep names (and those they need)."""
+    p = _Parser(prog=Path(__file__).name, description="Write a copy of this script with only the options kept.")
+    for names, settings in Copies.flags:
+        p.add_argument(*names, **settings)
+    args, names = p.parse_args(argv), [o.name for o in OPTIONS]
+    words = [w.strip() for w in args.keep.split(",") if w.strip()]
+    unknown = [w for w in words if w not in (*names, "none", "all", *OPTION_SETS)]
+    refuse(unknown, f"--keep {args.keep}: no option {', '.join(unknown)}; this script's options are "
+           f"{', '.join(names) or 'none'} (or none, all, {', '.join(OPTION_SETS)})")
+    keep = {n for n in names if "all" in words or n in words or any(n in OPTION_SETS.get(w, ()) for w in words)}
+    keep = [n for n in names if n in keep or any(n in o.needs for o in OPTIONS if o.name in keep)]
+    source, target = Path(__file__), Path(args.write_copy)
+    refuse(target.exists() and os.path.samefile(target, source), f"--write_copy {target} is this script; name "
+           "another file")
+    refuse(target.is_dir(), f"--write_copy {target} is a folder; name a file")
+    refuse(target.stem in sys.stdlib_module_names, f"--write_copy {target}: run as a script, it would be imported "
+           f"in place of Python's own {target.stem} module (its folder comes first on the path); name it otherwise")
+    refuse(target.exists() and not args.overwrite, f"--write_copy {target} exists; pass --overwrite to replace it")
+    text = source.read_text(encoding="utf-8")
+    header = copy_header(keep, VERSION, hashlib.sha256(text.encode()).hexdigest()[:12])
+    text = trimmed_source(text, {o.name: [n for names, _ in o.flags for n in names] for o in OPTIONS}, keep, header)
+    with writing(target):
+        write_text_atomic(target, text)
+        shutil.copymode(source, target)
+    print(f"wrote {target}: {len(text.splitlines())} lines, options: {', '.join(keep) or 'none'}")
+
+def copy_header(keep, version, digest):
+    """The comment lines that open a copy: what it is, what it came from, where the rest is."""
+    import textwrap
+    again = ("--write_copy FILE --keep NAMES trims this copy further." if "copies" in keep else
+             "It was written without the copy writer (--keep copies keeps it), so it does not trim itself again.")
+    text = (f"A copy of train_dreambooth_lora_flux2.py (version {version}; the file it was trimmed from has SHA-256 "
+            f"{digest}...) written by --write_copy: Parts 1 and 2, and the options {', '.join(keep) or 'none'}. "
+            f"The full script, with every option, is in the project's repository (README.md: Copy and edit). {again}")
+    return [line + "\n" for line in textwrap.wrap(text, 118, initial_indent="# ", subsequent_indent="# ")]
+
+def trimmed_source(source, options, keep, header):
+    """`source` with only the options `keep` of `options` ({name: its flags}): the others' sections go, the lines
+    marked `# option: NAME` for them (`any`: for any option; a marked line that starts a statement takes the whole
+    statement, a definition with its decorators; another goes alone, e.g. an entry of a list), and the docstring and
+    comment lines naming their flags or words; then the seams the options kept do not implement are folded
+    (rewrite). The reading map lists the options kept; `header` (comment lines) replaces an earlier copy's."""
+    gone = {name: flags for name, flags in options.items() if name not in keep} | ({} if keep else {"any": []})
+    lines, drop = source.splitlines(keepends=True), set()
+    for i, line in enumerate(lines):  # a section: from its banner to the next banner
+        if (m := re.match(r"# Option: (\w+)", line)) and m.group(1) in gone:
+            drop.update(range(i - 1, next(j for j in range(i + 1, len(lines)) if lines[j].startswith(
+                ("# ---", "# ===", "if __name__")))))
+    marks, texts = marked_lines(source)
+    drop.update(i for name, span in marks if name in gone for i in span)
+    classes = {o.name: o for o in OPTIONS}
+    words = [w for name, flags in gone.items() for w in [*flags, *getattr(classes.get(name), "words", ())]]
+    pattern = re.compile("|".join(rf"(?<![\w-]){re.escape(w)}" for w in words) or "$^")
+    drop.update(i for i in texts if pattern.search(lines[i]))  # docstring and comment lines naming them
+    kept = [line for i, line in enumerate(lines) if i not in drop]
+    text = "".join(kept[:2] + header + kept[next(i for i, line in enumerate(kept) if line.startswith('"""')):])
+    implemented = {n for o in OPTIONS if o.name in keep for n in dir(o)}
+    folded = SEAMS - implemented | ({"wake"} if not keep else set())
+    return reading_map(rewrite(text, source, frozenset(folded)), [n for n in options if n in keep])
+
+@functools.lru_cache(maxsize=4)  # a second copy of the same source skips the parse
+def marked_lines(source):
+    """-> ([(option name, the line indexes its `# option: NAME` comment takes)], the indexes of the docstring lines
+    and the comment-only lines, but a docstring's first and last)."""
+    import ast
+    import tokenize
+    lines, spans, marks, texts = source.splitlines(keepends=True), {}, [], []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):  # breadth first: the outermost statement or entry starting on a line is found first
+        entries = ([(node, node)] if isinstance(node, ast.stmt) else [(e, e) for e in node.elts] if isinstance(
+            node, (ast.List, ast.Tuple, ast.Set)) else [(k or v, v) for k, v in zip(node.keys, node.values)]
+            if isinstance(node, ast.Dict) else [])
+        for head, entry in entries:  # a statement (a definition from its first decorator), or an entry of a literal
+            first = min([head.lineno, *(d.lineno for d in getattr(entry, "decorator_list", []))])
+            for start in {first, entry.lineno}:
+                spans.setdefault(start - 1, range(first - 1, entry.end_lineno))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            texts += range(node.lineno, node.end_lineno - 1)  # a docstring's lines but its first and last
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT and not lines[token.start[0] - 1][:token.start[1]].strip():
+            texts.append(token.start[0] - 1)
+        if token.type == tokenize.COMMENT and (m := re.search(r"# option: (\w+)\b", token.string)):
+            span = spans.get(token.start[0] - 1, range(token.start[0] - 1, token.start[0]))
+            above = span.start  # the comment lines just above a statement are about it
+            while above > 1 and lines[above - 1].lstrip().startswith("#") and not (
+                    lines[above - 1].startswith(("# ---", "# ===")) or lines[above - 2].startswith(("# ---", "# ==="))):
+                above -= 1
+            marks.append((m.group(1), range(above, span.stop)))
+    return marks, texts
+
+def reading_map(text, names):
+    """`text` with the reading map's Part 3 paragraph listing the options `names`, wrapped as the docstring is."""
+    import textwrap
+
+    def fill(m):
+        words = f"{' '.join(m.group(1).split())} {', '.join(names) or 'none in this copy'}."
+        return textwrap.fill(words, 120, initial_indent="  ", subsequent_indent="    ") + "\n"
+    return re.sub(r"  (Part 3, the options .*?while it is on:) [^.]*\.\n", fill, text, count=1, flags=re.S)
+
+# The rewriter of copies: a seam folded, and what that leaves unread removed, keeping the layout and the comments
+
+PURE_CALLS = {"Hooks", "len", "bool", "list", "tuple", "dict", "set"}  # what a dropped assignment may call
+SAFE_BASES = {"torch.utils.data.Dataset", "torch.utils.data.Sampler"}  # a method of theirs no line names may go
+FOLDED_CALLS = {"each", "first", "chain", "collect", "context", "flag"}
+
+class Source:
+    """One parse of a copy being rewritten: its tree (each node knows its `parent` and `owner`, the outermost function
+    holding it), where names are read and attributes named, and the pass's edits: spans replaced, in groups that are
+    applied whole or not at all (an edit overlapping one taken already waits for the next pass)."""
+
+    def __init__(self, text):
+        self.text, self.tree, self.lines = text, ast.parse(text), text.splitlines(keepends=True)
+        self.starts = [0]
+        for line in self.lines:
+            self.starts.append(self.starts[-1] + len(line))
+        self.reads, self.attrs, self.owned, self.nodes, self.kinds, self.stored = {}, {}, {}, [], {}, set()
+        self.taken, self.pending, self.dead, self.dying = [], [], set(), set()
+        self.order, self.cached = {}, {}
+        stack, load, AST = [(self.tree, None)], ast.Load, ast.AST
+        while stack:
+            node, owner = stack.pop()
+            self.order[id(node)] = len(self.nodes)
+            self.nodes.append(node)
+            kind = type(node)
+            self.kinds.setdefault(kind, []).append(node)
+            if kind is ast.Name and type(node.ctx) is load:
+                self.reads.setdefault(node.id, []).append(node)
+                self.owned.setdefault(owner, {}).setdefault(node.id, []).append(node)
+            elif kind is ast.Attribute:
+                self.attrs.setdefault(node.attr, []).append(node)
+            elif kind is ast.Name or kind is ast.arg:  # a name a function assigns is its own there, not a global
+                self.stored.add((owner, getattr(node, "id", None) or node.arg))
+            top = kind is ast.Module or kind is ast.ClassDef
+            for field in node._fields:
+                value = getattr(node, field, None)
+                for child in value if type(value) is list else (value,):
+                    if isinstance(child, AST):
+                        child.parent = node
+                        child.owner = child if top and type(child) is ast.FunctionDef else owner
+                        stack.append((child, child.owner))
+
+    def span(self, node):
+        return (self.starts[node.lineno - 1] + node.col_offset,
+                self.starts[node.end_lineno - 1] + node.end_col_offset)
+
+    def outer(self, node):
+        """`node`'s span with the grouping parentheses around it."""
+        start, stop = self.span(node)
+        while True:
+            left = self.text[max(0, start - 200):start].rstrip()
+            right = self.text[stop:stop + 200]
+            callee = re.search(r"(\w+|[\])])\s*\($", left)  # a call's or subscript's parenthesis
+            if not (left.endswith("(") and right.lstrip().startswith(")") and (not callee or keyword.iskeyword(
+                    callee.group(1)))):
+                return start, stop
+            start, stop = start - (len(self.text[max(0, start - 200):start]) - len(left)) - 1, \
+                stop + len(right) - len(right.lstrip()) + 1
+
+    def source(self, node):
+        return self.text[slice(*self.span(node))]
+
+    def begin(self):
+        """Edits from here to commit() belong together: taken whole, or dropped if one overlaps an edit taken (the
+        next pass, on the parse of the result, finds them again)."""
+        self.pending, self.dying = [], set()
+
+    def commit(self):
+        if any(not (b <= start or a >= stop) for a, b, _ in self.pending for start, stop, _ in self.taken):
+            return False
+        self.taken += self.pending
+        self.dead |= self.dying  # what the edits remove no longer reads, names or calls anything
+        self.pending, self.dying = [], set()
+        return True
+
+    def put(self, start, stop, text, gone=None, kept=None):
+        """A span replaced; `gone`: the node it removes (less the node `kept`)."""
+        self.pending.append((start, stop, text))
+        if gone is not None:
+            self.dying |= set(map(id, ast.walk(gone))) - set(map(id, ast.walk(kept) if kept is not None else ()))
+
+    def of(self, *kinds):
+        """The nodes of these types, outermost first."""
+        if kinds not in self.cached:
+            self.cached[kinds] = sorted((n for k in kinds for n in self.kinds.get(k, [])), key=lambda n: self.order[id(n)])
+        return self.cached[kinds]
+
+    def live(self, nodes, owner=False):
+        return [n for n in nodes if id(n) not in self.dead and (owner is False or n.owner is owner)]
+
+    def replace(self, node, new):
+        """`node` replaced by the expression `new` of the same text, in parentheses where its place needs them; the
+        continuation lines of a multi-line `new` move with it."""
+        text = self.source(new)
+        if new.end_lineno > new.lineno:
+            line = self.lines[node.lineno - 1]
+            floor, shift = len(line) - len(line.lstrip()) + 4, node.col_offset - new.col_offset
+            text = "\n".join(text.split("\n")[:1] + [" " * max(floor, len(x) - len(x.lstrip()) + shift) + x.lstrip()
+                                                     for x in text.split("\n")[1:]])
+        self.put(*self.span(node), f"({text})" if precedence(new, text) < needed(node) else text, node, new)
+
+    def delete(self, stmt):
+        """A statement deleted with its decorators and the comment lines just above it (a block's only one: pass)."""
+        block = next((b for f in ("body", "orelse", "finalbody") if stmt in (b := getattr(stmt.parent, f, None) or [])),
+                     None)
+        if block is not None and self.live(block) == [stmt]:
+            return self.put(self.starts[stmt.lineno - 1], self.starts[stmt.end_lineno],
+                            " " * stmt.col_offset + "pass\n", stmt)
+        first = min([stmt.lineno, *(d.lineno for d in getattr(stmt, "decorator_list", []))])
+        while first > 1 and self.lines[first - 2].lstrip().startswith("#") and not self.lines[first - 2].startswith(
+                "# ---"):
+            first -= 1
+        self.put(self.starts[first - 1], self.starts[stmt.end_lineno], "", stmt)
+
+    def unwrap(self, stmt, body):
+        """A compound statement replaced by the statements of one of its blocks, dedented."""
+        cut = body[0].col_offset - stmt.col_offset
+        text = "".join(x[cut:] if x[:cut].isspace() else x for x in self.lines[body[0].lineno - 1:body[-1].end_lineno])
+        self.put(self.starts[stmt.lineno - 1], self.starts[body[-1].end_lineno], text)
+        for other in [getattr(stmt, "test", None), *(b for b in (stmt.body, getattr(stmt, "orelse", [])) if b is not body
+                                                     for b in b)]:
+            if other is not None:
+                self.dying |= set(map(id, ast.walk(other)))
+
+    def remove(self, elements, removed):
+        """Elements of a comma-separated list (parameters, arguments) removed; the others keep their separators."""
+        kept = [e for e in elements if e not in removed]
+        spans = [self.outer(e) if not isinstance(e, (ast.arg, ast.keyword)) else self.span(e) for e in elements]
+        start, stop = spans[0][0], spans[-1][1]
+        pieces = []
+        for e, (a, b) in zip(elements, spans):
+            if e in kept:
+                after = next((s[0] for s in spans if s[0] >= b), b)
+                pieces.append(self.text[a:after])
+        text = "".join(pieces).rstrip().rstrip(",")
+        if re.search(r"#[^\n\"']*$", text):  # a comment ends it: the closing bracket goes on a line of its own
+            text += "\n" + " " * elements[0].col_offset
+        self.put(start, stop, text)
+        for e in removed:
+            self.dying |= set(map(id, ast.walk(e)))
+
+    def apply(self):
+        text = self.text
+        for a, b, new in sorted(self.taken, key=lambda e: (e[0], e[1]), reverse=True):
+            text = text[:a] + new + text[b:]
+        return text
+
+def precedence(node, text=""):
+    if isinstance(node, ast.Tuple) and not text.startswith("("):
+        return 0
+    if isinstance(node, ast.BoolOp):
+        return 3 if isinstance(node.op, ast.Or) else 4
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return 5
+    return {ast.NamedExpr: 0, ast.Lambda: 1, ast.IfExp: 2, ast.Compare: 6, ast.BinOp: 8}.get(type(node), 14)
+
+def needed(node):
+    """The least precedence an expression needs in `node`'s place."""
+    parent = node.parent
+    if isinstance(parent, ast.BoolOp):
+        return 5 if isinstance(parent.op, ast.And) else 4
+    if isinstance(parent, (ast.Compare, ast.BinOp)) or isinstance(parent, ast.UnaryOp) and not isinstance(
+            parent.op, ast.Not):
+        return 9
+    if isinstance(parent, ast.UnaryOp):
+        return 6
+    if getattr(parent, "value", None) is node and isinstance(parent, (ast.Attribute, ast.Subscript)) or (
+            isinstance(parent, ast.Call) and parent.func is node):
+        return 14
+    return 0 if isinstance(parent, (ast.Assign, ast.Return, ast.Expr)) else 1
+
+def constant(node):
+    """(True, value) of a literal constant or an empty list, else (False, None)."""
+    if isinstance(node, ast.Constant):
+        return True, node.value
+    return (True, []) if isinstance(node, ast.List) and not node.elts else (False, None)
+
+def pure(node):
+    """Whether `node` can be left unevaluated: it calls nothing but PURE_CALLS."""
+    return all(not isinstance(n, (ast.Call, ast.Await, ast.Yield, ast.NamedExpr)) or getattr(
+        n.func, "id", None) in PURE_CALLS for n in ast.walk(node) if not isinstance(n, ast.Lambda))
+
+def inside(node, outer):
+    while node is not None and node is not outer:
+        node = getattr(node, "parent", None)
+    return node is outer
+
+def in_fstring(node):
+    while (node := getattr(node, "parent", None)) is not None:
+        if isinstance(node, ast.JoinedStr):
+            return True
+    return False
+
+# ---- the passes: each adds its edits to a Source, a group at a time (begin, edits, commit)
+
+def fold_seams(src, folded):
+    """The calls of folded seams: each/collect -> nothing ([] in an expression), first -> its default, chain -> the
+    value, context -> no item, flag -> False; wake (no option kept) -> nothing."""
+    for node in src.of(ast.Call):
+        if not type(node.func) is ast.Attribute or id(node) in src.dead:
+            continue
+        receiver, method = node.func.value, node.func.attr
+        seam = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+        if getattr(receiver, "id", getattr(receiver, "attr", "")) != "hooks" or not (
+                method == "wake" and "wake" in folded or method in FOLDED_CALLS and seam in folded):
+            continue
+        parent, default = node.parent, next((k.value for k in node.keywords if k.arg == "default"), None)
+        src.begin()
+        if method in ("each", "collect", "wake") and isinstance(parent, ast.Expr):
+            src.delete(parent)
+        elif method == "first" and isinstance(default, ast.Lambda):
+            src.replace(node, default.body)
+        elif method == "chain":
+            src.replace(node, node.args[1])
+        elif method == "context":
+            others, stmt = [i for i in parent.parent.items if i is not parent], parent.parent
+            if others:
+                head = ", ".join(src.text[src.span(i.context_expr)[0]:src.span(i.optional_vars or i.context_expr)[1]]
+                                 for i in others)
+                last = stmt.items[-1]
+                src.put(src.span(stmt)[0], src.span(last.optional_vars or last.context_expr)[1], f"with {head}",
+                        parent.context_expr)
+            else:
+                src.unwrap(stmt, stmt.body)
+                src.dying |= set(map(id, ast.walk(parent.context_expr)))
+        else:
+            text = {"each": "[]", "collect": "[]", "flag": "False"}.get(method) or (
+                "None" if default is None else src.source(default) + "()")
+            src.put(*src.span(node), text, node)
+        src.commit()
+
+def fold_constants(src):
+    """What folding leaves: not False, None is None, A and True, False or A, x + [], *[], for _ in [], if True, ..."""
+    for node in src.of(ast.UnaryOp, ast.Compare, ast.BoolOp, ast.BinOp, ast.Starred, ast.ListComp, ast.GeneratorExp,
+                       ast.Call, ast.IfExp, ast.If, ast.For, ast.Assign):
+        if id(node) in src.dead:
+            continue
+        src.begin()
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and constant(node.operand)[0]:
+            src.put(*src.span(node), repr(not constant(node.operand)[1]), node)
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)) \
+                and constant(node.left)[0] and constant(node.comparators[0])[0]:
+            same = constant(node.left)[1] is constant(node.comparators[0])[1]
+            src.put(*src.span(node), repr(same == isinstance(node.ops[0], ast.Is)), node)
+        elif isinstance(node, ast.BoolOp):
+            fold_operands(src, node)
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and (True, []) in (
+                constant(node.left), constant(node.right)):
+            src.replace(node, node.right if constant(node.left) == (True, []) else node.left)
+        elif isinstance(node, ast.Starred) and constant(node.value) == (True, []):
+            elements = getattr(node.parent, "elts", None) or node.parent.args
+            src.remove(elements, [node]) if len(elements) > 1 else src.put(*src.span(node), "", node)
+        elif isinstance(node, (ast.ListComp, ast.GeneratorExp)) and constant(node.generators[0].iter) == (True, []):
+            src.put(*src.span(node), "[]" if isinstance(node, ast.ListComp) else "()", node)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("any", "tuple") and len(node.args) == 1 \
+                and (constant(node.args[0]) == (True, []) or isinstance(node.args[0], ast.Tuple) and not node.args[0].elts):
+            src.put(*src.span(node), "False" if node.func.id == "any" else "()", node)
+        elif isinstance(node, ast.IfExp) and constant(node.test)[0]:
+            src.replace(node, node.body if constant(node.test)[1] else node.orelse)
+        elif isinstance(node, ast.If) and constant(node.test)[0]:
+            body = node.body if constant(node.test)[1] else node.orelse
+            src.unwrap(node, body) if body else src.delete(node)
+        elif isinstance(node, ast.If) and not node.orelse and all(isinstance(s, ast.Pass) for s in node.body) and \
+                pure(node.test) or isinstance(node, ast.For) and constant(node.iter) == (True, []):
+            src.delete(node)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and [getattr(t, "id", None) for t in
+                                                                                   node.targets] == [node.value.id]:
+            src.delete(node)  # x = x
+        src.commit()
+
+def fold_operands(src, node):
+    """`A and True` -> A, `False or A` -> A, `False and A` -> False, ...; a last operand only where truth is tested."""
+    parent, values = node.parent, node.values
+    truth = isinstance(parent, (ast.If, ast.While, ast.IfExp, ast.BoolOp, ast.UnaryOp, ast.Assert)) or (
+        isinstance(parent, ast.Call) and getattr(parent.func, "id", "") in ("refuse", "bool", "any", "all"))
+    neutral = isinstance(node.op, ast.And)  # the value an operand may have and go
+    for i, value in enumerate(values):
+        known, v = constant(value)
+        if known and bool(v) != neutral and (i == 0 or truth and all(map(pure, values[:i]))):
+            return src.put(*src.span(node), repr(v), node)  # False and A, or (A pure, its truth tested) A and False
+        if known and bool(v) == neutral and (i < len(values) - 1 or truth):
+            if i == len(values) - 1:  # with the operator before it
+                return src.put(src.outer(values[i - 1])[1], src.outer(value)[1], "", value)
+            return src.put(src.outer(value)[0], src.outer(values[i + 1])[0], "", value)  # with the operator after it
+
+def call_sites(src, fn):
+    """The calls of `fn` (a method: by its attribute name), or None where it is also used another way."""
+    calls = []
+    for node in src.live((src.attrs if isinstance(fn.parent, ast.ClassDef) else src.reads).get(fn.name, [])):
+        call = node.parent
+        if not isinstance(call, ast.Call) or call.func is not node or any(isinstance(a, ast.Starred) for a in
+                                                                        call.args) or any(k.arg is None for k in call.keywords):
+            return None
+        calls.append(call)
+    return calls
+
+def argument(call, position, name):
+    """What `call` passes for the parameter at `position` (a bound method's `self` not counted) named `name`."""
+    return call.args[position] if position < len(call.args) else next(
+        (k for k in call.keywords if k.arg == name), None)
+
+def arguments(call):
+    return sorted(call.args + call.keywords, key=lambda e: (e.lineno, e.col_offset))
+
+@functools.lru_cache(maxsize=2)
+def full_reads(full):
+    """{function name: the names it reads} in the full script."""
+    reads = {}
+    for owner, names in Source(full).owned.items():
+        if owner is not None:
+            reads.setdefault(owner.name, set()).update(names)
+    return reads
+
+def dead_parameters(src, full):
+    """Parameters no longer read (the full script's function read them) or always given their default constant:
+    removed with what the calls pass, the constant written where the parameter was read."""
+    functions = [n for n in src.of(ast.FunctionDef) if n.owner is n and id(n) not in src.dead]
+    names = [fn.name for fn in functions]
+    for fn in functions:
+        method = isinstance(fn.parent, ast.ClassDef)
+        if names.count(fn.name) > 1 or fn.name.startswith("__") or any(getattr(d, "id", getattr(d, "attr", "")) in (
+                "property", "contextmanager", "staticmethod") for d in fn.decorator_list):
+            continue
+        calls = call_sites(src, fn)
+        if not calls:
+            continue
+        a = fn.args
+        positional = (a.posonlyargs + a.args)[1 if method else 0:]
+        defaults = dict(zip([p.arg for p in a.posonlyargs + a.args][::-1], a.defaults[::-1]))
+        defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+        edits = []
+        for position, p in enumerate(positional + a.kwonlyargs):
+            passed = [argument(c, position if position < len(positional) else 10**6, p.arg) for c in calls]
+            values = [x.value if isinstance(x, ast.keyword) else x for x in passed]
+            loads = src.live(src.owned.get(fn, {}).get(p.arg, []))
+            default = defaults.get(p.arg)
+            if not loads and p.arg in full_reads(full).get(fn.name, ()):
+                value = None
+            elif default is not None and constant(default)[0] and not any(map(in_fstring, loads)) and all(
+                    v is None or constant(v) == constant(default) and constant(v)[0] for v in values):
+                value = src.source(default)
+            else:
+                continue
+            if all(v is None or pure(v) for v in values):
+                edits.append((p, passed, loads, value))
+        if not edits:
+            continue
+        src.begin()
+        elements = [*a.posonlyargs, *a.args, *([a.vararg] if a.vararg else []), *a.kwonlyargs,
+                    *([a.kwarg] if a.kwarg else [])]
+        for p in elements:  # a parameter's span runs to the end of its default
+            if (d := defaults.get(p.arg)) is not None:
+                p.end_lineno, p.end_col_offset = d.end_lineno, d.end_col_offset
+        src.remove(elements, [p for p, *_ in edits])
+        for i, call in enumerate(calls):
+            gone = [x for _, passed, *_ in edits if (x := passed[i]) is not None]
+            if gone:
+                src.remove(arguments(call), gone)
+        for p, _, loads, value in edits:
+            for n in loads if value is not None else []:
+                src.put(*src.span(n), value, n)
+        src.commit()
+
+def dead_fields(src):
+    """Fields of a dataclass no line reads, removed with what its constructor's calls pass for them."""
+    used = {name for name, nodes in src.attrs.items() if src.live(nodes)} | {
+        k.arg for n in src.nodes if type(n) is ast.Call and getattr(n.func, "attr", "") == "replace" for k in n.keywords}
+    for cls in src.tree.body:
+        if not isinstance(cls, ast.ClassDef) or not any("dataclass" in ast.unparse(d) for d in cls.decorator_list):
+            continue
+        fields = [s for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+        dead = [(i, f) for i, f in enumerate(fields) if f.target.id not in used and id(f) not in src.dead]
+        if not dead:
+            continue
+        src.begin()
+        for _, field in dead:
+            src.delete(field)
+        for call in [n.parent for n in src.live(src.reads.get(cls.name, [])) if isinstance(n.parent, ast.Call)]:
+            gone = [x for i, f in dead if (x := argument(call, i, f.target.id)) is not None]
+            if gone:
+                src.remove(arguments(call), gone)
+        src.commit()
+
+def dead_locals(src):
+    """A function's assignments of names it reads nowhere but there (pure values), and of a constant it never
+    assigns again (written where it is read)."""
+    stores = {}
+    for node in src.of(ast.Name, ast.arg):
+        if type(getattr(node, "ctx", None)) is not ast.Load:
+            key = (node.owner, getattr(node, "id", None) or node.arg)
+            stores[key] = stores.get(key, 0) + 1
+    for stmt in src.of(ast.Assign):
+        fn = getattr(stmt, "owner", None)
+        if fn is None or len(stmt.targets) != 1 or id(stmt) in src.dead:
+            continue
+        def read(name):  # elsewhere in the function than this statement's value
+            return any(not inside(n, stmt.value) for n in src.live(src.owned[fn].get(name, [])))
+
+        target = stmt.targets[0]
+        src.begin()
+        if isinstance(target, ast.Tuple) and isinstance(stmt.value, ast.Tuple) and len(target.elts) == len(
+                stmt.value.elts) and all(isinstance(t, ast.Name) for t in target.elts):
+            kept = [(t, v) for t, v in zip(target.elts, stmt.value.elts) if read(t.id) or not pure(v)]
+            if kept and len(kept) < len(target.elts):  # `a, b = x, y` with b read nowhere: `a = x`
+                src.put(*src.span(stmt), ", ".join(src.source(t) for t, _ in kept) + " = " + ", ".join(
+                    src.source(v) for _, v in kept))
+                src.dying |= {id(n) for t, v in zip(target.elts, stmt.value.elts) if (t, v) not in kept
+                              for n in ast.walk(v)}
+        elif isinstance(target, ast.Name) and not read(target.id) and pure(stmt.value):
+            src.delete(stmt)
+        elif isinstance(target, ast.Name) and stores.get((fn, target.id)) == 1 and isinstance(stmt.value, ast.Constant):
+            loads = src.live(src.owned[fn].get(target.id, []))
+            if not any(map(in_fstring, loads)):
+                src.delete(stmt)
+                for n in loads:
+                    src.put(*src.span(n), src.source(stmt.value), n)
+        src.commit()
+
+def dead_definitions(src):
+    """Module-level functions, classes and names nothing else reads, methods no attribute names, imports unread."""
+    said = {w for n in src.nodes if type(n) is ast.Constant and type(n.value) is str and type(n.parent) is not ast.Expr
+            for w in re.findall(r"\w+", n.value)}  # a name in a string (not a docstring) may be looked up by it
+
+    def unused(names, stmt, index):
+        def within(node):
+            while node is not None and node is not stmt:
+                node = getattr(node, "parent", None)
+            return node is stmt
+        return all(n != "main" and n not in said and all(within(r) or index is src.reads and r.owner and (r.owner, n) in src.stored
+                                                         for r in src.live(index.get(n, []))) for n in names)
+
+    for stmt in src.tree.body:
+        if id(stmt) in src.dead:
+            continue
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+        names = [stmt.name] if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in targets if isinstance(t, ast.Name)] if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and (
+            stmt.value is None or pure(stmt.value)) and all(isinstance(t, ast.Name) for t in targets) else []
+        if names and unused(names, stmt, src.reads):
+            src.begin()
+            src.delete(stmt)
+            src.commit()
+            continue
+        if isinstance(stmt, ast.ClassDef) and {ast.unparse(b) for b in stmt.bases if not isinstance(
+                b, ast.Name)} <= SAFE_BASES and "Option" not in {getattr(b, "id", "") for b in stmt.bases}:
+            for fn in stmt.body:
+                if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("__") and unused([fn.name], fn, src.attrs):
+                    src.begin()
+                    src.delete(fn)
+                    src.commit()
+    for stmt in src.of(ast.Import, ast.ImportFrom):
+        if getattr(stmt, "module", "") == "__future__" or id(
+                stmt) in src.dead:
+            continue
+        owner = getattr(stmt, "owner", None)
+        reads = src.owned.get(owner, {}) if owner is not None else src.reads
+        gone = [a for a in stmt.names if not src.live(reads.get(a.asname or a.name.split(".")[0], []))]
+        src.begin()
+        if len(gone) == len(stmt.names):
+            src.delete(stmt)
+        elif gone:
+            head = f"from {'.' * stmt.level}{stmt.module or ''} import " if isinstance(stmt, ast.ImportFrom) else "import "
+            src.put(*src.span(stmt), head + ", ".join(ast.unparse(a) for a in stmt.names if a not in gone))
+        src.commit()
+
+def tidy(text):
+    """Trailing comments of lines over WIDTH moved above them; the blank lines deletions left, shortened."""
+    lines = text.splitlines(keepends=True)
+    moves = {t.start[0] - 1: t.start[1] for t in tokenize.generate_tokens(io.StringIO(text).readline)
+             if t.type == tokenize.COMMENT and len(lines[t.start[0] - 1].rstrip("\n")) > 120
+             and lines[t.start[0] - 1][:t.start[1]].strip()}
+    for row, col in sorted(moves.items(), reverse=True):
+        line = lines[row]
+        lines[row:row + 1] = [" " * (len(line) - len(line.lstrip())) + line[col:].rstrip("\n") + "\n",
+                              line[:col].rstrip() + "\n"]
+    text = re.sub(r"\n{4,}", "\n\n\n", "".join(lines))
+    return re.sub(r"\n\n\n(?!# ---|# ===|if __name__)", "\n\n", text)
+
+@functools.lru_cache(maxsize=64)  # the tests ask for the same copies again
+def rewrite(text, full, folded):
+    """`text` with the seams `folded` folded and what that leaves unused removed, to a fixed point. Within a pass the
+    rules run until none finds more (what one removes no longer counts as read for the next); a pass's result is
+    parsed again for what only a new parse shows (`not False` where a call was)."""
+    while True:
+        src = Source(text)
+        while True:
+            taken = len(src.taken)
+            for rule in (lambda: fold_seams(src, folded), lambda: fold_constants(src),
+                         lambda: dead_parameters(src, full), lambda: dead_fields(src), lambda: dead_locals(src),
+                         lambda: dead_definitions(src)):
+                rule()
+            if len(src.taken) == taken:
+                break
+        new = src.apply()
+        if new == text:
+            return tidy(text)
+        text = new
+
 if __name__ == "__main__":
-    try:  # --write_copy FILE: this script trimmed to the options kept (README.md: Copy and edit); else a run
-        (write_copy if "--write_copy" in {a.split("=")[0] for a in sys.argv[1:]} else main)(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

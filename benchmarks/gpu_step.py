@@ -5,7 +5,7 @@ Each row builds the transformer of FLUX.2 [klein] 4B, [klein] 9B or [dev] from i
 ../shared/GPU.md), prepares it with the script's own `prepare_transformer` from the same flags a user passes
 (--compile, --attention_backend, --gradient_checkpointing, --do_fp8_training, --blocks_to_swap, --rank), fills the
 script's caches with real-shaped cached inputs ([B, 512, joint_attention_dim] prompt embeddings, [B, 128, H/16, W/16]
-latents), and times the script's loop body: Prefetcher -> gather_inputs -> micro_step -> optimizer_step, with the
+latents), and times the script's loop body: Prefetcher -> gather_inputs -> training_step (forward, backward, update), with the
 per-step host-device sync of the real loop. Median seconds per step after warm-up (compilation and autotuning stay
 out), peak allocated GPU memory per row, and MFU = (2 x forward FLOPs, 3 x with gradient checkpointing) / time /
 the card's measured bf16 matmul rate (forward = 2 x block parameters x tokens + attention).
@@ -323,15 +323,12 @@ def time_row(row, bench, accelerator, rate):
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     data, caches = cached_inputs(row, config, text_tokens, dtype)
     named = {n: p for n, p in accelerator.unwrap_model(transformer).named_parameters() if p.requires_grad}
-    hooks = T.Hooks(args)
-    if row.get("preservation"):  # --output_preservation's share of the step, weight 1
-        hooks.options.append(T.TriggerWords(SimpleNamespace(output_preservation_weight=1.0)))
-    run = T.Run(data=dataclasses.replace(data, hooks=hooks), caches=caches, weight_dtype=dtype, vae=None,
+    args.output_preservation_weight = 1.0  # --output_preservation's share of the step (its rows: `preserve` below)
+    run = T.Run(data=dataclasses.replace(data, hooks=T.Hooks(args)), caches=caches, weight_dtype=dtype, vae=None,
                 latent_stats=None, transformer=transformer, optimizer=optimizer,
                 lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), noise_scheduler=scheduler,
                 sigmas=scheduler.sigmas.float(), named_params=named,
-                step_config=T.StepConfig(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
-                                         3.5 if config["guidance_embeds"] else None))
+                guidance=3.5 if config["guidance_embeds"] else None, shift_steps=50)
     prefetch = not row["baseline"]
     preserve = (lambda texts: [t + " class" for t in texts]) if row.get("preservation") else None
     prefetcher = T.Prefetcher(data.loader, 0, lambda m, batch: T.gather_inputs(
@@ -339,21 +336,17 @@ def time_row(row, bench, accelerator, rate):
     if not prefetch:
         prefetcher.stream = None  # synchronous copies from pageable memory, as the example does
     transformer.train()
-    times = []
+    times, stop = [], T.StopRequest("")
     for micro, batch, inputs in prefetcher:
         if device.type == "cuda":
             torch.cuda.synchronize()
         tic = time.perf_counter()
-        loss, _ = T.micro_step(accelerator, run, inputs, len(batch["indices"]), micro, False, "mode")
-        if prefetch:
-            prefetcher.prefetch()
-        finite = torch.isfinite(loss).item()  # the loop's per-step host-device sync
-        T.optimizer_step(args, accelerator, run)
+        # forward, backward, the loop's per-step host-device sync (the stop and NaN agreement) and the update
+        loss, *_ = T.training_step(args, accelerator, run, micro, batch, inputs,
+                                  prefetcher.prefetch if prefetch else (lambda: None), stop)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - tic)
-        if not finite:
-            raise RuntimeError("non-finite loss")
         if len(times) == bench.warmup + bench.steps:
             break
     seconds = statistics.median(times[bench.warmup:])

@@ -68,7 +68,7 @@ def scenario(batch, distinct_prompts, kind, folder, repeats, embed=EMBED, latent
     prompt_store, latent_store = stores(kind, folder)
     caches = T.Caches(T.SampleCache(prompt_store), T.SampleCache(latent_store))
     g = torch.Generator().manual_seed(0)
-    for s in range(dataset.num_slots):
+    for s in range(len(dataset)):
         if dataset.prompt_key(s, 0) not in caches.prompts.store:
             caches.prompts.put(dataset.prompt_key(s, 0), torch.randn(embed, generator=g).bfloat16())
     for key in dataset.cached_latent_keys():
@@ -77,7 +77,7 @@ def scenario(batch, distinct_prompts, kind, folder, repeats, embed=EMBED, latent
     before, after, moved_before, moved_after, copy_before, copy_after = [], [], 0, 0, [], []
     for step, indices in enumerate(sampler.epoch_batches(0) * repeats):
         batch_ = {"indices": indices, "epoch": 0}
-        slots = dataset.slots(indices)
+        slots = indices
         tic = time.perf_counter()  # the old path: every row looked up and concatenated
         embeds = torch.cat([caches.prompts[dataset.prompt_key(s, 0)] for s in slots])
         latents = torch.cat([caches.latents[dataset.latent_key(s, 0)] for s in slots])

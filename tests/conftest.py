@@ -250,7 +250,52 @@ def checkpoint_run(tiny_model):
         data=T.Data(None, None, 0, None, None, None, hooks=T.Hooks(argparse.Namespace())), caches=None,
         weight_dtype=torch.float32, vae=None, latent_stats=None, transformer=transformer, optimizer=optimizer,
         lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), noise_scheduler=None, sigmas=None,
-        named_params=named, step_config=None)
+        named_params=named, guidance=None, shift_steps=50)
+
+
+STEP_FLAGS = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, timestep_shift="none",
+                  offload=False, latent_sampling="mode", prior_loss_weight=1.0, output_preservation_weight=1.0,
+                  gradient_accumulation_steps=1, max_grad_norm=1.0)
+
+
+def step_loss(transformer, latents, embeds, sigmas, seed=3, num_instance=None, guidance=3.5, shift_steps=50,
+              preserve=None, references=(), inputs=None, vae=None, latent_stats=None, **flags):
+    """The loss train_dreambooth_lora_flux2.training_step computes and would backpropagate (no update is made) for
+    cached latents [B, C, h, w] (or [B, 2, C, h, w]) and prompt embeddings [B, L, D], the first `num_instance` rows
+    (default: all) instance rows, `preserve` [P, L, D] output preservation's prompts of the first P, `references` edit
+    training's condition latents (R of the latents' shape), or `inputs` (StepInputs) in place of all those; `flags`
+    over STEP_FLAGS. Its generator: step_generator."""
+    import types
+
+    import torch
+
+    import train_dreambooth_lora_flux2 as T
+
+    rows = len(embeds)
+    images = torch.cat([latents, *references]) if inputs is None else None
+    inputs = inputs or T.StepInputs(embeds if preserve is None else torch.cat([embeds, preserve]),
+                          torch.arange(rows + (0 if preserve is None else len(preserve))), images, torch.arange(len(images)),
+                          encoded=True, references=len(references), extra_rows=0 if preserve is None else len(preserve))
+    args = types.SimpleNamespace(**{**STEP_FLAGS, **flags})
+    run = types.SimpleNamespace(data=types.SimpleNamespace(seed=seed), weight_dtype=embeds.dtype, sigmas=sigmas,
+                                guidance=guidance, shift_steps=shift_steps, transformer=transformer, vae=vae,
+                                latent_stats=latent_stats)
+    backward = []
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), process_index=0, sync_gradients=False,
+                                        backward=backward.append)
+    rows = len(inputs.embed_rows) - inputs.extra_rows
+    batch = {"indices": list(range(rows if num_instance is None else num_instance))}
+    T.training_step(args, accelerator, run, 0, batch, inputs, lambda: None, T.StopRequest(""))
+    return backward[0]
+
+
+def step_generator(seed=3):
+    """The generator step_loss's step draws from, seeded alike."""
+    import torch
+
+    import train_dreambooth_lora_flux2 as T
+
+    return torch.Generator().manual_seed(T.seed_for("step", seed, 0, 0))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -15,7 +15,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import base_args, launch
+from tests.conftest import base_args, launch, step_generator, step_loss
 from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS
 
 
@@ -34,9 +34,9 @@ def test_each_caption_line_is_an_alternative_drawn_per_seed_epoch_and_sample():
     ds = T.DreamBoothDataset(records, "a photo of sks", [(32, 32)], repeats=2, seed=3, with_pixels=False)
     assert ds.prompt_keys(0) == ["first a", "second a", "third a"] and ds.prompt_keys(4) == ["only b"]
     assert ds.prompt_keys(2) == ["a photo of sks"]
-    draws = [[ds.prompt_key(s, e) for s in range(ds.num_slots)] for e in range(12)]
+    draws = [[ds.prompt_key(s, e) for s in range(len(ds))] for e in range(12)]
     again = T.DreamBoothDataset(records, "a photo of sks", [(32, 32)], repeats=2, seed=3, with_pixels=False)
-    assert draws == [[again.prompt_key(s, e) for s in range(again.num_slots)] for e in range(12)]  # a resume repeats
+    assert draws == [[again.prompt_key(s, e) for s in range(len(again))] for e in range(12)]  # a resume repeats
     for slot in (0, 3):  # image a, both repeats: every alternative comes up, not the same one every epoch
         assert {d[slot] for d in draws} == {"first a", "second a", "third a"}
     assert [d[0] for d in draws] != [d[3] for d in draws]  # the repeats draw independently
@@ -189,22 +189,20 @@ def adapted(tiny_model):
 def _step(transformer, preserve, weight=0.7, seed=0):
     latents = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(1))
     embeds = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
-    cfg = T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, 1.0)
     sigmas = torch.linspace(1, 0.001, 1000)
-    option = T.TriggerWords(SimpleNamespace(output_preservation_weight=weight))
-    extra = None if preserve is None else option.step_extra(preserve)  # what micro_step passes for the extra rows
-    return T.flow_matching_step(transformer, latents, embeds, 2, sigmas, cfg, torch.Generator().manual_seed(seed),
-                                extra=extra), latents, embeds, cfg, sigmas
+    loss = step_loss(transformer, latents, embeds, sigmas, seed=seed, preserve=preserve,
+                     output_preservation_weight=weight)
+    return loss, latents, embeds, sigmas
 
 
 def test_preservation_adds_the_weighted_distance_between_adapted_and_base_predictions_on_the_same_noise(adapted):
     from diffusers import Flux2Pipeline
 
     preserve = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
-    loss, latents, embeds, cfg, sigmas = _step(adapted, preserve, weight=1000.0)  # large: a clear difference
+    loss, latents, embeds, sigmas = _step(adapted, preserve, weight=1000.0)  # large: a clear difference
     plain = _step(adapted, None)[0]
-    # the same draws by hand: noise and sigma first from the step's generator, as flow_matching_step takes them
-    g = torch.Generator().manual_seed(0)
+    # the same draws by hand: noise and sigma first from the step's generator, as training_step takes them
+    g = step_generator(0)
     noise = torch.randn(latents.shape, generator=g)
     sigma = T.sample_sigmas(sigmas, 2, "none", 0.0, 1.0, 1.29, g)
     noisy = Flux2Pipeline._pack_latents((1 - sigma.view(-1, 1, 1, 1)) * latents + sigma.view(-1, 1, 1, 1) * noise)

@@ -17,7 +17,7 @@ from PIL import Image, ImageOps
 from safetensors.torch import load_file
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import base_args, launch
+from tests.conftest import base_args, launch, step_generator, step_loss
 from tests.tiny_flux2 import KLEIN_TEXT_ENCODER_OUT_LAYERS, MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS
 
 LORA = "pytorch_lora_weights.safetensors"
@@ -149,7 +149,7 @@ def test_each_condition_travels_with_its_target_over_reshuffled_epochs(cached):
     sampler = T.BucketBatchSampler(dataset.sample_buckets(), 2, seed=3)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=T.collate)
     caches = T.Caches(T.SampleCache())
-    for text in {t for s in range(dataset.num_slots) for t in dataset.prompt_keys(s)}:
+    for text in {t for s in range(len(dataset)) for t in dataset.prompt_keys(s)}:
         caches.prompts.put(text, torch.zeros(1, 2, 2))
     if cached:  # the "latents" of this cache are the crops' pixels: what the VAE would have been given
         caches = T.Caches(caches.prompts, T.SampleCache())
@@ -186,12 +186,13 @@ def test_references_are_batched_by_count_and_the_step_gets_them_reference_by_ref
         caches.latents.put(key, torch.full((1, 4, 2, 2), float(hash(dataset.record(key[0], key[1]).name) % 1000)))
     batch = {"indices": [3, 0], "epoch": 0}
     inputs = T.gather_inputs(batch, dataset, caches, 0.0, random.Random(0))
-    latents, _, _, references = T.model_inputs(inputs, type("Run", (), {"weight_dtype": torch.float32}), None,
-                                               False, "mode")
+    assert inputs.references == 2
+    rows = inputs.images[inputs.image_rows]  # the targets, then reference 0 of every row, then reference 1
     names = lambda t: [int(v) for v in t[:, 0, 0, 0].tolist()]  # noqa: E731
     code = lambda name: hash(name) % 1000  # noqa: E731
-    assert names(latents) == [code("p3"), code("p0")]
-    assert [names(r) for r in references] == [[code("p3.cond0"), code("p0.cond0")], [code("p3.cond1"), code("p0.cond1")]]
+    assert names(rows[:2]) == [code("p3"), code("p0")]
+    assert [names(rows[2:4]), names(rows[4:])] == [[code("p3.cond0"), code("p0.cond0")],
+                                                   [code("p3.cond1"), code("p0.cond1")]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,16 +207,16 @@ def _capture(transformer):
 
 @pytest.mark.parametrize("family", ["dev", "klein"])
 def test_the_edit_step_feeds_the_transformer_what_the_pipeline_feeds_it(family, tiny_model, tiny_klein):
-    """Two condition images (64x64 and 64x96) and a 64x64 target at sigma 1, the pipeline given the same noise:
-    hidden states (target tokens, then each reference's tokens in order), image ids (int64, reference r at time
-    10 + 10 r), text ids, timestep and guidance are equal, tensor for tensor."""
+    """Two condition images and a 64x64 target at sigma 1 (training gives the references the target's size), the
+    pipeline given the same noise: hidden states (target tokens, then each reference's tokens in order), image ids
+    (int64, reference r at time 10 + 10 r), text ids, timestep and guidance are equal, tensor for tensor."""
     import diffusers
 
     model, layers = (tiny_model, TEXT_ENCODER_OUT_LAYERS) if family == "dev" else (tiny_klein, KLEIN_TEXT_ENCODER_OUT_LAYERS)
     pipeline_class = diffusers.Flux2Pipeline if family == "dev" else diffusers.Flux2KleinPipeline
     pipe = pipeline_class.from_pretrained(model, tokenizer=None)
     pipe.set_progress_bar_config(disable=True)
-    conditions = [_picture(64, 64, 1), _picture(96, 64, 2)]
+    conditions = [_picture(64, 64, 1), _picture(64, 64, 2)]
     mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
     std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
     with torch.no_grad():
@@ -225,12 +226,11 @@ def test_the_edit_step_feeds_the_transformer_what_the_pipeline_feeds_it(family, 
     embeds = torch.randn(1, MAX_SEQUENCE_LENGTH, 16 * len(layers), generator=torch.Generator().manual_seed(0))
     latents = torch.zeros(1, cond_latents[0].shape[1], 16, 16)  # a 64x64 target: at sigma 1 only its shape counts
     guidance = 3.5 if family == "dev" else None
-    cfg = T.StepConfig("none", 0.0, 1.0, 1.29, guidance, prior_loss_weight=1.0)
     calls = _capture(pipe.transformer)
     with torch.no_grad():
-        T.flow_matching_step(pipe.transformer, latents, embeds, 1, torch.tensor([1.0]), cfg,
-                             torch.Generator().manual_seed(7), conditions=cond_latents)
-        noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(7))  # the step's first draw
+        step_loss(pipe.transformer, latents, embeds, torch.tensor([1.0]), seed=7, guidance=guidance,
+                  references=cond_latents)
+        noise = torch.randn(latents.shape, generator=step_generator(7))  # the step's first draw
         pipe(image=conditions, prompt_embeds=embeds, height=64, width=64, num_inference_steps=1, latents=noise,
              guidance_scale=3.5 if family == "dev" else 1.0, output_type="latent")
     assert len(calls) == 2  # ours, then the pipeline's one step (no CFG pass)
@@ -240,7 +240,7 @@ def test_the_edit_step_feeds_the_transformer_what_the_pipeline_feeds_it(family, 
     n = 16 * 16
     assert mine["img_ids"][0, n:, 0].unique().tolist() == [10, 20]  # two references, after the target's tokens
     channels = cond_latents[0].shape[1]
-    assert mine["hidden_states"].shape == theirs["hidden_states"].shape == (1, n + 16 * 16 + 16 * 24, channels)
+    assert mine["hidden_states"].shape == theirs["hidden_states"].shape == (1, 3 * n, channels)
     torch.testing.assert_close(mine["hidden_states"], theirs["hidden_states"], rtol=1e-5, atol=1e-5)
     for name in ("encoder_hidden_states", "txt_ids", "timestep"):
         torch.testing.assert_close(mine[name], theirs[name].to(mine[name].dtype))
@@ -257,14 +257,12 @@ def test_the_loss_covers_the_target_tokens_only(tiny_model):
     transformer = Flux2Transformer2DModel.from_pretrained(tiny_model, subfolder="transformer")
     latents, cond = torch.randn(2, 4, 4, 4), [torch.randn(2, 4, 4, 4)]
     embeds = torch.randn(2, MAX_SEQUENCE_LENGTH, 32)
-    cfg = T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, prior_loss_weight=1.0)
 
     def loss(edit=None):
         handle = transformer.register_forward_hook(lambda m, a, out: (edit(out[0]),) if edit else None)
         try:
             with torch.no_grad():
-                return T.flow_matching_step(transformer, latents, embeds, 2, torch.linspace(1, 0.01, 50), cfg,
-                                            torch.Generator().manual_seed(1), conditions=cond)
+                return step_loss(transformer, latents, embeds, torch.linspace(1, 0.01, 50), seed=1, references=cond)
         finally:
             handle.remove()
 

@@ -24,7 +24,7 @@ def test_an_edit_run_learns_the_edit(edit_base_model, tmp_path):
     (the LoRA at 0.40x of it); 300 steps 2.6x and 0.48x. At 1,000 steps (the test's count until 2026-11-26, about
     15 s longer): LoRA 0.415 (3.9x); other scenes (pair seeds 2, 3) 3.8x and 4.9x, another training seed 4.1x;
     default LoRA targets 2.7x. A LoRA that cannot see its condition can only learn the targets' average, since one
-    prompt serves all four: training without the reference tokens (flow_matching_step's `if conditions:` made
+    prompt serves all four: training without the reference tokens (training_step's `if inputs.references:` made
     `if False:`) 1.621 -> 1.418 (1.1x) at 1,000 steps, each target paired with another scene's condition 1.472
     (1.1x), both planted once and failing here. Not caught: reference ids at time coordinate 0 in training instead
     of the pipeline's 10 (3.4x: RoPE sees only a constant offset). On unseen scenes four pairs do not teach the

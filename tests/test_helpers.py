@@ -12,6 +12,7 @@ from PIL import Image
 import train_dreambooth_lora_flux2 as T
 from train_dreambooth_lora_flux2 import (BucketBatchSampler, DreamBoothDataset, ImageRecord, SampleCache, UsageError,
                                          collate)
+from tests.conftest import step_loss
 
 
 # ---------------------------------------------------------------------------------------------------- buckets
@@ -140,15 +141,16 @@ def test_every_class_image_is_paired_within_one_epoch():
     instances, classes = _records([(32, 32)] * 2), _records([(32, 32)] * 7)
     ds = DreamBoothDataset(instances, "sks", BUCKETS, repeats=1, classes=classes, with_pixels=False)
     assert len(ds) == 7  # at least one sample per class image
-    class_ids = {ds.latent_key(s, 0)[1] for s in range(ds.num_samples, ds.num_slots)}
+    class_ids = {ds.latent_key(s, 0)[1] for s in ds.class_slots(range(len(ds)))}
     assert class_ids == set(range(7))
 
 
 def test_slots_and_prompt_keys_lay_out_instance_then_class():
     ds = DreamBoothDataset(_records([(32, 32)] * 2, ["cap a", None]), "sks", BUCKETS, repeats=2,
                            classes=_records([(32, 32)], ["a dog"]), with_pixels=False)
-    assert ds.slots([3, 0]) == [3, 0, 7, 4]
-    assert [ds.prompt_key(s, 0) for s in range(ds.num_slots)] == ["cap a", "sks", "cap a", "sks"] + ["a dog"] * 4
+    assert ds.class_slots([3, 0]) == [7, 4]
+    slots = [*range(len(ds)), *ds.class_slots(range(len(ds)))]
+    assert [ds.prompt_key(s, 0) for s in slots] == ["cap a", "sks", "cap a", "sks"] + ["a dog"] * 4
 
 
 def test_class_image_follows_its_instance_bucket():
@@ -284,7 +286,7 @@ def test_dataset_keys_share_repeats_and_captions():
     ds = DreamBoothDataset(_records([(32, 32)] * 3, ["same", "same", None]), "sks", BUCKETS, repeats=4,
                            center_crop=True, with_pixels=False, fixed_crops=True)
     assert len(set(ds.cached_latent_keys())) == 3  # 12 samples, one encode per image
-    assert len({ds.prompt_key(s, 0) for s in range(ds.num_slots)}) == 2  # 12 samples, two distinct texts
+    assert len({ds.prompt_key(s, 0) for s in range(len(ds))}) == 2  # 12 samples, two distinct texts
 
 
 def test_disk_store_round_trip_atomic_and_damage_is_recomputed_or_stops_the_run(tmp_path, caplog, monkeypatch):
@@ -359,13 +361,23 @@ def test_cache_lives_on_cpu():
 # ---------------------------------------------------------------------------------------------------- loss
 
 
-def test_flow_matching_loss_values_with_prior():
+def test_flow_matching_loss_values_per_sample_and_the_step_weighs_the_class_rows():
     pred = torch.zeros(3, 2, 1)
     target = torch.tensor([[[1.0], [1.0]], [[2.0], [0.0]], [[3.0], [3.0]]])
     weighting = torch.tensor([1.0, 1.0, 2.0])
-    # instance rows 0..1: mean(1, 2) = 1.5 ; class row 2: 2 * 9 = 18, weighted by 0.5
-    assert T.flow_matching_loss(pred, target, weighting, 2, 0.5).item() == pytest.approx(1.5 + 9.0)
-    assert T.flow_matching_loss(pred, target, weighting, 3, 0.5).item() == pytest.approx((1 + 2 + 18) / 3)
+    assert T.flow_matching_loss(pred, target, weighting).tolist() == [1.0, 2.0, 18.0]  # weighted MSE per sample
+    from diffusers import Flux2Pipeline
+
+    latents = torch.randn(3, 4, 2, 2)
+
+    class Offset(torch.nn.Module):  # at sigma 1 the input is the noise: predicts the target plus 1, 2, 3 by row
+        def forward(self, hidden_states, **kwargs):
+            return (hidden_states - Flux2Pipeline._pack_latents(latents) + torch.tensor([1.0, 2.0, 3.0]).view(-1, 1, 1),)
+
+    # rows 0, 1: instance rows of a batch of 2, row 2 a class row: mean(1, 4) + 0.5 * 9
+    loss = step_loss(Offset(), latents, torch.zeros(3, 2, 8), torch.ones(1), num_instance=2, prior_loss_weight=0.5)
+    assert loss.item() == pytest.approx(2.5 + 4.5)
+    assert step_loss(Offset(), latents, torch.zeros(3, 2, 8), torch.ones(1)).item() == pytest.approx((1 + 4 + 9) / 3)
 
 
 def test_sample_sigmas_seeded_and_from_the_table():

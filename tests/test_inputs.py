@@ -402,7 +402,7 @@ def test_out_of_memory_names_the_flags_that_help(tiny_model, images, tmp_path, m
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(T, "flow_matching_step", oom)
+    monkeypatch.setattr(T, "training_step", oom)
     with pytest.raises(T.TrainingStopped) as stopped:
         T.main(base_args(tiny_model, images, tmp_path / "out", "--max_train_steps", "2"))
     for flag in ("--gradient_checkpointing", "--cache_latents", "--resolution", "--train_batch_size", "--use_8bit_adam"):

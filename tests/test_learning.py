@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import train_dreambooth_lora_flux2 as T
 from tests import learning
-from tests.conftest import ROOT, base_args, launch
+from tests.conftest import ROOT, base_args, launch, step_generator, step_loss
 from tests.tiny_flux2 import KLEIN_TEXT_ENCODER_OUT_LAYERS, MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS
 from tests.tiny_metrics import build_tiny_dino
 
@@ -172,16 +172,15 @@ def test_fixed_shift_equals_the_schedulers_static_shift_and_none_is_none():
 class RecordingTransformer(torch.nn.Module):
     """Stands in for the transformer: records its inputs, predicts a fixed function of them."""
 
-    def forward(self, hidden_states, timestep, **kwargs):
-        self.hidden_states, self.timestep = hidden_states, timestep
+    def forward(self, hidden_states, timestep, encoder_hidden_states, **kwargs):
+        self.hidden_states, self.timestep, self.embeds = hidden_states, timestep, encoder_hidden_states
         return (hidden_states.float() * 0.5 + 0.25,)
 
 
 def _step(shift, latents, embeds, seed=3):
     table = torch.linspace(1.0, 0.001, 1000)
-    cfg = T.StepConfig("none", 0.0, 1.0, 1.29, 3.5, 1.0, timestep_shift=shift, shift_steps=50)
     model = RecordingTransformer()
-    loss = T.flow_matching_step(model, latents, embeds, latents.shape[0], table, cfg, torch.Generator().manual_seed(seed))
+    loss = step_loss(model, latents, embeds, table, seed=seed, timestep_shift=shift)
     return model, loss, table
 
 
@@ -189,7 +188,7 @@ def test_training_draws_the_shifted_noise_levels_per_batch_size():
     latents = torch.randn(2, 4, 6, 8, generator=torch.Generator().manual_seed(1))
     embeds = torch.randn(2, 16, 32)
     model, _, table = _step("auto", latents, embeds)
-    g = torch.Generator().manual_seed(3)
+    g = step_generator()
     torch.randn(latents.shape, generator=g)  # the step draws its noise first
     unshifted = T.sample_sigmas(table, 2, "none", 0.0, 1.0, 1.29, g)
     expected = T.shift_sigmas(unshifted, T.timestep_shift_for("auto", 6 * 8, 50))
@@ -206,7 +205,7 @@ def test_noisy_input_and_target_are_computed_in_float32_and_cast_at_the_transfor
     latents = torch.randn(2, 4, 6, 8, generator=torch.Generator().manual_seed(1)) * 3 + 1
     embeds = torch.randn(2, 16, 32).to(torch.bfloat16)
     model, loss, table = _step("none", latents, embeds)
-    g = torch.Generator().manual_seed(3)
+    g = step_generator()
     noise = torch.randn(latents.shape, generator=g)
     s = T.sample_sigmas(table, 2, "none", 0.0, 1.0, 1.29, g).view(-1, 1, 1, 1)
     from diffusers import Flux2Pipeline
@@ -217,13 +216,16 @@ def test_noisy_input_and_target_are_computed_in_float32_and_cast_at_the_transfor
     pred = model.hidden_states.float() * 0.5 + 0.25
     expected = (pred - Flux2Pipeline._pack_latents(noise - latents)).pow(2).mean()  # float32 target
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
-    # and the latents reach the step in float32, whatever the training dtype
-    inputs = T.StepInputs(embeds[:1], torch.zeros(2, dtype=torch.long), latents.to(torch.float32),
-                          torch.arange(2), encoded=True)
-    run = SimpleNamespace(weight_dtype=torch.bfloat16)
-    out_latents, out_embeds, _, _ = T.model_inputs(inputs, run, torch.Generator(), False, "mode")
-    assert out_latents.dtype == torch.float32 and torch.equal(out_latents, latents)
-    assert out_embeds.dtype == torch.bfloat16
+    assert loss.dtype == torch.float32 and model.embeds.dtype == torch.bfloat16  # the prompts in the training dtype
+    # posteriors cached in bf16 (mean and std) reach the path in float32: the draw too is made in float32
+    params = torch.stack([latents, torch.rand(latents.shape) + 0.5], dim=1).to(torch.bfloat16)  # [B, 2, C, h, w]
+    model = RecordingTransformer()
+    step_loss(model, params, embeds, table, latent_sampling="sample")
+    g = step_generator()
+    drawn = T.draw_latents(params.float(), g)
+    noise = torch.randn(latents.shape, generator=g)
+    s = T.sample_sigmas(table, 2, "none", 0.0, 1.0, 1.29, g).view(-1, 1, 1, 1)
+    assert torch.equal(model.hidden_states, Flux2Pipeline._pack_latents((1 - s) * drawn + s * noise).to(torch.bfloat16))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,8 @@
-"""What a step reads: the batch's prompts, latents and masks lined up from the caches (gather_inputs, model_inputs),
+"""What a step reads: the batch's prompts, latents and masks lined up from the caches (gather_inputs, token_mask),
 the disk cache's entry names (every part of the identity counts), and which checkpoint `latest` is."""
 
 import random
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -52,16 +51,15 @@ def test_a_steps_inputs_line_up_instance_then_class_rows_with_this_epochs_flips(
     epoch = next(e for e in range(1, 20) if any(_flip(s, e) != _flip(s, 0) for s in (0, 2, 3, 5)))
     batch = {"indices": [2, 0], "epoch": epoch}
     inputs = T.gather_inputs(batch, dataset, _caches(dataset), caption_dropout=0.0, rng=random.Random(0))
-    run = SimpleNamespace(weight_dtype=torch.float32)
-    latents, embeds, mask, references = T.model_inputs(inputs, run, torch.Generator().manual_seed(0), offload=False,
-                                                       latent_sampling="mode")
-    assert references == []  # text-to-image: no condition images
+    latents, embeds = inputs.images[inputs.image_rows], inputs.embeds[inputs.embed_rows]  # as the step reads them
+    mask = T.token_mask(inputs, 4, (2, 2))  # [B, h*w, 1]
+    assert inputs.references == 0  # text-to-image: no condition images
     # rows: the instance parts of samples 2 and 0, then their class parts (class image i % 2 of sample i)
     assert embeds[:, 0, 0].tolist() == [3.0, 1.0, 4.0, 4.0]
     expected = [_code("instance", 2, _flip(2, epoch)), _code("instance", 0, _flip(0, epoch)),
                 _code("class", 0, _flip(3 + 2, epoch)), _code("class", 0, _flip(3 + 0, epoch))]
     assert latents[:, 0, 0, 0].tolist() == expected
-    assert mask[:, 0, 0, 0].tolist() == pytest.approx([c / 1000 for c in expected])
+    assert mask[:, 0, 0].tolist() == pytest.approx([c / 1000 for c in expected])
     # one prompt row per distinct text (the class prompt is moved once), expanded on the device
     assert inputs.embeds.shape[0] == 3 and inputs.embed_rows.tolist() == [0, 1, 2, 2]
 

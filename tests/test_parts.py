@@ -29,7 +29,7 @@ SOURCE = SCRIPT.read_text(encoding="utf-8")
 # What the copy-and-edit reader reads (issue 51): Part 1 (the recipe), and the copies --write_copy makes without
 # options and with the diffusers example's scope. The full file holds every feature and has no line budget.
 PART_1_BUDGET = 1800
-COPY_BUDGETS = {"none": 3400, "diffusers": 3900}
+COPY_BUDGETS = {"none": 2800, "diffusers": 3300}
 BANNER = "# " + "-" * 112
 PART_BANNER = "# " + "=" * 112
 # the README's first command, at the tiny model's size: cached latents, checkpoints, step and epoch validations
@@ -172,7 +172,7 @@ def test_the_script_without_its_options_has_no_undefined_name_and_no_option_flag
     bare = without_options(SOURCE)
     assert undefined_globals(SOURCE) == set()
     assert undefined_globals(bare) == set()
-    assert "@option" not in bare and "class Option" in bare
+    assert all(word not in bare for word in ("@option", "class Option", "class Hooks", "SEAMS", "hooks."))
     help_text = load(bare, "bare").build_parser().format_help()
     for option in T.OPTIONS:
         for name in option_flags(option):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import train_dreambooth_lora_flux2 as T
+from tests.conftest import step_loss
 
 
 def _args(*extra):
@@ -292,15 +293,16 @@ def test_offload_brings_a_module_to_the_device_only_while_it_runs():
 
 
 def test_uncached_training_encodes_under_offload(monkeypatch):
-    """model_inputs passes --offload on: the VAE visits the device for the encode and goes back."""
+    """The step passes --offload on: the VAE visits the device for the encode and goes back."""
     moves = []
     vae = Spy(moves)
     monkeypatch.setattr(T, "encode_images", lambda module, pixels, *a: (moves.append("encode"), torch.zeros(len(pixels), 4, 2, 2))[1])
     inputs = T.StepInputs(torch.zeros(1, 3, 2), torch.tensor([0, 0]), torch.zeros(2, 3, 16, 16), torch.arange(2),
                           encoded=False)
-    run = SimpleNamespace(weight_dtype=torch.float32, vae=vae, latent_stats=(torch.zeros(4), torch.ones(4)))
-    T.model_inputs(inputs, run, torch.Generator().manual_seed(0), offload=True, latent_sampling="mode")
+    model = lambda hidden_states, **kwargs: (hidden_states.float(),)  # noqa: E731
+    stats = (torch.zeros(4), torch.ones(4))
+    step_loss(model, None, torch.zeros(2, 3, 2), torch.ones(1), inputs=inputs, vae=vae, latent_stats=stats, offload=True)
     assert moves == ["cpu", "encode", "cpu"]  # to the batch's device (the CPU here), encode, back
     moves.clear()
-    T.model_inputs(inputs, run, torch.Generator().manual_seed(0), offload=False, latent_sampling="mode")
+    step_loss(model, None, torch.zeros(2, 3, 2), torch.ones(1), inputs=inputs, vae=vae, latent_stats=stats)
     assert moves == ["encode"]

@@ -19,13 +19,25 @@ LORA, RAW = "pytorch_lora_weights.safetensors", "pytorch_lora_weights_raw.safete
 
 
 def test_caption_dropout_replaces_instance_prompts_only_and_is_seeded():
-    keys = ["cap a", "cap b", "cap c", "class", "class", "class"]
-    assert T.drop_captions(keys, 3, 0.0, random.Random(0)) == keys
-    assert T.drop_captions(keys, 3, 1.0, random.Random(0)) == ["", "", "", "class", "class", "class"]
-    draws = [T.drop_captions(keys, 3, 0.5, random.Random(T.seed_for("caption-dropout", 0, m, 0))) for m in range(400)]
-    assert all(d[3:] == keys[3:] for d in draws)  # class samples are never dropped
-    assert 0.4 < sum(d[:3].count("") for d in draws) / 1200 < 0.6
-    assert draws == [T.drop_captions(keys, 3, 0.5, random.Random(T.seed_for("caption-dropout", 0, m, 0))) for m in range(400)]
+    keys = ["cap a", "cap b", "cap c"]
+    assert T.drop_captions(keys, 0.0, random.Random(0)) == keys
+    assert T.drop_captions(keys, 1.0, random.Random(0)) == ["", "", ""]
+    draws = [T.drop_captions(keys, 0.5, random.Random(T.seed_for("caption-dropout", 0, m, 0))) for m in range(400)]
+    assert 0.4 < sum(d.count("") for d in draws) / 1200 < 0.6
+    assert draws == [T.drop_captions(keys, 0.5, random.Random(T.seed_for("caption-dropout", 0, m, 0))) for m in range(400)]
+    assert T.drop_captions(keys, [1.0, 0.0, 1.0], random.Random(0)) == ["", "cap b", ""]  # a probability per text
+    # the step's rows: class rows (after the instance rows) are never dropped
+    ds = T.DreamBoothDataset([T.ImageRecord(name=n, size=(32, 32), caption=f"cap {n}") for n in "ab"], "sks",
+                             [(32, 32)], classes=[T.ImageRecord(name="c", size=(32, 32), caption="class")],
+                             with_pixels=False)
+    prompts = T.SampleCache()
+    for text in ("cap a", "cap b", "class", ""):
+        prompts.put(text, torch.full((1, 1, 1), float(len(text))))
+    caches = T.Caches(prompts, T.SampleCache())
+    for key in ds.cached_latent_keys():
+        caches.latents.put(key, torch.zeros(1, 4, 2, 2))
+    inputs = T.gather_inputs({"indices": [0, 1], "epoch": 0}, ds, caches, 1.0, random.Random(0))
+    assert inputs.embeds[inputs.embed_rows].flatten().tolist() == [0.0, 0.0, 5.0, 5.0]
 
 
 # ---------------------------------------------------------------------------------------------------- EMA
@@ -97,12 +109,12 @@ def test_masked_loss_gives_no_gradient_outside_the_mask():
     pred = torch.randn(2, 6, 4, requires_grad=True)
     target = torch.randn(2, 6, 4)
     mask = torch.tensor([[1, 1, 0, 0, 0.5, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.float32)[..., None]
-    loss = T.flow_matching_loss(pred, target, torch.ones(2), 1, 1.0, mask)
+    loss = T.masked_loss(pred, target, torch.ones(2), mask).mean()
     loss.backward()
     assert (pred.grad[0, [2, 3, 5]] == 0).all() and (pred.grad[0, [0, 1, 4]] != 0).all()
-    assert (pred.grad[1] != 0).all()  # the class row (mask of ones) is unmasked
-    unmasked = T.flow_matching_loss(pred, target, torch.ones(2), 1, 1.0)
-    assert torch.allclose(T.flow_matching_loss(pred, target, torch.ones(2), 1, 1.0, torch.ones(2, 6, 1)), unmasked)
+    assert (pred.grad[1] != 0).all()  # a row with a mask of ones is unmasked
+    unmasked = T.flow_matching_loss(pred, target, torch.ones(2))
+    assert torch.allclose(T.masked_loss(pred, target, torch.ones(2), torch.ones(2, 6, 1)), unmasked)
 
 
 def test_masked_loss_is_the_mean_over_the_mask_whatever_its_area():
@@ -112,15 +124,14 @@ def test_masked_loss_is_the_mean_over_the_mask_whatever_its_area():
     pred = torch.full((3, 6, 4), 2.0)  # squared error 4 everywhere
     pred[0, 5] = 10.0  # a token outside the first mask: must not count
     mask = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0], [0.5, 0.5, 0, 0, 0, 0]], dtype=torch.float32)[..., None]
-    loss = T.flow_matching_loss(pred, target, torch.ones(3), 3, 1.0, mask)
-    torch.testing.assert_close(loss, torch.tensor(4.0))
+    loss = T.masked_loss(pred, target, torch.ones(3), mask)
+    torch.testing.assert_close(loss, torch.full((3,), 4.0))
     # hand-computed for unequal errors: sum(mask * err) / (sum(mask) * channels), then the mean over samples
     pred = torch.arange(3 * 6 * 4, dtype=torch.float32).view(3, 6, 4) / 50
     err = pred ** 2
     expected = torch.stack([(err[i] * mask[i]).sum() / (mask[i].sum() * 4) for i in range(3)])
     weighting = torch.tensor([1.0, 2.0, 0.5])
-    expected = (weighting * expected)[:2].mean() + 0.3 * (weighting * expected)[2:].mean()
-    torch.testing.assert_close(T.flow_matching_loss(pred, target, weighting, 2, 0.3, mask), expected)
+    torch.testing.assert_close(T.masked_loss(pred, target, weighting, mask), weighting * expected)
 
 
 def test_reduce_mask_is_the_share_of_pixels_per_token():

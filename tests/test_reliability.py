@@ -496,12 +496,13 @@ def test_a_stop_signal_at_the_last_step_saves_the_lora_and_card_and_a_resume_onl
     args = base_args(tiny_model, images, out, "--max_train_steps", "3", "--checkpointing_steps", "100",
                      "--validation_prompt", "a photo of sks dog", "--num_validation_images", "1",
                      "--validation_epochs", "1000", "--lora_dropout", "0.1")
-    name, last = ("micro_step", 4) if when == "during" else ("log_step", 3)  # argument 4: micro-step, global step
+    # the micro-step is training_step's argument 3, the global step log_step's argument 4
+    name, index, last = ("training_step", 3, 4) if when == "during" else ("log_step", 4, 3)
     real = getattr(T, name)
 
     def signalling(*a, **kw):
         result = real(*a, **kw)
-        if a[4] == (2 if when == "during" else last):
+        if a[index] == (2 if when == "during" else last):
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 

@@ -33,13 +33,11 @@ def _train(args, tiny_model, shapes, steps_per_shape=2, preservation=0.0):
     named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     optimizer = T.setup_optimizer(args, list(named.values()), accelerator)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler")
-    hooks = T.Hooks(args)
-    if preservation:  # the option's step share, at this weight
-        hooks.options.append(T.TriggerWords(SimpleNamespace(output_preservation_weight=preservation)))
-    run = T.Run(data=T.Data(None, None, 0, None, None, None, hooks=hooks), caches=None, weight_dtype=torch.float32,
-                vae=None, latent_stats=None, transformer=transformer, optimizer=optimizer,
+    args.output_preservation_weight = preservation  # the option's step share, at this weight
+    run = T.Run(data=T.Data(None, None, 0, None, None, None, hooks=T.Hooks(args)), caches=None,
+                weight_dtype=torch.float32, vae=None, latent_stats=None, transformer=transformer, optimizer=optimizer,
                 lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), noise_scheduler=scheduler,
-                sigmas=scheduler.sigmas.float(), named_params=named, step_config=T.StepConfig("none", 0.0, 1.0, 1.29, 3.5))
+                sigmas=scheduler.sigmas.float(), named_params=named, guidance=3.5, shift_steps=50)
     g = torch.Generator().manual_seed(1)
     losses, micro = [], 0
     for h, w in shapes:
@@ -48,8 +46,8 @@ def _train(args, tiny_model, shapes, steps_per_shape=2, preservation=0.0):
             inputs = T.StepInputs(torch.randn(prompts, MAX_SEQUENCE_LENGTH, JOINT_ATTENTION_DIM, generator=g),
                                   torch.tensor([0, 0] + [1, 1] * bool(preservation)), torch.randn(2, 4, h, w, generator=g),
                                   torch.arange(2), encoded=True, extra_rows=2 if preservation else 0)
-            loss, _ = T.micro_step(accelerator, run, inputs, 2, micro, False, "mode")
-            T.optimizer_step(args, accelerator, run)
+            loss, *_ = T.training_step(args, accelerator, run, micro, {"indices": [0, 1]}, inputs, lambda: None,
+                                      T.StopRequest(""))
             losses.append(loss.item())
             micro += 1
     return losses, {n: p.detach().clone() for n, p in named.items()}
@@ -143,7 +141,7 @@ def test_prefetched_inputs_equal_a_plain_lookup():
     dataset = T.DreamBoothDataset(_records([(32, 32)] * 3, ["same", "same", None]), "sks", [(32, 32)], repeats=2,
                                   seed=0, center_crop=True, random_flip=True, with_pixels=False, fixed_crops=True)
     prompts, latents, masks = T.SampleCache(), T.SampleCache(), T.SampleCache()
-    for text in {t for s in range(dataset.num_slots) for t in dataset.prompt_keys(s)} | {""}:
+    for text in {t for s in range(len(dataset)) for t in dataset.prompt_keys(s)} | {""}:
         prompts.put(text, torch.randn(1, 8, 4))
     for key in dataset.cached_latent_keys():
         latents.put(key, torch.randn(1, 4, 2, 2))
@@ -155,8 +153,8 @@ def test_prefetched_inputs_equal_a_plain_lookup():
     prefetcher = T.Prefetcher(loader, 10, prepare, torch.device("cpu"))
     for step, (micro, batch, inputs) in enumerate(prefetcher):
         assert micro == 10 + step
-        slots = dataset.slots(batch["indices"])
-        texts = T.drop_captions([dataset.prompt_key(s, batch["epoch"]) for s in slots], 3, 0.5, random.Random(micro))
+        slots = batch["indices"]
+        texts = T.drop_captions([dataset.prompt_key(s, batch["epoch"]) for s in slots], 0.5, random.Random(micro))
         keys = [dataset.latent_key(s, batch["epoch"]) for s in slots]
         assert inputs.embeds.shape[0] == len(set(texts)) and inputs.images.shape[0] == len(set(keys))  # each once
         assert torch.equal(inputs.embeds[inputs.embed_rows], torch.cat([prompts[t] for t in texts]))
@@ -204,7 +202,7 @@ def test_run_state_is_typed_and_a_misspelt_field_is_an_error():
     caches = T.Caches(T.SampleCache())
     with pytest.raises(dataclasses.FrozenInstanceError):
         caches.latent = None  # the typo (latents) the frozen dataclass must refuse
-    assert {f.name for f in dataclasses.fields(T.Run)} >= {"transformer", "optimizer", "named_params", "step_config"}
+    assert {f.name for f in dataclasses.fields(T.Run)} >= {"transformer", "optimizer", "named_params", "guidance"}
     assert all(dataclasses.fields(cls) and cls.__dataclass_params__.frozen for cls in (T.Data, T.Caches, T.Run))
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import base_args
+from tests.conftest import base_args, step_generator, step_loss
 
 DEV = T.Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration")
 from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS
@@ -90,7 +90,7 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
     prompts, latents = caches.prompts, caches.latents
     vae, mean, std = T.load_vae(args, accelerator, torch.float32)
     # 12 instance slots (6 images x 2 repeats, center crop) share 6 latents; class slots share per (image, bucket)
-    assert len([k for k in latents.store if k[0] == "instance"]) == 6 and len(latents.store) < dataset.num_slots == 24
+    assert len([k for k in latents.store if k[0] == "instance"]) == 6 and len(latents.store) < 2 * len(dataset) == 24
 
     pipe = _pipeline(tiny_model)
     fresh_dataset = T.DreamBoothDataset(instances, args.instance_prompt, dataset.buckets, repeats=2, classes=classes,
@@ -101,7 +101,7 @@ def test_cached_inputs_match_a_fresh_encode_of_batch_indices_over_three_epochs(t
     for epoch in range(3):
         for indices in sampler.epoch_batches(epoch):
             seen.update(indices)
-            slots = dataset.slots(indices)
+            slots = indices + dataset.class_slots(indices)
             batch = T.collate([fresh_dataset[(epoch, i)] for i in indices])
             with torch.no_grad():
                 expected_latents = T.encode_images(vae, batch["pixel_values"], mean, std)
@@ -145,7 +145,7 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
     before = {n: (p.device, p.dtype, p.requires_grad, p.detach().clone()) for n, p in transformer.named_parameters()}
     run = T.Run(data=T.Data(DEV, None, 0, None, None, None, hooks=T.Hooks(args)), caches=T.Caches(prompts),
                 weight_dtype=torch.float32, vae=vae, latent_stats=(mean, std), transformer=transformer, optimizer=None,
-                lr_scheduler=None, sigmas=None, named_params={}, step_config=None,
+                lr_scheduler=None, sigmas=None, named_params={}, guidance=None, shift_steps=50,
                 noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler"))
     paths = T.run_validation(args, accelerator, run, "step-3", 3)
     assert [p.name for p in paths] == ["step-3-0.png", "step-3-1.png"] and all(p.stat().st_size > 0 for p in paths)
@@ -167,12 +167,11 @@ def test_training_loss_matches_the_flux2_recipe_step_by_step(tiny_model, weighti
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_model, subfolder="scheduler")
     latents = torch.randn(2, 4, 6, 8, generator=torch.Generator().manual_seed(1))
     embeds = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
-    cfg = T.StepConfig(weighting_scheme, 0.0, 1.0, 1.29, 3.5, prior_loss_weight=0.7)
     with torch.no_grad():
-        ours = T.flow_matching_step(transformer, latents, embeds, num_instance, scheduler.sigmas.float(), cfg,
-                                    torch.Generator().manual_seed(3))
+        ours = step_loss(transformer, latents, embeds, scheduler.sigmas.float(), num_instance=num_instance,
+                         weighting_scheme=weighting_scheme, prior_loss_weight=0.7)
 
-        g = torch.Generator().manual_seed(3)
+        g = step_generator()
         noise = torch.randn(latents.shape, generator=g)
         u = compute_density_for_timestep_sampling(weighting_scheme, 2, 0.0, 1.0, 1.29, generator=g)
         timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]

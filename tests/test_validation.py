@@ -245,7 +245,7 @@ def _validate(model, out, accelerator, tags, *extra):
         prompts.put(prompt, embeds[None])
     run = T.Run(data=T.Data(KLEIN, None, 0, None, None, None, hooks=hooks), caches=T.Caches(prompts),
                 weight_dtype=torch.float32, vae=vae, latent_stats=(mean, std), transformer=transformer, optimizer=None,
-                lr_scheduler=None, sigmas=None, named_params={}, step_config=None,
+                lr_scheduler=None, sigmas=None, named_params={}, guidance=None, shift_steps=50,
                 noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler"))
     made, generate = [], T.generate_images
 
