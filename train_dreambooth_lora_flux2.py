@@ -815,7 +815,7 @@ class Data:
     dataset: DreamBoothDataset
     sampler: BucketBatchSampler
     loader: torch.utils.data.DataLoader
-    condition: tuple | None = None  # edit validation: (the condition image fitted to its bucket, that bucket)
+    condition: tuple | None = None  # edit validation: (the condition images, in reference order; their bucket)
     hooks: Hooks | None = None  # the options that are on
     specs: tuple = ()  # the options' validation prompts (ValidationSpec), beside --validation_prompt
     run_id: str = ""  # every file of this run's checkpoints carries it: files of two runs never form one
@@ -1600,7 +1600,7 @@ def uses_cfg(args, data):
 
 def pipeline_call(args, run, spec, device, family, steps):
     """The pipeline's arguments for one validation spec: its cached embeddings (and [klein] CFG's empty prompt), size
-    (edit mode: the condition, in its bucket), steps, guidance, and the seed and device of its noise."""
+    (edit mode: the conditions, in their bucket), steps, guidance, and the seed and device of its noise."""
     guidance = spec.guidance if spec.guidance is not None else guidance_scale(args, family)
     call = {"prompt_embeds": run.caches.prompts[spec.prompt].to(device, run.weight_dtype),
             "height": spec.height or args.resolution, "width": spec.width or args.resolution,
@@ -1608,9 +1608,9 @@ def pipeline_call(args, run, spec, device, family, steps):
             "seed": spec.seed if spec.seed is not None else seed_for("validation", run.data.seed), "device": device}
     if samples_with_cfg(family, guidance):
         call["negative_prompt_embeds"] = run.caches.prompts[""].to(device, run.weight_dtype)
-    if run.data.condition is not None:  # edit mode: the pipeline appends the condition's tokens, as training did
-        condition, (height, width) = run.data.condition
-        call.update(image=[condition], height=spec.height or height, width=spec.width or width)
+    if run.data.condition is not None:  # edit mode: the pipeline appends the conditions' tokens, as training did
+        conditions, (height, width) = run.data.condition
+        call.update(image=list(conditions), height=spec.height or height, width=spec.width or width)
     return call
 
 def generate_images(pipeline, call, count, batch=None):
@@ -3528,13 +3528,16 @@ def share_entries(cache, keys, accelerator):
 # ----------------------------------------------------------------------------------------------------------------
 # Outputs: the progress sheet, trackers, the model card, the upload
 
-def show_validation(accelerator, folder, tag, step, specs, scales, images, condition, made_from=None):
-    """After a validation: the condition image (edit mode), what the base images were made from (`made_from` when
+def show_validation(accelerator, folder, tag, step, specs, scales, images, conditions, made_from=None):
+    """After a validation: the condition images (edit mode), what the base images were made from (`made_from` when
     they were made now), the progress sheet, the trackers, a log line."""
-    if condition is not None:
-        condition.save(folder / "condition.png")
+    if conditions:  # reference r (the pipeline's image[r]) in condition-r.png, the first in condition.png
+        for old in folder.glob("condition*.png"):  # an earlier run's (it may have had more)
+            old.unlink()
+        for r, image in enumerate(conditions):
+            image.save(folder / (f"condition-{r}.png" if r else "condition.png"))
     if made_from is not None:
-        record_base_images(folder, made_from, condition)
+        record_base_images(folder, made_from, conditions)
     count = len(images) // (len(specs) * len(scales))
     labels = [f"prompt {k + 1}, x{scale:g}" for k in range(len(specs)) for scale in scales for _ in range(count)]
     sheet = update_progress_sheet(folder, tag, step, len(images), labels if len(labels) > count else None)
@@ -3556,16 +3559,16 @@ def validation_rows(specs, scales, count):
     """(spec, LoRA strength) of each row of a validation's images, in the order they are made and numbered."""
     return [(spec, scale) for spec in specs for scale in scales for _ in range(count)]
 
-def base_record(args, run, specs, scales, condition, model, steps):
+def base_record(args, run, specs, scales, conditions, model, steps):
     """What the base model's validation images are made from, as validation/base.json holds it: the rows (prompts
-    with their overrides, strengths, images each), the sampling model, the seed, size, steps, guidance, condition."""
+    with their overrides, strengths, images each), the sampling model, the seed, size, steps, guidance, conditions."""
     return json.loads(json.dumps({  # as read back: lists, not tuples
         "specs": [dataclasses.asdict(s) for s in specs], "scales": list(scales), "count": args.num_validation_images,
         "model": [model.config.get("_name_or_path"), args.revision, args.variant, str(run.weight_dtype)],
         "seed": run.data.seed, "noise": "seed_for(seed, k)", "resolution": args.resolution, "steps": steps,
         "guidance": [args.validation_guidance_scale, args.guidance_scale],
-        "condition": None if condition is None else [condition.mode, list(condition.size),
-                                                     hashlib.sha256(condition.tobytes()).hexdigest()]}))
+        "condition": [[c.mode, list(c.size), hashlib.sha256(c.tobytes()).hexdigest()] for c in conditions or ()]
+        or None}))
 
 def read_base_record(folder):
     """validation/base.json, or None (none yet, or an older version's base images, which recorded nothing)."""
@@ -3585,14 +3588,14 @@ def base_images_missing(accelerator, folder, made_from):
         broadcast_object_list(missing)
     return missing[0]
 
-def record_base_images(folder, made_from, condition):
+def record_base_images(folder, made_from, conditions):
     """After new base images: write what made them (validation/base.json, last: an interrupted write remakes them).
     Made from something else than before, the progress sheet starts again (its earlier columns hold other rows), and
-    text-to-image validation drops an earlier run's condition image."""
+    text-to-image validation drops an earlier run's condition images."""
     if read_base_record(folder) != made_from:
         Path(folder, "progress-0.json").unlink(missing_ok=True)
-        if condition is None:
-            Path(folder, "condition.png").unlink(missing_ok=True)
+        for old in Path(folder).glob("condition*.png") if not conditions else ():
+            old.unlink()
     with writing(Path(folder, "base.json")):
         write_json_atomic(Path(folder, "base.json"), made_from)
 
@@ -3618,16 +3621,17 @@ def has_images(folder, tag, count):
 
 def update_progress_sheet(folder, tag, step, count, labels=None):
     """Add the column of validation `tag` (at optimizer `step`) to validation/progress-0.png, after the condition
-    image (edit mode), the base model and the validations before it. A column of a later step is dropped first:
+    images (edit mode), the base model and the validations before it. A column of a later step is dropped first:
     after a resume the run goes on from an earlier step; so is one lacking some of the `count` rows (made with fewer
     prompts, strengths or images). The columns are listed in progress-0.json; their images are the PNGs of the
     folder."""
     columns = [c for c in sheet_columns(folder) if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
     columns = [c for c in columns if has_images(folder, c["tag"], count)]
     write_json_atomic(Path(folder, "progress-0.json"), {"columns": columns})
-    condition = Path(folder, "condition.png")
+    references = sorted(Path(folder).glob("condition*.png"), key=lambda f: (len(f.name), f.name))  # condition, -1..
     sheet = progress_sheet(([("", [label_image(text) for text in labels])] if labels else []) +
-                           ([("condition", [Image.open(condition)])] if condition.is_file() else []) +
+                           [(f"condition {r + 1}" if len(references) > 1 else "condition", [Image.open(f)])
+                            for r, f in enumerate(references)] +
                            ([("base model", [Image.open(Path(folder, f"base-{i}.png")) for i in range(count)])]
                             if has_images(folder, "base", count) else []) +
                            [(f"step {c['step']}", [Image.open(Path(folder, f"{c['tag']}-{i}.png"))
@@ -3706,9 +3710,11 @@ def write_model_card(args, image_paths, run, repo_id=None):
     notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
     guidance = f"guidance_scale={guidance_scale(args, family):g}"  # the pipeline's default is not the run's
     use = f"image = pipe({shown!r}, {guidance}).images[0]"  # a Python literal: quotes in the prompt stay valid code
-    if edit:
-        use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
-               f"image = pipe(image=condition, prompt={shown!r}, {guidance}).images[0]")
+    if edit:  # several references: a list, in training's order
+        count = max(len(r.conditions) for r in dataset.instances)
+        loads = ", ".join(['load_image("photo.png")'] + [f'load_image("ref-{r}.png")' for r in range(2, count + 1)])
+        use = (f"condition = {f'[{loads}]' if count > 1 else loads}  # the image to edit (from diffusers.utils import "
+               f"load_image)\nimage = pipe(image=condition, prompt={shown!r}, {guidance}).images[0]")
     source = repo_id or vars(args).get("hub_model_id") or args.output_dir
     load = run.hooks.first("lora_loading", source, source != args.output_dir, default=lambda: (
         f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"))
@@ -4438,16 +4444,18 @@ def image_file(value):
 class EditTraining(Option):
     """Edit (image-to-image) training: each target image has condition images, whose clean latents' tokens follow
     the noisy target's in the sequence, as Flux2Pipeline appends a reference image's (the dataset, collate and the
-    step carry them in Part 1); validation edits --validation_image. Cost: the references' tokens in every step."""
+    step carry them in Part 1); validation edits --validation_image. Cost: the references' tokens in every step.
+    Several references: several --cond_data_dir folders (in order; docs/edit.md says why), or a list in a cell."""
 
     words = ("edit training", "edit LoRA", "edit mode", "image-to-image", "condition image", "reference")
     name = "edit"
     flags = [
-        flag("--cond_data_dir", type=existing_folder, help="Condition images: x.* pairs with the target x.*"),
+        flag("--cond_data_dir", type=existing_folder, nargs="+", help="Condition images: x.* pairs with the target "
+             "x.*; several folders: several references, in this order."),
         flag("--cond_image_column",  # option: dataset
              help="Condition image column of --dataset_name (a list: several references)."),
-        flag("--validation_image", type=Accepts("a readable image file", image_file),
-             help="The condition image validation edits, fitted into its bucket.")]
+        flag("--validation_image", type=Accepts("a readable image file", image_file), nargs="+",
+             help="The condition image validation edits, fitted into its bucket (several: the references, in order).")]
 
     def check(self):
         args, column = self.args, vars(self.args).get("cond_image_column")
@@ -4455,9 +4463,14 @@ class EditTraining(Option):
                "--instance_data_dir; with --dataset_name use --cond_image_column")
         refuse(column and not args.dataset_name,  # option: dataset
                "--cond_image_column is a column of --dataset_name; with --instance_data_dir use --cond_data_dir")
-        refuse(args.cond_data_dir and args.instance_data_dir and Path(args.cond_data_dir).resolve() == Path(
-            args.instance_data_dir).resolve(), "the condition images are the targets (--cond_data_dir is "
-               "--instance_data_dir): the LoRA would learn to copy its input")
+        targets, folders = args.instance_data_dir and Path(args.instance_data_dir).resolve(), [
+            Path(c).resolve() for c in args.cond_data_dir or ()]
+        refuse(targets in folders, "the condition images are the targets (--cond_data_dir is --instance_data_dir): the "
+               "LoRA would learn to copy its input")
+        refuse(len(set(folders)) < len(folders), "--cond_data_dir names a folder twice: each folder is a reference")
+        given = len(args.validation_image or ())
+        refuse(given and folders and given != len(folders), f"--validation_image: {given} image(s) for {len(folders)} "
+               "--cond_data_dir folder(s): validation edits with as many references as training, in the same order")
         refuse(column and column == args.image_column, "the condition images are the targets "  # option: dataset
                "(--cond_image_column is --image_column): the LoRA would learn to copy its input")
         refuse((args.cond_data_dir or column) and vars(args).get("with_prior_preservation"),  # option: class_images
@@ -4474,32 +4487,35 @@ class EditTraining(Option):
             "validated"]
 
     def load_images(self, cache, accelerator):
-        """The targets with their conditions: a row's condition column, or x.* of --cond_data_dir for target x.*."""
+        """The targets with their conditions: a row's condition column, or x.* of each --cond_data_dir for target x.*
+        (one folder a reference, in order)."""
         args = self.args
         if args.cond_data_dir:  # a dataset's condition column: the dataset option reads it with the rows
-            conditions = scan_folder(args.cond_data_dir, cache, accelerator, read_captions=False)
-            return pair_conditions(load_instance_images(args, cache, accelerator), conditions, args.instance_data_dir,
-                                   args.cond_data_dir)
+            folders = [(f, scan_folder(f, cache, accelerator, read_captions=False)) for f in args.cond_data_dir]
+            return pair_conditions(load_instance_images(args, cache, accelerator), args.instance_data_dir, folders)
 
     def condition(self, dataset, validates):
-        """--validation_image, decoded once and fitted into its bucket -> (image, bucket), or None; refused when the
-        pipelines would refuse it. An edit run validating without one is told what it gets."""
+        """--validation_image, decoded once -> (the images fitted into the first's bucket as training fits a target's
+        references, that bucket), or None; refused when the pipelines would refuse them. An edit run validating
+        without one is told what it gets."""
         args = self.args
         if not args.validation_image:
             if dataset.conditions and validates:
                 logger.warning("edit training validates without a condition image: give --validation_image to see "
                                "the LoRA edit it (the validation images are generated from the prompt alone)")
             return None
-        try:
-            image = ImageRecord("", (0, 0), path=args.validation_image).load()
-        except Exception as e:  # noqa: BLE001 - truncated, corrupt, a decompression bomb: not an image to use
-            raise UsageError(f"--validation_image {args.validation_image}: cannot be decoded ({e})") from None
-        condition, bucket = fit_to_bucket(image, dataset.ladders[args.resolutions.index(args.resolution)])
-        h, w = condition.height, condition.width  # the pipelines take conditions of 64 px a side or more, up to 8:1
-        refuse(min(h, w) < 64 or max(h, w) > 8 * min(h, w), f"--validation_image {args.validation_image}: it is "
+        images = []
+        for path in args.validation_image:
+            try:
+                images.append(ImageRecord("", (0, 0), path=path).load())
+            except Exception as e:  # noqa: BLE001 - truncated, corrupt, a decompression bomb: not an image to use
+                raise UsageError(f"--validation_image {path}: cannot be decoded ({e})") from None
+        first, bucket = fit_to_bucket(images[0], dataset.ladders[args.resolutions.index(args.resolution)])
+        h, w = first.height, first.width  # the pipelines take conditions of 64 px a side or more, up to 8:1
+        refuse(min(h, w) < 64 or max(h, w) > 8 * min(h, w), f"--validation_image {args.validation_image[0]}: it is "
                f"fitted into the bucket {h}x{w} (h x w) as training conditions are, and the FLUX.2 pipelines take "
                "condition images of at least 64 px a side and at most 8:1; raise --resolution or change the buckets")
-        return condition, bucket
+        return [first] + [fit_to_bucket(image, [bucket])[0] for image in images[1:]], bucket
 
     def describe(self, dataset):
         counts = sorted({len(ids) for ids in dataset.cond_ids})
@@ -4524,22 +4540,24 @@ def fit_to_bucket(image, buckets):
     size = reference_size(bucket)
     return transform_image(image, (*draw_crop(image.size, size, True, None), False), size), bucket
 
-def pair_conditions(targets, conditions, target_folder, cond_folder):
-    """Attach to each target x.* the condition image of the same stem. A target without a condition, a condition
-    without a target, or a stem with two condition files is refused, all of them listed."""
-    by_stem = {}
-    for record in conditions:
-        by_stem.setdefault(Path(record.name).stem, []).append(record)
-    stems = {Path(r.name).stem for r in targets}
-    problems = [f"{target_folder}/{r.name}: no condition image {Path(r.name).stem}.* in {cond_folder}"
-                for r in targets if Path(r.name).stem not in by_stem]
-    problems += [f"{cond_folder}/{r.name}: no target image {Path(r.name).stem}.* in {target_folder}"
-                 for r in conditions if Path(r.name).stem not in stems]
-    problems += [f"{cond_folder}: {', '.join(r.name for r in found)} are the same stem's condition; keep one"
-                 for found in by_stem.values() if len(found) > 1]
+def pair_conditions(targets, target_folder, folders):
+    """Attach to each target x.* the image of the same stem in each condition folder ([(folder, its records)]), in
+    the folders' order: its references. A target missing one, a condition without a target, or a stem with two files
+    in one folder is refused, all of them listed."""
+    stems, found, problems = {Path(r.name).stem for r in targets}, [], []
+    for folder, conditions in folders:
+        found.append({})
+        for record in conditions:
+            found[-1].setdefault(Path(record.name).stem, []).append(record)
+        problems += [f"{target_folder}/{r.name}: no condition image {Path(r.name).stem}.* in {folder}"
+                     for r in targets if Path(r.name).stem not in found[-1]]
+        problems += [f"{folder}/{r.name}: no target image {Path(r.name).stem}.* in {target_folder}"
+                     for r in conditions if Path(r.name).stem not in stems]
+        problems += [f"{folder}: {', '.join(r.name for r in same)} are the same stem's condition; keep one"
+                     for same in found[-1].values() if len(same) > 1]
     refuse(problems, f"--cond_data_dir: {len(problems)} image(s) without a partner (edit training pairs x.* of "
-           f"--instance_data_dir with x.* of --cond_data_dir):\n  " + "\n  ".join(problems))
-    return [dataclasses.replace(r, conditions=tuple(by_stem[Path(r.name).stem])) for r in targets]
+           f"--instance_data_dir with x.* of each --cond_data_dir folder):\n  " + "\n  ".join(problems))
+    return [dataclasses.replace(r, conditions=tuple(by[Path(r.name).stem][0] for by in found)) for r in targets]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -6284,7 +6302,7 @@ def largest_bucket(args):
 
 def run_estimate(args, dtype, instances=()):
     """This run's MemoryEstimate from the checkpoint's configs: the transformer with its adapter at the largest
-    bucket's tokens and the most condition images a record has (edit training's), the rows of a step."""
+    bucket's tokens and the most condition images a record or validation has (edit training's), the rows of a step."""
     from diffusers import AutoencoderKLFlux2
     with torch.device("meta"):
         transformer = empty_transformer(args).to(dtype).requires_grad_(False)
@@ -6292,7 +6310,7 @@ def run_estimate(args, dtype, instances=()):
         vae = AutoencoderKLFlux2.from_config(read_model_json(args, "vae/config.json", "vae config"))
     height, width = largest_bucket(args)  # [B, 3, H, W] pixels -> [B, C, H/8, W/8] latents -> H/16 x W/16 tokens
     tokens = (height // 16) * (width // 16)  # and each condition image at reference_size: 16 px a token
-    references = max((len(r.conditions) for r in instances), default=0)  # option: edit
+    references = max([len(r.conditions) for r in instances] + [len(args.validation_image or ())])  # option: edit
     tokens += references * math.prod(reference_size((height, width))) // 256  # option: edit
     rows, validates = args.train_batch_size, bool(args.validation_prompt or args.final_validation_prompt)
     rows *= 2 if args.with_prior_preservation else 1  # option: class_images

@@ -66,15 +66,32 @@ def test_pairing_by_stem_refuses_every_unpaired_image_at_once(tmp_path):
     targets = [T.ImageRecord(name=n, size=(64, 64)) for n in ("a.png", "b.jpg", "c.png")]
     conds = [T.ImageRecord(name=n, size=(64, 64)) for n in ("a.webp", "c.png", "d.png")]
     with pytest.raises(T.UsageError) as refused:
-        T.pair_conditions(targets, conds, "T", "C")
+        T.pair_conditions(targets, "T", [("C", conds)])
     message = str(refused.value)
     assert "2 image(s) without a partner" in message
     assert "T/b.jpg: no condition image b.* in C" in message and "C/d.png: no target image d.* in T" in message
     ambiguous = conds[:2] + [T.ImageRecord(name="a.png", size=(64, 64))]
     with pytest.raises(T.UsageError, match=r"a.webp, a.png are the same stem's condition"):
-        T.pair_conditions(targets[:1] + targets[2:], ambiguous, "T", "C")
-    paired = T.pair_conditions(targets[:1] + targets[2:], conds[:2], "T", "C")
+        T.pair_conditions(targets[:1] + targets[2:], "T", [("C", ambiguous)])
+    paired = T.pair_conditions(targets[:1] + targets[2:], "T", [("C", conds[:2])])
     assert [(r.name, [c.name for c in r.conditions]) for r in paired] == [("a.png", ["a.webp"]), ("c.png", ["c.png"])]
+
+
+def test_several_folders_give_each_target_its_references_in_their_order():
+    """One folder per reference: target x.* gets x.* of each, in the folders' order; a target missing one of its
+    references is refused, every one of them listed with the folder it is missing from."""
+    targets = [T.ImageRecord(name=n, size=(64, 64)) for n in ("a.png", "b.jpg", "c.png")]
+    first = [T.ImageRecord(name=n, size=(64, 64), caption="1") for n in ("a.png", "b.png", "c.png")]
+    second = [T.ImageRecord(name=n, size=(64, 64), caption="2") for n in ("c.webp", "a.jpg", "b.png")]
+    paired = T.pair_conditions(targets, "T", [("P", first), ("G", second)])
+    assert [[(c.name, c.caption) for c in r.conditions] for r in paired] == [
+        [("a.png", "1"), ("a.jpg", "2")], [("b.png", "1"), ("b.png", "2")], [("c.png", "1"), ("c.webp", "2")]]
+    with pytest.raises(T.UsageError) as refused:
+        T.pair_conditions(targets, "T", [("P", first[1:]), ("G", second[:1]), ("H", first)])
+    lines = str(refused.value).splitlines()[1:]
+    assert sorted(line.strip() for line in lines) == [
+        "T/a.png: no condition image a.* in G", "T/a.png: no condition image a.* in P",
+        "T/b.jpg: no condition image b.* in G"]
 
 
 def test_a_condition_follows_its_targets_crop():
@@ -108,8 +125,8 @@ def test_conditions_are_used_at_the_size_the_pipelines_give_references(bucket):
 
 
 def test_base_validation_images_are_redone_when_the_condition_changes(tmp_path):
-    """validation/base.json holds the condition's hash: the same pixels keep the base images, others (or none,
-    text-to-image validation) remake them."""
+    """validation/base.json holds the conditions' hashes: the same pixels keep the base images, others (or none,
+    text-to-image validation; more; another order) remake them."""
     args = SimpleNamespace(num_validation_images=1, pretrained_model_name_or_path="m", revision=None, variant=None,
                            resolution=32, validation_inference_steps=2, validation_guidance_scale=4.0, guidance_scale=3.5)
     run = SimpleNamespace(data=SimpleNamespace(seed=0), weight_dtype=torch.float32)
@@ -118,9 +135,10 @@ def test_base_validation_images_are_redone_when_the_condition_changes(tmp_path):
     made = lambda condition: T.base_record(args, run, [T.ValidationSpec("p")], [1.0], condition, model, 2)  # noqa: E731
     one, other = _picture(64, 64, 1), _picture(64, 64, 2)
     Image.new("RGB", (8, 8)).save(tmp_path / "base-0.png")
-    T.record_base_images(tmp_path, made(one), one)
-    assert not T.base_images_missing(plain, tmp_path, made(one.copy()))
-    assert T.base_images_missing(plain, tmp_path, made(other)) and T.base_images_missing(plain, tmp_path, made(None))
+    T.record_base_images(tmp_path, made([one]), [one])
+    assert not T.base_images_missing(plain, tmp_path, made([one.copy()]))
+    for changed in ([other], None, [one, other], [other, one]):  # another reference, none, one more, another order
+        assert T.base_images_missing(plain, tmp_path, made(changed))
 
 
 def _condition_keys(dataset):
@@ -276,7 +294,8 @@ def test_the_loss_covers_the_target_tokens_only(tiny_model):
 
 
 @pytest.mark.parametrize("case", ["unpaired", "cond_dir_with_dataset", "column_with_folder", "prior", "small_validation",
-                                  "bad_column", "uncaptioned", "text_column", "uncaptioned_folder", "identity"])
+                                  "bad_column", "uncaptioned", "text_column", "uncaptioned_folder", "identity",
+                                  "missing_reference", "validation_count", "folder_twice"])
 def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path):
     targets, conds = pairs
     out = tmp_path / "out"
@@ -292,6 +311,9 @@ def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path
         "text_column": "--cond_image_column 'file_name': row 0 holds str, not images",
         "uncaptioned_folder": "1 image(s) have no .txt caption (p0.png); give --instance_prompt for them",
         "identity": "the condition images are the targets",
+        "missing_reference": "--cond_data_dir: 2 image(s) without a partner",
+        "validation_count": "--validation_image: 1 image(s) for 2 --cond_data_dir folder(s)",
+        "folder_twice": "--cond_data_dir names a folder twice",
     }[case]
     if case == "unpaired":
         (targets / "p2.png").rename(tmp_path / "p2.png")
@@ -309,6 +331,16 @@ def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path
         args += ["--resolution", "32", "--validation_prompt", "relight", "--validation_image", conds / "p0.png"]
     elif case == "identity":
         args[args.index("--cond_data_dir") + 1] = str(targets) + "/"
+    elif case == "folder_twice":
+        args.insert(args.index("--cond_data_dir") + 2, str(conds) + "/")
+    elif case in ("missing_reference", "validation_count"):  # a second reference folder: p2 and p4 lack theirs
+        shutil.copytree(conds, tmp_path / "second")
+        args.insert(args.index("--cond_data_dir") + 2, tmp_path / "second")
+        if case == "missing_reference":
+            (tmp_path / "second" / "p2.png").unlink()
+            (tmp_path / "second" / "p4.png").unlink()
+        else:
+            args += ["--validation_prompt", "relight", "--validation_image", conds / "p0.png"]
     elif case == "uncaptioned_folder":  # every other target has its .txt caption
         del args[args.index("--instance_prompt"):args.index("--instance_prompt") + 2]
     elif case in ("bad_column", "uncaptioned", "text_column"):
@@ -327,6 +359,8 @@ def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path
     assert len(errors) == 1 and expected in proc.stderr, proc.stderr[-3000:]
     if case == "unpaired":  # both directions, in one message
         assert "extra.png: no target image extra.* in" in proc.stderr
+    if case == "missing_reference":  # each target missing a reference, with the folder it is missing from
+        assert all(f"p{i}.png: no condition image p{i}.* in {tmp_path / 'second'}" in proc.stderr for i in (2, 4))
     assert "loading the" not in proc.stderr and not out.exists()
 
 
@@ -341,8 +375,9 @@ def _edit_output(pipeline_class, model, lora_dir, condition, layers):
         pipe.load_lora_weights(str(lora_dir))
     embeds = torch.randn(1, MAX_SEQUENCE_LENGTH, 16 * len(layers), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        return pipe(image=[condition], prompt_embeds=embeds, height=64, width=64, num_inference_steps=2,
-                    guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        return pipe(image=condition if isinstance(condition, list) else [condition], prompt_embeds=embeds, height=64,
+                    width=64, num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+                    generator=torch.Generator().manual_seed(0)).images
 
 
 def _same_lora(a, b):
@@ -398,6 +433,64 @@ def test_dev_edit_run_caches_resumes_validates_and_its_lora_edits(tiny_model, pa
     before = _edit_output(diffusers.Flux2Pipeline, tiny_model, None, condition, TEXT_ENCODER_OUT_LAYERS)
     after = _edit_output(diffusers.Flux2Pipeline, tiny_model, straight, condition, TEXT_ENCODER_OUT_LAYERS)
     assert not torch.equal(before, after)
+
+
+def test_two_reference_folders_train_and_validate_in_their_order(tiny_model, pairs, tmp_path):
+    """--cond_data_dir with two folders (each target's inversion, then its channels rotated) and two
+    --validation_image files: every target trains with both references, cached and recorded in the folders' order;
+    validation saves them in that order, each fitted into the first's bucket; the model card loads a list; the LoRA
+    changes Flux2Pipeline's edit of the two."""
+    import diffusers
+
+    targets, conds = pairs
+    rotated = tmp_path / "rotated"
+    rotated.mkdir()
+    for i, (w, h) in enumerate(SIZES):  # the targets' pictures, as the fixture made them
+        swap_channels(_picture(w, h, i)).save(rotated / f"p{i}.png")
+    out = tmp_path / "out"
+    args = edit_args(tiny_model, targets, conds, out, "--max_train_steps", "2", "--cache_latents",
+                     "--validation_prompt", "relight scene 1", "--num_validation_images", "1",
+                     "--validation_image", conds / "p0.png", rotated / "p0.png",
+                     "--aspect_ratio_buckets", "64,64;64,96")
+    args.insert(args.index(str(conds)) + 1, str(rotated))
+    proc = launch(args)
+    assert "edit training: 12 condition images for 6 targets, 2 per target" in proc.stderr
+    assert "encoded 18 of 18 missing images" in proc.stderr  # 6 targets, 6 + 6 references
+    manifest = json.loads((out / T.MANIFEST_NAME).read_text())
+    assert [[c["sha256"] for c in r["conditions"]] for r in manifest["instances"]] == [
+        [T.file_digest(folder / f"{Path(r['name']).stem}.png") for folder in (conds, rotated)]
+        for r in manifest["instances"]]
+    validation = out / "validation"
+    saved = [Image.open(validation / name) for name in ("condition.png", "condition-1.png")]
+    for image, source in zip(saved, (conds, rotated)):  # fitted into the first's bucket, as training fits them
+        fitted, _ = T.fit_to_bucket(Image.open(source / "p0.png"), [(64, 96)])
+        assert np.array_equal(np.asarray(image), np.asarray(fitted))
+    assert Image.open(validation / "progress-0.png").width >= 4 * 96  # two conditions, base, final
+    card = (out / "README.md").read_text()
+    assert 'condition = [load_image("photo.png"), load_image("ref-2.png")]' in card and "pipe(image=condition" in card
+    before = _edit_output(diffusers.Flux2Pipeline, tiny_model, None, saved, TEXT_ENCODER_OUT_LAYERS)
+    after = _edit_output(diffusers.Flux2Pipeline, tiny_model, out, saved, TEXT_ENCODER_OUT_LAYERS)
+    assert not torch.equal(before, after)
+
+
+def test_validation_gives_the_pipeline_its_images_in_order(tmp_path):
+    """--validation_image a b: a fitted into its bucket (the edit's size), b into the same one, as training fits a
+    target's references, and the pipeline called with image=[a, b] at that size."""
+    a, b = _picture(96, 64, 1), _picture(64, 96, 2)  # another aspect: b is cropped to a's bucket
+    a.save(tmp_path / "a.png")
+    b.save(tmp_path / "b.png")
+    args = SimpleNamespace(validation_image=[tmp_path / "a.png", tmp_path / "b.png"], resolution=64, resolutions=[64],
+                           guidance_scale=1.0, validation_guidance_scale=4.0)
+    dataset = SimpleNamespace(ladders=[[(64, 64), (64, 96)]], conditions=[])
+    conditions, bucket = T.EditTraining(args).condition(dataset, True)
+    assert bucket == (64, 96)
+    for condition, image in zip(conditions, (a, b), strict=True):
+        assert np.array_equal(np.asarray(condition), np.asarray(T.fit_to_bucket(image, [bucket])[0]))
+    run = SimpleNamespace(data=SimpleNamespace(condition=(conditions, bucket), seed=0), weight_dtype=torch.float32,
+                          caches=SimpleNamespace(prompts={"p": torch.zeros(1, 2, 2)}))
+    call = T.pipeline_call(args, run, T.ValidationSpec("p"), "cpu", T.FAMILIES["Flux2Pipeline"], 2)
+    assert [id(image) for image in call["image"]] == [id(c) for c in conditions] and (call["height"], call[
+        "width"]) == (64, 96)
 
 
 def test_klein_edit_run_validates_and_its_lora_edits(tiny_klein, pairs, tmp_path):

@@ -357,7 +357,8 @@ def test_an_edit_row_counts_the_tokens_of_each_of_its_references(tiny_model, ima
                                                                  fresh_accelerate):
     """An edit target's condition images follow its tokens in the sequence, each at reference_size: a row with three
     references is four images' tokens. The plan counted one reference, and only with --cond_data_dir or
-    --cond_image_column (a manifest's edit records: none); it now counts the records the run loads."""
+    --cond_image_column (a manifest's edit records: none); it now counts the records the run loads, or the
+    --validation_image files where they are more (validation samples with all of them)."""
     from accelerate import PartialState
 
     PartialState()
@@ -369,7 +370,12 @@ def test_an_edit_row_counts_the_tokens_of_each_of_its_references(tiny_model, ima
         target = T.ImageRecord("a.png", (32, 32), conditions=(T.ImageRecord("c.png", (32, 32)),) * references)
         with pytest.raises(SystemExit):
             T.resolve_model_flags(args, T.Hooks(args), [target])
-    assert tokens == [4, 8, 16]
+    args.validation_image = ["a.png", "b.png"]  # two references: more than one, fewer than three
+    for references in (1, 3):
+        target = T.ImageRecord("a.png", (32, 32), conditions=(T.ImageRecord("c.png", (32, 32)),) * references)
+        with pytest.raises(SystemExit):
+            T.resolve_model_flags(args, T.Hooks(args), [target])
+    assert tokens == [4, 8, 16, 12, 16]
 
 
 def test_the_plan_keeps_the_quantisation_file_the_user_gave(planned, tmp_path, monkeypatch, capsys,
