@@ -41,7 +41,7 @@ Reading map: three parts, drawn by what runs.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
     banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset, folders,
     masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
-    block_swap, attention, compile, hub, validation_extras, validation_transformer, memory_plan, metrics.
+    block_swap, attention, compile, int8_weights, hub, validation_extras, validation_transformer, memory_plan, metrics.
 """
 
 # ================================================================================================================
@@ -3350,6 +3350,7 @@ OOM_ADVICE = ", ".join([
     "--mixed_precision bf16",
     "a lower --rank",
     "--blocks_to_swap (with --gradient_checkpointing)",  # option: block_swap
+    "8-bit frozen weights: --transformer_quantization int8",  # option: int8_weights
     "a 4-bit --bnb_quantization_config_path",  # option: compile
 ])
 
@@ -5465,22 +5466,25 @@ class BlockSwapper:
             block.register_forward_hook(lambda module, args, output, i=i: self.after_block(i, output))
 
     def host_copies(self, block):
-        """A block's frozen weights -> [(parameter, host copy, device slot)]. The host copies are views of one host
-        buffer (pinned on CUDA): the pinned allocator rounds every allocation up to a power of two, +58% for [dev]'s
-        679 MB fused projection alone, under +10% for a whole block. The slot is the weight's device tensor, whose
-        storage is emptied on eviction and refilled on loading: a view of it that a layer keeps for backward (a
+        """A block's frozen weights -> [(parameter, attribute, host copy, device slot)]. The host copies are views of
+        one host buffer (pinned on CUDA): the pinned allocator rounds every allocation up to a power of two, +58% for
+        [dev]'s 679 MB fused projection alone, under +10% for a whole block. The slot is the weight's device tensor,
+        whose storage is emptied on eviction and refilled on loading: a view of it that a layer keeps for backward (a
         bitsandbytes matmul keeps its weight) then holds no memory and sees the weight again when it is back."""
-        params = [p for p in block.parameters() if not p.requires_grad]
-        sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # 64-byte aligned views
+        params = [(p, "data") for p in block.parameters() if not p.requires_grad]
+        # torchao's int8 weights are a wrapper: their int8 data and scales move  # option: int8_weights
+        params = [(p, n) for p, _ in params for n in getattr(p, "tensor_data_names", ["data"])]  # option: int8_weights
+        tensors = [getattr(p, name) for p, name in params]
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]  # 64-byte aligned views
         buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.stream is not None)
         weights, offset = [], 0
-        for param, size in zip(params, sizes):
-            host = buffer[offset:offset + param.numel() * param.element_size()].view(param.dtype).view(param.shape)
-            host.copy_(param.data)
+        for (param, name), tensor, size in zip(params, tensors, sizes):
+            host = buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+            host.copy_(tensor)
             slot = torch.empty_like(host, device=self.device)
             slot.untyped_storage().resize_(0)
-            weights.append((param, host, slot))
-            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            weights.append((param, name, host, slot))
+            setattr(param, name, torch.empty(0, dtype=tensor.dtype, device=self.device))
             offset += size
         return weights
 
@@ -5499,21 +5503,21 @@ class BlockSwapper:
                 # The slots are refilled in the compute stream's order, so a load reuses the memory of the block
                 # evicted last and at most two swapped blocks hold memory however far the host runs ahead; the copy
                 # waits for the compute that last used that memory (queued up to the block before the one running).
-                for _, host, slot in self.weights[i]:
+                for *_, host, slot in self.weights[i]:
                     slot.untyped_storage().resize_(host.numel() * host.element_size())
                 if self.stream is not None:
                     self.stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                    for param, host, slot in self.weights[i]:
-                        param.data = slot.copy_(host, non_blocking=True)
+                    for param, name, host, slot in self.weights[i]:
+                        setattr(param, name, slot.copy_(host, non_blocking=True))
                     if self.stream is not None:
                         self.ready[i] = self.stream.record_event()
             elif action == "wait" and i in self.ready:
                 torch.cuda.current_stream(self.device).wait_event(self.ready.pop(i))
             elif action == "evict":
                 self.ready.pop(i, None)
-                for param, _, slot in self.weights[i]:
-                    param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+                for param, name, host, slot in self.weights[i]:
+                    setattr(param, name, torch.empty(0, dtype=host.dtype, device=self.device))
                     slot.untyped_storage().resize_(0)
 
 class _BeforeBackward(torch.autograd.Function):
@@ -5671,6 +5675,43 @@ class SpeedAndMemory(Option):
             return None
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, **hyper)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Option: int8_weights (--transformer_quantization int8: the frozen transformer in 8 bits, torchao)
+
+@option
+class Int8Weights(Option):
+    """The transformer's frozen linear weights in int8, a float32 scale a row (torchao's int8 weight-only through
+    diffusers' TorchAoConfig, quantised on the CPU as they load), computing in the training dtype, under PEFT's torchao
+    LoRA layers (float32). Cost: each layer converts its weight at every use, and autograd keeps that copy for the
+    backward pass; a step ~10% slower than bf16 (estimated, not measured on a GPU); results change a little."""
+
+    name = "int8_weights"
+    flags = [flag("--transformer_quantization", choices=["none", "int8"], default="none", help="int8: the "
+                  "transformer's frozen linear weights in 8 bits (torchao; any device), about half of bf16's.")]
+
+    def check(self):
+        args, this = self.args, "--transformer_quantization int8"
+        for other in ("bnb_quantization_config_path", "do_fp8_training"):  # other weights or other matmuls
+            refuse(vars(args).get(other), f"{this} and --{other} exclude each other")
+        refuse(fsdp_requested(), f"{this} does not work under FSDP (its shards are not torchao tensors)")
+        refuse(vars(args).get("use_dora") or vars(args).get("adapter", "lora") != "lora", f"{this} trains a plain "
+               "LoRA (DoRA, LoKr and LoHa on 8-bit weights are not verified here)")
+
+    def quantization_config(self, weight_dtype):
+        from diffusers import TorchAoConfig
+        from torchao.quantization import Int8WeightOnlyConfig
+        return TorchAoConfig(Int8WeightOnlyConfig())
+
+    def after_lora(self, transformer, accelerator):  # DDP cannot broadcast torchao tensors; every process has them
+        transformer._ddp_params_and_buffers_to_ignore = [n for n, p in transformer.named_parameters()
+                                                         if not p.requires_grad]
+        return transformer
+
+    def card(self):
+        return ["", "Trained on the transformer's linear weights in int8 (`--transformer_quantization int8`, torchao "
+                "weight-only); the LoRA loads on the unquantised model as any other."]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -5905,12 +5946,15 @@ GIB = 2**30
 PLAN_MARGIN = (1.1, 1.5 * GIB)  # a peak fits a card when peak x 1.1 + 1.5 GiB (fragmentation, CUDA context) fits
 FITS = f"a peak fits when peak x {PLAN_MARGIN[0]} + {PLAN_MARGIN[1] / GIB:.1f} GiB does"
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64, "int8": 1.0 + 2 / 1024}  # a weight: 4 bits + a float32 scale per 64; a byte
+QUANT_BYTES["llm.int8"] = QUANT_BYTES["int8"]  # bitsandbytes' 8-bit (a file given)  # option: compile
 # NF4 [klein] 4B peaked 0.8 GiB above what its weights, LoRA and activations explain (H200, 2026-11-26, with and
 # without swapping); until a GPU explains it (bitsandbytes does not quantise on a CPU), NF4 activations count 1.4x
 NF4_ACTIVATIONS = 1.4
 # Step time against bf16 with checkpointing ([klein] 4B, 1024 px, batch 1, H200, docs/speed.md): no checkpointing
 # 0.243 / 0.342 s; 24 of 25 blocks swapped 0.368 (the cost grows with the share swapped); NF4 0.422
 STEP_COST = {"no_checkpointing": 0.71, "all_swapped": 0.08, "nf4": 1.23}
+# torchao's int8 converts each weight at each use: 3 bytes a weight to ~8,000 flops at 1024 px  # option: int8_weights
+STEP_COST["int8"] = 1.10  # estimated, not measured on a GPU yet  # option: int8_weights
 # Compiled, the same run: 4 images a step 0.93 s, 1.41 eager, the same memory  # option: compile
 # (after a 28.6 s first step, a first validation 7 s longer: from ~70 steps)  # option: compile
 COMPILE = {"FLUX.2 [klein]": dict(image_s=1.41 / 4, step=0.93 / 1.41,  # not [dev]  # option: compile
@@ -6015,8 +6059,11 @@ def weight_bytes(transformer, swap=0, quant=None):
     """-> (frozen weights on the GPU, pinned host bytes, LoRA: weight, gradient, two AdamW moments in float32).
     Quantised: the 2-D weights (NF4's scales stay on the GPU when a block swaps), the rest float32 (PEFT's k-bit).
     At the backward's start two swapped blocks are resident (H200: within 4%, 12 and 24 of [klein] 4B's 25 swapped)."""
+    rest = 4 if quant else None
+    rest = None if quant == "int8" else rest  # torchao's int8 leaves the rest in its dtype  # option: int8_weights
+
     def frozen(module):
-        return sum(p.numel() * ((QUANT_BYTES[quant] if p.dim() == 2 else 4) if quant else p.element_size())
+        return sum(p.numel() * (QUANT_BYTES[quant] if quant and p.dim() == 2 else rest or p.element_size())
                    for p in module.parameters() if not p.requires_grad)
 
     def scales(block):  # NF4's: a float32 a 64 weights
@@ -6042,6 +6089,9 @@ class MemoryEstimate:
         self.outside, self.inputs, self.saved = saved_bytes(transformer, batch, image_tokens, text_tokens)
         self.vae = 0 if vae is None else sum(p.numel() for p in vae.parameters()) * 2
         self.unquantised = sum(p.numel() * p.element_size() for p in transformer.parameters())
+        linears = [[p.nbytes for p in b.parameters() if p.ndim == 2 and not p.requires_grad]  # option: int8_weights
+                   for b in self.blocks]  # each block's linear weights
+        self.copies, self.largest = list(map(sum, linears)), max(map(max, linears)) * validates  # option: int8_weights
         self.weights = {}  # (swap, quant) -> weight_bytes: 50 ms each on [dev]'s shapes, and a plan asks hundreds
         self.decode = self.encode = 0
         self.per_call, self.calls = images, dict.fromkeys((1, images), 0)  # images in one call -> the call's peak
@@ -6066,10 +6116,16 @@ class MemoryEstimate:
         weights, host, lora = self.weights[swap, quant]
         kept = sum(self.inputs) + 2 * max(self.saved) if checkpointing else sum(self.saved) + max(self.saved)
         activations = (self.outside + kept) * (NF4_ACTIVATIONS if quant == "nf4" else 1)
+        # torchao's int8: autograd keeps each layer's weight converted to the compute dtype for the backward pass
+        if quant == "int8":  # (with checkpointing: the recomputed block's)  # option: int8_weights
+            activations += max(self.copies) if checkpointing else sum(self.copies)
         training = weights + lora + (0 if self.cached else self.vae) + max(activations, self.encode)
         validation = (weights + lora + self.vae) * self.validates + self.calls[self.per_call]
         one = (weights + lora + self.vae) * self.validates + self.calls[1]  # validation's images one at a time
         load = 0 if quant else self.unquantised
+        # sampling converts one layer's weight at a time ([dev]'s largest: 0.7 GB); loading quantises on the CPU
+        if quant == "int8":  # option: int8_weights
+            validation, one, load = validation + self.largest, one + self.largest, weights + host
         return dict(weights=weights, host=host, load=load, lora=lora, activations=activations, training=training,
                     validation=validation, peak=max(training, validation), peak_one=max(training, one))
 
@@ -6086,10 +6142,11 @@ PlanRow = collections.namedtuple("PlanRow", "quant checkpointing swap peak host 
 
 def plan_choices(args, cuda, blocks):
     """What the plan may try, one line an option, a flag given keeping its value: checkpointing, swapped blocks (fewest
-    first), weights ({the flag's value: what loads}, a 4-bit file as NF4), the text encoder's precisions (none without
+    first), weights ({what loads: the flag's value}, a 4-bit file as NF4), the text encoder's precisions (none without
     one). Swapping and NF4 need CUDA (or --plan_only's GPU elsewhere) and a plain LoRA (other adapters: unverified)."""
-    free, plain, texts = vars(args).keys() - args.given_flags, cuda, ["none"]
-    plain = plain and args.adapter == "lora" and not args.use_dora  # option: adapters
+    free, lora, texts = vars(args).keys() - args.given_flags, True, ["none"]
+    lora = args.adapter == "lora" and not args.use_dora  # option: adapters
+    plain = cuda and lora
     gc = (False, True) if "gradient_checkpointing" in free else (args.gradient_checkpointing,)
     choices = dict(checkpointing=gc, swap=(0,), weights={None: None}, compile=(vars(args).get("compile", False),))
     choices["one_at_a_time"] = (False, True) if "validation_batch" in free else (False,)  # validation's images
@@ -6097,9 +6154,14 @@ def plan_choices(args, cuda, blocks):
         args.blocks_to_swap,)  # option: block_swap
     bnb = args.bnb_quantization_config_path  # option: compile
     four = bnb and read_bnb_config(bnb).get("load_in_4bit")  # option: compile
-    choices["weights"] = {bnb: bnb and ("nf4" if four else "int8")}  # option: compile
+    choices["weights"] = {bnb and ("nf4" if four else "llm.int8"): bnb}  # option: compile
     if "bnb_quantization_config_path" in free and plain and not args.do_fp8_training:  # option: compile
         choices["weights"] = {None: None, "nf4": "nf4"}  # option: compile
+    if args.transformer_quantization == "int8":  # torchao's 8-bit weights: on any device  # option: int8_weights
+        choices["weights"] = {"int8": None}
+    elif "transformer_quantization" in free and None in choices["weights"] and lora and not vars(args).get(
+            "do_fp8_training"):  # option: int8_weights
+        choices["weights"] = {None: None, "int8": None, **choices["weights"]}
     if "compile" in free and cuda:  # option: compile
         choices["compile"] = (False, True)  # option: compile
     if args.output_preservation:  # option: trigger_words
@@ -6115,6 +6177,7 @@ def plan_settings(row, text):
     settings = dict(gradient_checkpointing=row.checkpointing)
     settings["blocks_to_swap"] = row.swap  # option: block_swap
     settings["bnb_quantization_config_path"] = row.weights  # option: compile
+    settings["transformer_quantization"] = "int8" if row.quant == "int8" else "none"  # option: int8_weights
     settings["compile"] = row.compiled  # option: compile
     settings["text_encoder_quantization"] = text or "none"  # option: text_encoders
     if row.one_at_a_time:  # a prompt's validation images in one call would not fit
@@ -6132,7 +6195,7 @@ def plan_rows(estimate, card, host_free, choices, compiled=None):
     compiled(eager cost) -> the cost compiled, its first compile spread over the run (None: not measured); the plan
     tries compiling where it was measured (unquantised, no block swapped: the same memory as eager)."""
     rows, blocks, trying = [], len(estimate.blocks), len(choices["compile"]) > 1
-    for c, (weights, quant), gc in [(c, w, gc) for c in choices["compile"] for w in choices["weights"].items()
+    for c, (quant, weights), gc in [(c, w, gc) for c in choices["compile"] for w in choices["weights"].items()
                                     for gc in choices["checkpointing"]]:
         if c and trying and (quant or not compiled):  # measured unquantised only
             continue
@@ -6143,7 +6206,7 @@ def plan_rows(estimate, card, host_free, choices, compiled=None):
             peak = found["peak_one" if one else "peak"]
             if fits_card(peak, card) and host <= host_free:
                 cost = ((1.0 if gc else STEP_COST["no_checkpointing"]) * (1 + STEP_COST["all_swapped"] * n / blocks)
-                        * (STEP_COST["nf4"] if quant else 1.0))
+                        * (STEP_COST.get(quant, STEP_COST["nf4"]) if quant else 1.0))
                 rows.append(PlanRow(quant, gc, n, peak, host, compiled(cost) if c and compiled else cost, weights, c,
                                     one))
                 break
@@ -6271,10 +6334,12 @@ def plan_report(args, model, card, host, rows, chosen, text_rows, text, precisio
              f"GPU memory and {gib(host)} GiB of host RAM ({FITS})",
              "  weights  checkpointing  compiled  swapped blocks  peak GiB  host RAM GiB  step time"]
     for r in rows:
+        cost = "-" if r.swap is None else f"{r.cost:.2f}x"
+        cost += " (estimated)" * (r.quant == "int8" and r.swap is not None)  # not measured yet  # option: int8_weights
         lines.append(f"  {r.quant or precision:7}  {'on' if r.checkpointing else 'off':13}  "
                      f"{'on' if r.compiled else 'off':8}  "
                      f"{'none fits' if r.swap is None else r.swap:>14}  {gib(r.peak):>8}  {gib(r.host):>12}  "
-                     + ("-" if r.swap is None else f"{r.cost:.2f}x") + ("  <- chosen" if r == chosen else ""))
+                     + cost + ("  <- chosen" if r == chosen else ""))
     lines += [f"  text encoder ({precision if q == 'none' else q}): {gib(peak)} GiB while prompts are encoded, "
               f"{gib(need)} GiB of host RAM" + ("  <- chosen" if q == text else "") for q, peak, need in text_rows]
     lines += note if any(r.compiled for r in rows) else []
@@ -6282,6 +6347,7 @@ def plan_report(args, model, card, host, rows, chosen, text_rows, text, precisio
         return lines
     note = " (quantised weights change results a little: docs/memory.md)" * bool(chosen.quant or text in QUANT_BYTES)
     note += f"; validation one image a call ({args.num_validation_images} in one would not fit)" * chosen.one_at_a_time
+    note += "; int8's step time is estimated, not measured" * (chosen.quant == "int8")  # option: int8_weights
     return lines + [f"chosen: estimated peak {gib(chosen.peak)} GiB, step time {chosen.cost:.2f}x of {precision} "
                     f"with checkpointing{note}", f"flags: {plan_flags(chosen, text) or '(none added)'}"]
 

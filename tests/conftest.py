@@ -43,8 +43,8 @@ from tests.tiny_flux2 import (MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, buil
 # these modules, which share module-scoped runs and go to one worker together (each worker would otherwise build
 # them again: about 40 s of the multinode runs alone).
 SHARED_RUN_MODULES = ("test_adapters.py", "test_captions_preservation.py", "test_config.py", "test_copy_runs.py",
-                      "test_memory.py", "test_metrics.py", "test_multinode.py", "test_parts.py", "test_plan.py",
-                      "test_ray.py", "test_reliability.py", "test_swap.py")
+                      "test_int8.py", "test_memory.py", "test_metrics.py", "test_multinode.py", "test_parts.py",
+                      "test_plan.py", "test_ray.py", "test_reliability.py", "test_swap.py")
 # The longest tests start first, so that the last minute is not one worker finishing a proof while the other waits
 # (seconds on 2 cores, `--durations`): longest-first is the usual cure for an idle tail.
 LONGEST_FIRST = ("test_ray.py::",  # 150 s, one Ray cluster for the module

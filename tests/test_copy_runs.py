@@ -280,6 +280,13 @@ def run_compile(copy, model, images, tmp_path, request):
     assert any(".optimizer.state." in k and "__bnb_optimizer_quant_state__" in k for k in state), sorted(state)[-4:]
 
 
+@run_of("int8_weights")
+def run_int8_weights(copy, model, images, tmp_path, request):
+    """--transformer_quantization int8: the model card says the weights were int8 (tests/test_int8.py trains it)."""
+    launch(base_args(model, images, tmp_path / "out", *ONE_STEP, "--transformer_quantization", "int8"), script=copy)
+    assert "linear weights in int8" in (tmp_path / "out" / "README.md").read_text()
+
+
 @run_of("validation_extras")
 def run_validation_extras(copy, model, images, tmp_path, request):
     """--validation_lora_scales 0,1: the final validation shows the prompt at both strengths."""

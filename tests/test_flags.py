@@ -35,6 +35,7 @@ REFUSED = {
     "resolution": ["0", "-16", "40", "8192", "512,512", "512,40", "512,", "512;768"],
     "output_preservation_weight": ["-1", "nan"],
     "text_encoder_quantization": ["int4", "fp8"],
+    "transformer_quantization": ["nf4", "int4"],
     "adapter": ["lycoris"],
     "lokr_factor": ["0", "-2", "1.5"],
     "lora_format": ["kohya"],

@@ -66,9 +66,28 @@ def test_each_plan_fits_its_card_and_more_memory_never_gives_a_slower_plan(plann
             previous = rank
     # what the margins make of the real models
     assert found["klein4b", 24][1].checkpointing and not found["klein4b", 48][1].checkpointing
-    assert (found["dev", 24][1].quant, found["dev", 24][2]) == ("nf4", "nf4") and found["dev", 24][1].swap > 0
+    assert (found["dev", 24][1].quant, found["dev", 24][2]) == ("int8", "nf4") and found["dev", 24][1].swap > 0
     assert found["dev", 80][1].quant is None and found["dev", 80][1].swap == 0
 
+
+
+def test_8bit_weights_come_after_bf16_and_before_nf4(planned):
+    """Issue 61: where no bf16 setting fits and 8-bit weights (--transformer_quantization int8) do, the plan takes
+    them before NF4 ([dev] on 24 and 32 GB took NF4 before), its rows saying their step cost is estimated; where bf16
+    fits, with swapping too ([klein] 9B on 16 GB, [dev] on 48 GB), bf16 stays, and the rows show 8-bit's alternative
+    (no block swapped, an estimated step cost above bf16's swapping)."""
+    found, _ = planned
+    for card, swapped in ((24, 40), (32, 25)):
+        report, chosen, _ = found["dev", card]
+        printed = "\n".join(report)
+        assert (chosen.quant, chosen.swap) == ("int8", swapped) and "--transformer_quantization int8" in report[-1]
+        assert re.search(r"^  bf16 +on +off +none fits ", printed, flags=re.M)  # bf16 does not fit, swapped or not
+        assert re.search(r"^  nf4 +on +off +\d+ +[\d.]+ +[\d.]+ +1\.2\dx$", printed, flags=re.M)  # NF4 fits, costs more
+        assert re.search(r"^  int8 +on +off +\d+ .* \(estimated\)  <- chosen$", printed, flags=re.M), printed
+    for model, card in (("klein9b", 16), ("dev", 48)):
+        report, chosen, _ = found[model, card]
+        assert chosen.quant is None and chosen.swap > 0
+        assert re.search(r"^  int8 +on +off +0 +[\d.]+ +[\d.]+ +1\.10x \(estimated\)$", "\n".join(report), flags=re.M)
 
 
 def test_the_24_and_48_gb_plans_ran_on_a_gpu_near_their_estimate(planned):
@@ -130,14 +149,16 @@ def test_the_plan_sets_the_flags_it_printed_and_their_options_turn_on(planned):
     found, work = planned
     args, on = _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB")
     _, chosen, text = found["dev", 24]
-    assert T.plan_flags(chosen, text) == ("--gradient_checkpointing --blocks_to_swap 23 --bnb_quantization_config_path "
-                                          "nf4 --text_encoder_quantization nf4 --validation_batch 1")
-    assert (args.gradient_checkpointing, args.blocks_to_swap, args.bnb_quantization_config_path,
-            args.text_encoder_quantization) == (True, 23, "nf4", "nf4")
-    assert {"block_swap", "compile", "text_encoders", "memory_plan"} <= on
-    # with --compile given, the option was on before the plan chose NF4: it still knows the 4-bit weights are placed
-    # as they load (not moved again by the recipe's .to(device)); on 32 GB no swapping places them either
-    args = T.parse_args(_command(work, "dev", "--gpu_memory", "32GB", "--host_memory", "64GB", "--compile"))
+    assert T.plan_flags(chosen, text) == ("--gradient_checkpointing --blocks_to_swap 40 --transformer_quantization "
+                                          "int8 --text_encoder_quantization nf4 --validation_batch 1")
+    assert (args.gradient_checkpointing, args.blocks_to_swap, args.transformer_quantization,
+            args.text_encoder_quantization) == (True, 40, "int8", "nf4")
+    assert {"block_swap", "int8_weights", "text_encoders", "memory_plan"} <= on
+    # with --compile given, the option was on before the plan chose NF4 (8-bit weights kept out): it still knows the
+    # 4-bit weights are placed as they load (not moved again by the recipe's .to(device)); on 32 GB no swapping
+    # places them either
+    args = T.parse_args(_command(work, "dev", "--gpu_memory", "32GB", "--host_memory", "64GB", "--compile",
+                                 "--transformer_quantization", "none"))
     hooks = T.Hooks(args)
     assert not hooks.flag("places_transformer")
     with unittest.mock.patch("torch.cuda.is_available", lambda: True):
@@ -152,10 +173,10 @@ def test_flags_the_user_set_are_kept(planned):
     assert not found["klein4b", 80][1].checkpointing
     args, _ = _resolve(work, "klein4b", "--gpu_memory", "80GB", "--host_memory", "160GB", "--gradient_checkpointing")
     assert args.gradient_checkpointing and args.blocks_to_swap == 0
-    # a swap count given stays, and the plan fits around it ([dev] on 24 GB would take 23)
+    # a swap count given stays, and the plan fits around it ([dev] on 24 GB would take 40)
     args, _ = _resolve(work, "dev", "--gpu_memory", "24GB", "--host_memory", "64GB", "--gradient_checkpointing",
-                       "--blocks_to_swap", "40")
-    assert (args.blocks_to_swap, args.bnb_quantization_config_path) == (40, "nf4")
+                       "--blocks_to_swap", "45")
+    assert (args.blocks_to_swap, args.transformer_quantization, args.bnb_quantization_config_path) == (45, "int8", None)
     # a text encoder precision given stays: int8 cannot fit 24 GB, so the run is refused, naming what would fit
     with pytest.raises(T.UsageError, match=r"nothing fits 24\.0 GiB .*--text_encoder_quantization nf4 fits; .* the "
                        r"smallest card that fits is 32 GB, with --gradient_checkpointing .*"
@@ -171,8 +192,7 @@ def test_flags_given_at_their_default_value_are_kept_too(planned, tmp_path):
     assert T.plan_flags(*found["klein9b", 16][1:]) == ("--gradient_checkpointing --blocks_to_swap 20 "
                                                        "--text_encoder_quantization int8 --validation_batch 1")
     args, _ = _resolve(work, "klein9b", "--gpu_memory", "16GB", "--host_memory", "64GB", "--blocks_to_swap", "0")
-    assert (args.blocks_to_swap, args.bnb_quantization_config_path, args.text_encoder_quantization) == (
-        0, "nf4", "int8")
+    assert (args.blocks_to_swap, args.transformer_quantization, args.text_encoder_quantization) == (0, "int8", "int8")
     config = tmp_path / "config.yaml"
     config.write_text("text_encoder_quantization: none\nblocks_to_swap: 0\n")
     for given in (["--text_encoder_quantization", "none"], ["--config", str(config)]):
@@ -240,7 +260,7 @@ def test_a_card_nothing_fits_is_refused_before_loading(planned, monkeypatch, fre
     with pytest.raises(T.UsageError) as refused:
         T.main(_command(work, "dev", "--gpu_memory", "12GB", "--host_memory", "64GB"))
     assert re.fullmatch(r"--memory_plan auto: nothing fits 12\.0 GiB .* the smallest card that fits is 24 GB, with "
-                        r"--gradient_checkpointing --blocks_to_swap \d+ --bnb_quantization_config_path nf4 "
+                        r"--gradient_checkpointing --blocks_to_swap \d+ --transformer_quantization int8 "
                         r"--text_encoder_quantization nf4 --validation_batch 1", str(refused.value)), refused.value
     assert not (work / "out").exists()
 
@@ -321,10 +341,13 @@ def _plan_of(module, work, model, card, *extra):
 
 
 # each option the plan refers to, the flags of it the plan may print, a report's row that uses it (swapped blocks,
-# quantised weights, a quantised text encoder), and where the full script prints them
+# quantised weights, a quantised text encoder), and where the full script prints them (with flags, if another option's
+# choice would hide them)
 TRIMMED = [("block_swap", ["--blocks_to_swap"], r"^  \w+ +o\w+ +o\w+ +[1-9]", [("dev", 24)]),
            ("compile", ["--bnb_quantization_config_path", "--compile"],
-            r"^  (nf4|int8) |^  \w+ +o\w+ +on ", [("dev", 24), ("klein4b", 24)]),
+            r"^  (nf4|llm\.int8) |^  \w+ +o\w+ +on ", [("dev", 24, "--transformer_quantization", "none"),
+                                                     ("klein4b", 24)]),
+           ("int8_weights", ["--transformer_quantization"], r"^  int8 ", [("dev", 24)]),
            ("text_encoders", ["--text_encoder_quantization", "--remote_text_encoder"], r"encoder \((nf4|int8)\)",
             [("dev", 16)])]
 
@@ -347,8 +370,8 @@ def test_a_copy_without_an_option_plans_without_it(option, flags, used, where, p
     full = "\n".join(report + str(chosen) for report, chosen in (_plan_of(T, work, *w) for w in where))
     assert all(f in full for f in flags) and re.search(used, full, flags=re.M), full
     copy = load(source, "without_" + re.sub(r"\W", "_", option))
-    for model, card in (*where, ("klein4b", 80), ("klein9b", 16), ("dev", 12)):
-        report, chosen = _plan_of(copy, work, model, card)
+    for model, card, *extra in (*where, ("klein4b", 80), ("klein9b", 16), ("dev", 12)):
+        report, chosen = _plan_of(copy, work, model, card, *extra)
         assert not [f for f in flags if f in report + str(chosen)], (model, card, report)
         assert not re.search(used, report, flags=re.M), (model, card, report)  # nor takes it, unnamed
 
@@ -380,18 +403,19 @@ def test_an_edit_row_counts_the_tokens_of_each_of_its_references(tiny_model, ima
 
 def test_the_plan_keeps_the_quantisation_file_the_user_gave(planned, tmp_path, monkeypatch, capsys,
                                                           fresh_accelerate):
-    """A bitsandbytes file given is planned as the weights it loads (4-bit: NF4's size, 8-bit: int8) and printed as
-    given: the plan printed `--bnb_quantization_config_path nf4` in its place."""
+    """A bitsandbytes file given is planned as the weights it loads (4-bit: NF4's size, 8-bit: LLM.int8's, with the
+    rest float32 as PEFT's k-bit preparation makes it) and printed as given: the plan printed
+    `--bnb_quantization_config_path nf4` in its place."""
     _, work = planned
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for bits, label in ((4, "nf4"), (8, "int8")):
+    for bits, label in ((4, "nf4"), (8, "llm.int8")):
         config = tmp_path / f"{bits}bit.json"
         config.write_text(json.dumps({f"load_in_{bits}bit": True}))
         with pytest.raises(SystemExit):
             T.main(_command(work, "dev", "--gpu_memory", "80GB", "--host_memory", "160GB", "--plan_only",
                             "--bnb_quantization_config_path", str(config)))
         printed = capsys.readouterr().out
-        assert re.findall(r"^  (bf16|nf4|int8) ", printed, flags=re.M) == [label, label], printed  # its rows alone
+        assert re.findall(r"^  (bf16|nf4|int8|llm\.int8) ", printed, flags=re.M) == [label, label], printed
         assert f"--bnb_quantization_config_path {config}" in printed and "path nf4" not in printed
 
 
@@ -433,7 +457,8 @@ def test_bad_inputs_of_the_plan_are_refused_before_it_plans(extra, message, plan
 def test_two_processes_on_a_machine_share_its_host_ram(planned, monkeypatch, capsys, fresh_accelerate):
     """Each process of a machine pins its own swapped blocks and loads its own unquantised weights, so the plan gives
     each the machine's free host RAM divided among them. [dev] on an 80 GB card with 128 GB of host RAM: one process
-    loads its 60 GiB of bf16 weights within 80% of it; two would need twice that, and take NF4 (loaded on the GPU)."""
+    loads its 60 GiB of bf16 weights within 80% of it; two would need twice that, and take 8-bit weights (30 GiB each
+    as they load)."""
     _, work = planned
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
@@ -444,7 +469,7 @@ def test_two_processes_on_a_machine_share_its_host_ram(planned, monkeypatch, cap
         return re.search(r"^flags: (.*)$", capsys.readouterr().out, flags=re.M)[1]
 
     assert flags(1) == "--gradient_checkpointing --validation_batch 1"  # (four 1024 px images at once: 81 GiB)
-    assert flags(2) == "--gradient_checkpointing --bnb_quantization_config_path nf4"
+    assert flags(2) == "--gradient_checkpointing --transformer_quantization int8"
 
 
 def test_the_plan_compiles_a_run_long_enough_to_repay_it(planned, monkeypatch, capsys, fresh_accelerate):

@@ -201,13 +201,13 @@ def test_swapped_blocks_leave_the_device_and_keep_their_weights(deep_model, imag
         empty = [p.numel() == 0 for _, p in frozen]
         assert all(empty) if i in (2, 3, 4) else not any(empty)  # a sampling pass leaves none of them in
     # the host copies are the checkpoint's weights (names as PEFT wraps them: base_layer)
-    host = {id(p): h for weights in swapper.weights.values() for p, h, _ in weights}
+    host = {id(p): h for weights in swapper.weights.values() for p, _, h, _ in weights}
     named = dict(transformer.named_parameters())
     for name, param in named.items():
         if id(param) in host:
             torch.testing.assert_close(host[id(param)], original[name.replace(".base_layer", "")], rtol=0, atol=0)
     # one host buffer a block (the pinned allocator rounds each allocation up to a power of two), none shared
-    buffers = [{h.untyped_storage().data_ptr() for _, h, _ in swapper.weights[i]} for i in (2, 3, 4)]
+    buffers = [{h.untyped_storage().data_ptr() for *_, h, _ in swapper.weights[i]} for i in (2, 3, 4)]
     assert all(len(b) == 1 for b in buffers) and len(set.union(*buffers)) == 3
     assert sum(len(weights) for weights in swapper.weights.values()) == len(host) > 3
 
@@ -236,14 +236,14 @@ def test_weights_a_layer_keeps_for_backward_leave_memory_and_come_back(deep_mode
     # after the forward pass only the last swapped block is in (it runs first backwards): the others' kept views
     # hold no memory
     assert {i: all(v.untyped_storage().nbytes() > 0 for v in kept[i]) for i in (2, 3, 4)} == {2: False, 3: False, 4: True}
-    host = {id(p): h for weights in swapper.weights.values() for p, h, _ in weights}
+    host = {id(p): h for weights in swapper.weights.values() for p, _, h, _ in weights}
     out.float().pow(2).mean().backward()
     # forward, then the recomputation in backward (in reverse): each time the views from the first run are full
     assert runs == [(2, True), (3, True), (4, True), (4, True), (3, True), (2, True)]
     # 4 and 3 evicted again after their backward; 2, the first swapped block, stays in for the next step
     assert {i: all(v.untyped_storage().nbytes() > 0 for v in kept[i]) for i in (2, 3, 4)} == {2: True, 3: False, 4: False}
     for weights in swapper.weights.values():  # and refilled with the same values each time
-        assert all(slot.untyped_storage().nbytes() == 0 or torch.equal(slot, host[id(p)]) for p, _, slot in weights)
+        assert all(slot.untyped_storage().nbytes() == 0 or torch.equal(slot, host[id(p)]) for p, _, _, slot in weights)
 
 
 def test_whole_run_with_swapped_blocks_validates_checkpoints_and_resumes(tiny_model, images, tmp_path, monkeypatch):
