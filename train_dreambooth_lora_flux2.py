@@ -204,7 +204,8 @@ def optimisation_flags(p):
     g.add_argument("--logit_mean", type=finite, default=0.0, help="Mean of the logit_normal density.")
     g.add_argument("--logit_std", type=positive, default=1.0, help="Standard deviation of logit_normal.")
     g.add_argument("--mode_scale", type=mode_scale, default=1.29, help="Scale of the mode density.")
-    g.add_argument("--guidance_scale", type=non_negative, default=3.5, help="[dev]'s embedded guidance.")
+    g.add_argument("--guidance_scale", type=non_negative, default=1.0, help="[dev]'s embedded guidance in training "
+                   "(the diffusers README's 1; validation: --validation_guidance_scale).")
     g.add_argument("--seed", type=seed_value, help="Seed of everything random; default: drawn and logged.")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"],
                    help="dtype of the frozen weights; default: the accelerate config's.")
@@ -237,7 +238,7 @@ def validation_flags(p):
     g.add_argument("--validation_inference_steps", type=positive_int,
                    help="Denoising steps; default: the pipeline's (4 for distilled [klein]).")
     g.add_argument("--validation_guidance_scale", type=non_negative,
-                   help="[klein]'s CFG; default: the pipeline's ([dev] uses --guidance_scale).")
+                   help="[dev]'s embedded guidance or [klein]'s CFG in sampling; default: the pipeline's.")
     g.add_argument("--final_validation_prompt", help="Prompt of the final images without --validation_prompt.")
     g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
 
@@ -1640,7 +1641,7 @@ def uses_cfg(args, data):
 def pipeline_call(args, run, spec, device, family, steps):
     """The pipeline's arguments for one validation spec: its cached embeddings (and [klein] CFG's empty prompt), size
     (edit mode: the condition, in its bucket), steps, guidance, and the seed and device of its noise."""
-    guidance = spec.guidance if spec.guidance is not None else guidance_scale(args, family)
+    guidance = spec.guidance if spec.guidance is not None else args.validation_guidance_scale
     call = {"prompt_embeds": run.caches.prompts[spec.prompt].to(device, run.weight_dtype),
             "height": spec.height or args.resolution, "width": spec.width or args.resolution,
             "num_inference_steps": spec.steps or steps, "guidance_scale": guidance,
@@ -2587,10 +2588,6 @@ def load_pipeline_tokenizer(args):
     refuse(not tokenizer.chat_template, f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
                                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
     return tokenizer
-
-def guidance_scale(args, family):
-    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
-    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
 
 def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
     """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
@@ -3730,7 +3727,7 @@ def write_model_card(args, image_paths, run, repo_id=None):
         specs[0].prompt if specs else "...")
     kind = run.hooks.first("adapter_name", default=lambda: "LoRA")
     notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
-    guidance = f"guidance_scale={guidance_scale(args, family):g}"  # the pipeline's default is not the run's
+    guidance = f"guidance_scale={args.validation_guidance_scale:g}"  # as validation sampled
     use = f"image = pipe({shown!r}, {guidance}).images[0]"  # a Python literal: quotes in the prompt stay valid code
     if edit:
         use = (f'condition = load_image("photo.png")  # the image to edit (from diffusers.utils import load_image)\n'
@@ -4514,7 +4511,7 @@ def generate_class_images(args, accelerator, seed, existing, family):
                       for i, _ in batch]
         steps = {"num_inference_steps": args.validation_inference_steps} if family.distilled else {}
         images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution,
-                          **steps, generator=generators, guidance_scale=guidance_scale(args, family),
+                          **steps, generator=generators, guidance_scale=args.validation_guidance_scale,
                           max_sequence_length=args.max_sequence_length,
                           text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
         for (_, name), image in zip(batch, images):
