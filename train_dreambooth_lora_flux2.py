@@ -3344,13 +3344,25 @@ def process_start():
     except (OSError, ValueError, IndexError):
         return time.time()
 
-def quiet_library_imports():
-    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
-    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
-    a plain run never uses. Their loggers keep errors only."""
+LIBRARY_NOISE = (  # what other libraries log at import that says nothing about a run (FLUX2_VERBOSE=1 shows it)
+    ("torchao", "Failed to load "),  # its CUDA extensions (_C_mxfp8, _C_cutlass_90a) without their CUDA: unused
+    ("torch.utils._pytree", "Calling register_constant() on Enum subclasses is deprecated"),  # torchao's enums
+    ("torchao.kernel.intmm", "Detected no triton"),  # its Triton int8 matmuls, absent on a CPU: unused
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao`"),  # torchao-saved models: unused
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"))  # its Hub kernel, kept from loading
+
+def quiet_library_imports(environ=os.environ):
+    """Runs import torchao and bitsandbytes (diffusers imports peft, which imports them): LIBRARY_NOISE is dropped,
+    never an error. Importing bitsandbytes on an AVX512-BF16 CPU fetches a Hub kernel (its code run): not here."""
     import logging
-    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    for name, words in () if environ.get("FLUX2_VERBOSE") == "1" else LIBRARY_NOISE:
+        logging.getLogger(name).addFilter(lambda r, w=words: r.levelno >= logging.ERROR or w not in r.getMessage())
+    if importlib.util.find_spec("bitsandbytes"):
+        held = sys.modules.pop("kernels", None)
+        sys.modules["kernels"] = None  # `from kernels import get_kernel` raises ImportError: bitsandbytes' own code
+        import bitsandbytes  # noqa: F401
+        del sys.modules["kernels"]
+        sys.modules.update({"kernels": held} if held else {})
 
 @contextlib.contextmanager
 def validation_oom(step):
