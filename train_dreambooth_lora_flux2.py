@@ -41,7 +41,8 @@ Reading map: three parts, drawn by what runs.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
     banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset, folders,
     masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
-    block_swap, attention, compile, hub, validation_extras, validation_transformer, memory_plan, metrics.
+    transformer_file, block_swap, attention, compile, hub, validation_extras, validation_transformer, memory_plan,
+    metrics.
 """
 
 # ================================================================================================================
@@ -1954,6 +1955,8 @@ def resolved_config(args, seed, accelerator, max_train_steps=None, run_id=None):
     config.update(resolution=",".join(map(str, args.resolutions)), seed=seed,
                   max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
     config["mixed_precision"] = accelerator.mixed_precision  # without the flag, accelerate's config or environment's
+    if vars(args).get("transformer_sha256"):  # option: transformer_file (its content, beside its name)
+        config["transformer_file_sha256"] = args.transformer_sha256
     return {**config, "run": run_id} if run_id else config
 
 def write_config(args, data, folder, accelerator, run_id=None):
@@ -3599,6 +3602,7 @@ def base_record(args, run, specs, scales, condition, model, steps):
         "model": [model.config.get("_name_or_path"), args.revision, args.variant, str(run.weight_dtype)],
         "seed": run.data.seed, "noise": "seed_for(seed, k)", "resolution": args.resolution, "steps": steps,
         "guidance": [args.validation_guidance_scale, args.guidance_scale],
+        **({"transformer_file": args.transformer_file} if args.transformer_file else {}),  # option: transformer_file
         "condition": None if condition is None else [condition.mode, list(condition.size),
                                                      hashlib.sha256(condition.tobytes()).hexdigest()]}))
 
@@ -3951,7 +3955,7 @@ def config_tokens(argv):
     tokens = {}
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
-        if name in ("version", "run") or value is None:  # what a resolved config holds besides flags
+        if name in ("version", "run") or name.endswith("_sha256") or value is None:  # besides flags, a config holds
             continue
         if name not in actions:
             hint = "".join(f" (did you mean --{near}?)" for near in difflib.get_close_matches(name, actions, 1))
@@ -4498,6 +4502,7 @@ def generate_class_images(args, accelerator, seed, existing, family):
     # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
     pipeline = getattr(diffusers, family.pipeline).from_pretrained(
         args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
+        **file_transformer(args, dtype),  # option: transformer_file (class images of the file's transformer)
         torch_dtype=dtype, cache_dir=args.cache_dir)
     pipeline.tokenizer = load_pipeline_tokenizer(args)
     sizes = {name: sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers()))
@@ -5449,6 +5454,147 @@ def fsdp_lora_params(transformer):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Option: transformer_file (--transformer_file: the transformer from one .safetensors file, BFL's or ComfyUI's)
+
+HUB_FILE = r"https://huggingface\.co/([\w.-]+/[\w.-]+)/(?:blob|resolve)/([^/]+)/(.+\.safetensors)"  # repo, rev, file
+single_file = Accepts("a .safetensors file, or a Hub URL to one (https://huggingface.co/OWNER/NAME/blob/main/FILE)",
+                      lambda v: re.fullmatch(HUB_FILE, v) or v.endswith(".safetensors") and readable_file.ok(v))
+FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors' floating dtypes
+SCALES, EXTRAS = (".weight_scale", ".scale_weight"), (".comfy_quant", ".input_scale", "scaled_fp8")  # ComfyUI's fp8
+
+@functools.lru_cache(maxsize=None)
+def local_file(source, cache_dir):
+    """The file itself, or a Hub URL's file downloaded (once) into the Hub cache -> its path."""
+    if not (m := re.fullmatch(HUB_FILE, source)):
+        return source
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(m[1], m[3], revision=m[2], cache_dir=cache_dir)
+
+def file_tensors(names, get, dtype):
+    """A single file's tensors (the set of their `names`; get(name) -> one as stored) -> {BFL name: tensor in
+    `dtype`}, read one at a time: ComfyUI's 'model.diffusion_model.' prefix dropped, its scaled fp8 weights times
+    their scales (which go), its quantisation records gone."""
+    state = {}
+    for name in names:
+        if name.endswith(SCALES + EXTRAS):
+            continue
+        tensor = get(name)
+        for scale in [name.removesuffix("weight") + s[1:] for s in SCALES if name.endswith(".weight")]:
+            tensor = tensor.float() * get(scale).float() if scale in names else tensor
+        # a copy: safetensors maps the file, 8 bytes off the alignment from_pretrained's copies have (matmuls round
+        # otherwise in their last bits)
+        state[name.removeprefix("model.diffusion_model.")] = tensor.to(dtype, copy=True)
+    return state
+
+def outline(shapes):
+    """{diffusers name: shape} of a FLUX.2 transformer -> its blocks, width and guidance embedding, in words."""
+    double, single = (len({n.split(".")[1] for n in shapes if n.startswith(prefix)})
+                      for prefix in ("transformer_blocks.", "single_transformer_blocks."))
+    guided = "time_guidance_embed.guidance_embedder.linear_1.weight" in shapes
+    return (f"{double} double- and {single} single-stream blocks of width {shapes.get('x_embedder.weight', '?')[0]}, "
+            f"{'a' if guided else 'no'} guidance embedding")
+
+def file_problem(header, model):
+    """What keeps a single file (its safetensors header) from holding `model`'s transformer (on the meta device) ->
+    words, or None: its tensors through diffusers' own converter, compared by name and shape."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers as convert
+    names = {n for n in header if n != "__metadata__"}
+    kinds = {header[n]["dtype"] for n in names if not n.endswith(EXTRAS)} - FLOATS
+    if kinds:
+        return (f"it stores tensors as {', '.join(sorted(kinds))}, a quantised format not read here (bf16, fp16, fp32 "
+                "and fp8 files are)")
+    state = file_tensors(names, lambda n: torch.empty(header[n]["shape"], device="meta"), torch.float32)
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    try:  # a file in diffusers' layout loads as it is
+        found = {n: tuple(t.shape) for n, t in (state if state.keys() == expected.keys() else convert(state)).items()}
+    except Exception as e:  # noqa: BLE001 - names diffusers' FLUX.2 converter does not know
+        found = {f"{type(e).__name__}: {e}": None}
+    if not found.keys() & expected.keys():
+        return f"not a FLUX.2 transformer in BFL, ComfyUI or diffusers layout ({next(iter(found), 'no tensors')})"
+    if outline(found) != outline(expected):
+        return f"its transformer has {outline(found)}, where the checkpoint's has {outline(expected)}"
+    differ = [(n, found.get(n), expected.get(n)) for n in sorted(found.keys() | expected.keys())
+              if found.get(n) != expected.get(n)]
+    if not differ:
+        return None
+    return (f"tensors that differ from the checkpoint's transformer's: {len(differ)}, e.g. {differ[0][0]}: "
+            f"{differ[0][1]} in the file, {differ[0][2]} expected (None: absent)")
+
+def load_transformer_file(args, dtype, quantization=None, device=None):
+    """--transformer_file's transformer in `dtype` through diffusers' single-file loader (its converter, configured
+    by the checkpoint's transformer/config.json), its tensors read one at a time (fp8 ones dequantised): host memory
+    holds the transformer in `dtype` and one tensor as stored. device: where quantised weights go."""
+    from diffusers import Flux2Transformer2DModel
+    from huggingface_hub import hf_hub_download
+    from safetensors import safe_open
+    source, path = args.pretrained_model_name_or_path, local_file(args.transformer_file, args.cache_dir)
+    config = source if Path(source).is_dir() else Path(hf_hub_download(
+        source, "transformer/config.json", revision=args.revision, cache_dir=args.cache_dir)).parents[1]
+    logger.info(f"loading the transformer from {args.transformer_file}", main_process_only=False)
+    with safe_open(path, "pt") as f:
+        state = file_tensors(set(f.keys()), f.get_tensor, dtype)
+    return Flux2Transformer2DModel.from_single_file(state, config=str(config), subfolder="transformer",
+                                                    torch_dtype=dtype, quantization_config=quantization, device=device)
+
+def file_transformer(args, dtype):
+    """A pipeline's from_pretrained keywords for --transformer_file's transformer (class images)."""
+    return {"transformer": load_transformer_file(args, dtype)} if args.transformer_file else {}
+
+def hashed(path, desc):
+    """A file's SHA-256, with a progress bar (64 GB take about a minute)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=Path(path).stat().st_size, desc=desc, unit="B", unit_scale=True) as bar:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+            bar.update(len(block))
+    return digest.hexdigest()
+
+@option
+class TransformerFile(Option):
+    """The transformer from one .safetensors file in BFL's or ComfyUI's layout (BFL's flux2-dev.safetensors, ComfyUI's
+    diffusion_models/ files, fine-tunes), or a Hub URL to one, through diffusers' single-file loader; everything else
+    (VAE, text encoder, tokenizer, scheduler, family, the transformer's config) from --pretrained_model_name_or_path.
+    Its tensors are checked against that config before anything loads; fp8 ones (ComfyUI's scaled too) load in the
+    run's precision. Cost: a Hub file downloads before the checks; the file is read once more for its SHA-256, which
+    config.yaml and the model card record."""
+
+    name = "transformer_file"
+    flags = [flag("--transformer_file", type=single_file, metavar="FILE", help="The transformer from this file (BFL "
+                  "or ComfyUI layout, fp8 too); the rest from --pretrained_model_name_or_path.")]
+
+    def check_model(self, model):
+        """Its tensors, by the header alone, are those of `model` (the checkpoint's transformer, on the meta device)."""
+        args = self.args
+        name = f"--transformer_file {args.transformer_file}"
+        try:
+            header = safetensors_header(local_file(args.transformer_file, args.cache_dir))
+        except Exception as e:  # noqa: BLE001 - unreadable, not safetensors, not on the Hub: the same advice
+            raise UsageError(f"{name}: cannot read it ({type(e).__name__}: {e})") from None
+        problem = file_problem(header, model)
+        refuse(problem, f"{name}: {problem} (its config: --pretrained_model_name_or_path "
+               f"{args.pretrained_model_name_or_path})")
+
+    def resolved(self, seed, batches, accelerator):
+        """Its SHA-256, for config.yaml and the model card (a Hub download's: its blob's name in the Hub cache)."""
+        source = self.args.transformer_file
+        path = Path(local_file(source, self.args.cache_dir)).resolve()
+        if accelerator.is_main_process:
+            hub = re.fullmatch(HUB_FILE, source) and re.fullmatch(r"[0-9a-f]{64}", path.name)
+            vars(self.args)["transformer_sha256"] = path.name if hub else hashed(path, "Hashing the transformer file")
+
+    def load_transformer(self, accelerator, weight_dtype):
+        quantization = Hooks(self.args).first("quantization_config", weight_dtype)  # 4-bit weights go to the GPU
+        return load_transformer_file(self.args, weight_dtype, quantization, quantization and accelerator.device)
+
+    def card(self):
+        args = self.args
+        return ["", f"Trained on the transformer of `{args.transformer_file}` (SHA-256 `{args.transformer_sha256}`), "
+                "a single file: give it to the pipeline as `transformer=Flux2Transformer2DModel.from_single_file("
+                f"{args.transformer_file!r}, config={args.pretrained_model_name_or_path!r}, subfolder='transformer', "
+                "torch_dtype=torch.bfloat16)`."]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Option: block_swap (--blocks_to_swap)
 
 @option
@@ -6125,6 +6271,7 @@ class MemoryEstimate:
         self.unquantised = sum(p.numel() * p.element_size() for p in transformer.parameters())
         self.weights = {}  # (swap, quant) -> weight_bytes: 50 ms each on [dev]'s shapes, and a plan asks hundreds
         self.decode = self.encode = 0
+        self.file = 0  # option: transformer_file (its largest tensor's bytes: a file loads whole, then one such)
         self.per_call, self.calls = images, dict.fromkeys((1, images), 0)  # images in one call -> the call's peak
         with shapes_only(), torch.no_grad():
             for n in self.calls if validates else ():  # [klein]'s CFG is a second forward, not a batch of 2n
@@ -6151,6 +6298,7 @@ class MemoryEstimate:
         validation = (weights + lora + self.vae) * self.validates + self.calls[self.per_call]
         one = (weights + lora + self.vae) * self.validates + self.calls[1]  # validation's images one at a time
         load = 0 if quant else self.unquantised
+        load = self.unquantised + self.file if self.file else load  # option: transformer_file (quantised too)
         return dict(weights=weights, host=host, load=load, lora=lora, activations=activations, training=training,
                     validation=validation, peak=max(training, validation), peak_one=max(training, one))
 
@@ -6397,8 +6545,12 @@ def run_estimate(args, dtype, instances=()):
     rows *= 2 if args.output_preservation else 1  # option: trigger_words
     validates = validates or bool(args.validation_prompts_file)  # option: validation_extras
     images = max(1, min(args.validation_batch or args.num_validation_images, args.num_validation_images))
-    return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, (height // 8, width // 8),
-                          validates, args.cache_latents, images)
+    estimate = MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, (height // 8, width // 8),
+                              validates, args.cache_latents, images)
+    if args.transformer_file:  # option: transformer_file
+        estimate.file = max(t["data_offsets"][1] - t["data_offsets"][0] for n, t in safetensors_header(
+            local_file(args.transformer_file, args.cache_dir)).items() if n != "__metadata__")
+    return estimate
 
 def text_encoder_size(args, family):
     """-> (parameters, those quantisation leaves alone: input embeddings, output layer), from its config on meta."""

@@ -366,6 +366,7 @@ def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
     assert (tmp_path / "progress-0.json").exists()
     with_prompts = tmp_path / "prompts.txt"
     with_prompts.write_text("a sks dog on a beach --seed 3\n")
+    (tmp_path / "tuned.safetensors").write_bytes(b"")  # --transformer_file's own checks come later
     condition = Image.new("RGB", (16, 16), (9, 9, 9))
     for other in (_base_record("--validation_prompt", "a sks cat"), _base_record("--num_validation_images", "2"),
                   _base_record("--validation_lora_scales", "0,1"),
@@ -374,6 +375,7 @@ def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
                   _base_record("--validation_inference_steps", "3"),
                   _base_record("--validation_guidance_scale", "2"), _base_record("--guidance_scale", "2"),
                   _base_record("--pretrained_model_name_or_path", "other"), _base_record("--revision", "v2"),
+                  _base_record("--transformer_file", tmp_path / "tuned.safetensors"),
                   _base_record(condition=condition), _base_record(model="distilled", steps=4)):
         assert other != made and T.base_images_missing(plain, tmp_path, other), other
     assert _base_record(condition=condition) == _base_record(condition=condition.copy())  # the pixels, not the object
