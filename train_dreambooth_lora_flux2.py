@@ -41,7 +41,8 @@ Reading map: three parts, drawn by what runs.
   Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
     banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset, folders,
     masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
-    block_swap, attention, compile, int8_weights, hub, validation_extras, validation_transformer, memory_plan, metrics.
+    transformer_file, block_swap, attention, compile, int8_weights, hub, validation_extras, validation_transformer,
+    memory_plan, metrics, copies.
 """
 
 # ================================================================================================================
@@ -207,7 +208,8 @@ def optimisation_flags(p):
     g.add_argument("--logit_mean", type=finite, default=0.0, help="Mean of the logit_normal density.")
     g.add_argument("--logit_std", type=positive, default=1.0, help="Standard deviation of logit_normal.")
     g.add_argument("--mode_scale", type=mode_scale, default=1.29, help="Scale of the mode density.")
-    g.add_argument("--guidance_scale", type=non_negative, default=3.5, help="[dev]'s embedded guidance.")
+    g.add_argument("--guidance_scale", type=non_negative, default=1.0, help="[dev]'s embedded guidance in training "
+                   "(the diffusers README's 1; validation: --validation_guidance_scale).")
     g.add_argument("--seed", type=seed_value, help="Seed of everything random; default: drawn and logged.")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"],
                    help="dtype of the frozen weights; default: the accelerate config's.")
@@ -240,7 +242,7 @@ def validation_flags(p):
     g.add_argument("--validation_inference_steps", type=positive_int,
                    help="Denoising steps; default: the pipeline's (4 for distilled [klein]).")
     g.add_argument("--validation_guidance_scale", type=non_negative,
-                   help="[klein]'s CFG; default: the pipeline's ([dev] uses --guidance_scale).")
+                   help="[dev]'s embedded guidance or [klein]'s CFG in sampling; default: the pipeline's.")
     g.add_argument("--final_validation_prompt", help="Prompt of the final images without --validation_prompt.")
     g.add_argument("--skip_final_inference", action="store_true", help="Make no validation images after training.")
 
@@ -1601,7 +1603,7 @@ def uses_cfg(args, data):
 def pipeline_call(args, run, spec, device, family, steps):
     """The pipeline's arguments for one validation spec: its cached embeddings (and [klein] CFG's empty prompt), size
     (edit mode: the conditions, in their bucket), steps, guidance, and the seed and device of its noise."""
-    guidance = spec.guidance if spec.guidance is not None else guidance_scale(args, family)
+    guidance = spec.guidance if spec.guidance is not None else args.validation_guidance_scale
     call = {"prompt_embeds": run.caches.prompts[spec.prompt].to(device, run.weight_dtype),
             "height": spec.height or args.resolution, "width": spec.width or args.resolution,
             "num_inference_steps": spec.steps or steps, "guidance_scale": guidance,
@@ -1916,6 +1918,8 @@ def resolved_config(args, seed, accelerator, max_train_steps=None, run_id=None):
     config.update(resolution=",".join(map(str, args.resolutions)), seed=seed,
                   max_train_steps=config["max_train_steps"] or max_train_steps, version=VERSION)
     config["mixed_precision"] = accelerator.mixed_precision  # without the flag, accelerate's config or environment's
+    if vars(args).get("transformer_sha256"):  # option: transformer_file (its content, beside its name)
+        config["transformer_file_sha256"] = args.transformer_sha256
     return {**config, "run": run_id} if run_id else config
 
 def write_config(args, data, folder, accelerator, run_id=None):
@@ -2551,10 +2555,6 @@ def load_pipeline_tokenizer(args):
     refuse(not tokenizer.chat_template, f"{args.pretrained_model_name_or_path}/tokenizer has no chat template "
                                         "(chat_template.jinja or chat_template.json); FLUX.2 prompts are built with it")
     return tokenizer
-
-def guidance_scale(args, family):
-    """Sampling guidance: the embedded guidance of [dev], the CFG scale of [klein]."""
-    return args.validation_guidance_scale if family.pipeline == "Flux2KleinPipeline" else args.guidance_scale
 
 def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length, out_layers):
     """Prompts -> embeddings [B, max_sequence_length, hidden * len(out_layers)], exactly as the family's pipeline
@@ -3311,13 +3311,25 @@ def process_start():
     except (OSError, ValueError, IndexError):
         return time.time()
 
-def quiet_library_imports():
-    """diffusers, transformers and peft import torchao and bitsandbytes whenever they are installed, and those log
-    at import time (torchao's kernels missing on this machine, torch's pytree deprecations): noise about libraries
-    a plain run never uses. Their loggers keep errors only."""
+LIBRARY_NOISE = (  # what other libraries log at import that says nothing about a run (FLUX2_VERBOSE=1 shows it)
+    ("torchao", "Failed to load "),  # its CUDA extensions (_C_mxfp8, _C_cutlass_90a) without their CUDA: unused
+    ("torch.utils._pytree", "Calling register_constant() on Enum subclasses is deprecated"),  # torchao's enums
+    ("torchao.kernel.intmm", "Detected no triton"),  # its Triton int8 matmuls, absent on a CPU: unused
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao`"),  # torchao-saved models: unused
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"))  # its Hub kernel, kept from loading
+
+def quiet_library_imports(environ=os.environ):
+    """Runs import torchao and bitsandbytes (diffusers imports peft, which imports them): LIBRARY_NOISE is dropped,
+    never an error. Importing bitsandbytes on an AVX512-BF16 CPU fetches a Hub kernel (its code run): not here."""
     import logging
-    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "diffusers.quantizers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    for name, words in () if environ.get("FLUX2_VERBOSE") == "1" else LIBRARY_NOISE:
+        logging.getLogger(name).addFilter(lambda r, w=words: r.levelno >= logging.ERROR or w not in r.getMessage())
+    if importlib.util.find_spec("bitsandbytes"):
+        held = sys.modules.pop("kernels", None)
+        sys.modules["kernels"] = None  # `from kernels import get_kernel` raises ImportError: bitsandbytes' own code
+        import bitsandbytes  # noqa: F401
+        del sys.modules["kernels"]
+        sys.modules.update({"kernels": held} if held else {})
 
 def non_finite_loss(args, accelerator, step, batch):
     """What to do when the loss of `batch` turned NaN or infinite, before its update `step` was applied."""
@@ -3568,6 +3580,7 @@ def base_record(args, run, specs, scales, conditions, model, steps):
         "model": [model.config.get("_name_or_path"), args.revision, args.variant, str(run.weight_dtype)],
         "seed": run.data.seed, "noise": "seed_for(seed, k)", "resolution": args.resolution, "steps": steps,
         "guidance": [args.validation_guidance_scale, args.guidance_scale],
+        **({"transformer_file": args.transformer_file} if args.transformer_file else {}),  # option: transformer_file
         "condition": [[c.mode, list(c.size), hashlib.sha256(c.tobytes()).hexdigest()] for c in conditions or ()]
         or None}))
 
@@ -3709,7 +3722,7 @@ def write_model_card(args, image_paths, run, repo_id=None):
         specs[0].prompt if specs else "...")
     kind = run.hooks.first("adapter_name", default=lambda: "LoRA")
     notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
-    guidance = f"guidance_scale={guidance_scale(args, family):g}"  # the pipeline's default is not the run's
+    guidance = f"guidance_scale={args.validation_guidance_scale:g}"  # as validation sampled
     use = f"image = pipe({shown!r}, {guidance}).images[0]"  # a Python literal: quotes in the prompt stay valid code
     if edit:  # several references: a list, in training's order
         count = max(len(r.conditions) for r in dataset.instances)
@@ -3823,7 +3836,7 @@ def config_tokens(argv):
     tokens = {}
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
-        if name in ("version", "run") or value is None:  # what a resolved config holds besides flags
+        if name in ("version", "run") or name.endswith("_sha256") or value is None:  # besides flags, a config holds
             continue
         if name not in actions:
             hint = "".join(f" (did you mean --{near}?)" for near in difflib.get_close_matches(name, actions, 1))
@@ -4385,6 +4398,7 @@ def generate_class_images(args, accelerator, seed, existing, family):
     # tokenizer=None: the Hub folder names a PixtralProcessor, which needs torchvision; set the plain tokenizer after
     pipeline = getattr(diffusers, family.pipeline).from_pretrained(
         args.pretrained_model_name_or_path, tokenizer=None, revision=args.revision, variant=args.variant,
+        **file_transformer(args, dtype),  # option: transformer_file (class images of the file's transformer)
         torch_dtype=dtype, cache_dir=args.cache_dir)
     pipeline.tokenizer = load_pipeline_tokenizer(args)
     sizes = {name: sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers()))
@@ -4410,7 +4424,7 @@ def generate_class_images(args, accelerator, seed, existing, family):
                       for i, _ in batch]
         steps = {"num_inference_steps": args.validation_inference_steps} if family.distilled else {}
         images = pipeline(prompt=[args.class_prompt] * len(batch), height=args.resolution, width=args.resolution,
-                          **steps, generator=generators, guidance_scale=guidance_scale(args, family),
+                          **steps, generator=generators, guidance_scale=args.validation_guidance_scale,
                           max_sequence_length=args.max_sequence_length,
                           text_encoder_out_layers=tuple(args.text_encoder_out_layers)).images
         for (_, name), image in zip(batch, images):
@@ -5363,6 +5377,147 @@ def fsdp_lora_params(transformer):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Option: transformer_file (--transformer_file: the transformer from one .safetensors file, BFL's or ComfyUI's)
+
+HUB_FILE = r"https://huggingface\.co/([\w.-]+/[\w.-]+)/(?:blob|resolve)/([^/]+)/(.+\.safetensors)"  # repo, rev, file
+single_file = Accepts("a .safetensors file, or a Hub URL to one (https://huggingface.co/OWNER/NAME/blob/main/FILE)",
+                      lambda v: re.fullmatch(HUB_FILE, v) or v.endswith(".safetensors") and readable_file.ok(v))
+FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors' floating dtypes
+SCALES, EXTRAS = (".weight_scale", ".scale_weight"), (".comfy_quant", ".input_scale", "scaled_fp8")  # ComfyUI's fp8
+
+@functools.lru_cache(maxsize=None)
+def local_file(source, cache_dir):
+    """The file itself, or a Hub URL's file downloaded (once) into the Hub cache -> its path."""
+    if not (m := re.fullmatch(HUB_FILE, source)):
+        return source
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(m[1], m[3], revision=m[2], cache_dir=cache_dir)
+
+def file_tensors(names, get, dtype):
+    """A single file's tensors (the set of their `names`; get(name) -> one as stored) -> {BFL name: tensor in
+    `dtype`}, read one at a time: ComfyUI's 'model.diffusion_model.' prefix dropped, its scaled fp8 weights times
+    their scales (which go), its quantisation records gone."""
+    state = {}
+    for name in names:
+        if name.endswith(SCALES + EXTRAS):
+            continue
+        tensor = get(name)
+        for scale in [name.removesuffix("weight") + s[1:] for s in SCALES if name.endswith(".weight")]:
+            tensor = tensor.float() * get(scale).float() if scale in names else tensor
+        # a copy: safetensors maps the file, 8 bytes off the alignment from_pretrained's copies have (matmuls round
+        # otherwise in their last bits)
+        state[name.removeprefix("model.diffusion_model.")] = tensor.to(dtype, copy=True)
+    return state
+
+def outline(shapes):
+    """{diffusers name: shape} of a FLUX.2 transformer -> its blocks, width and guidance embedding, in words."""
+    double, single = (len({n.split(".")[1] for n in shapes if n.startswith(prefix)})
+                      for prefix in ("transformer_blocks.", "single_transformer_blocks."))
+    guided = "time_guidance_embed.guidance_embedder.linear_1.weight" in shapes
+    return (f"{double} double- and {single} single-stream blocks of width {shapes.get('x_embedder.weight', '?')[0]}, "
+            f"{'a' if guided else 'no'} guidance embedding")
+
+def file_problem(header, model):
+    """What keeps a single file (its safetensors header) from holding `model`'s transformer (on the meta device) ->
+    words, or None: its tensors through diffusers' own converter, compared by name and shape."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers as convert
+    names = {n for n in header if n != "__metadata__"}
+    kinds = {header[n]["dtype"] for n in names if not n.endswith(EXTRAS)} - FLOATS
+    if kinds:
+        return (f"it stores tensors as {', '.join(sorted(kinds))}, a quantised format not read here (bf16, fp16, fp32 "
+                "and fp8 files are)")
+    state = file_tensors(names, lambda n: torch.empty(header[n]["shape"], device="meta"), torch.float32)
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    try:  # a file in diffusers' layout loads as it is
+        found = {n: tuple(t.shape) for n, t in (state if state.keys() == expected.keys() else convert(state)).items()}
+    except Exception as e:  # noqa: BLE001 - names diffusers' FLUX.2 converter does not know
+        found = {f"{type(e).__name__}: {e}": None}
+    if not found.keys() & expected.keys():
+        return f"not a FLUX.2 transformer in BFL, ComfyUI or diffusers layout ({next(iter(found), 'no tensors')})"
+    if outline(found) != outline(expected):
+        return f"its transformer has {outline(found)}, where the checkpoint's has {outline(expected)}"
+    differ = [(n, found.get(n), expected.get(n)) for n in sorted(found.keys() | expected.keys())
+              if found.get(n) != expected.get(n)]
+    if not differ:
+        return None
+    return (f"tensors that differ from the checkpoint's transformer's: {len(differ)}, e.g. {differ[0][0]}: "
+            f"{differ[0][1]} in the file, {differ[0][2]} expected (None: absent)")
+
+def load_transformer_file(args, dtype, quantization=None, device=None):
+    """--transformer_file's transformer in `dtype` through diffusers' single-file loader (its converter, configured
+    by the checkpoint's transformer/config.json), its tensors read one at a time (fp8 ones dequantised): host memory
+    holds the transformer in `dtype` and one tensor as stored. device: where quantised weights go."""
+    from diffusers import Flux2Transformer2DModel
+    from huggingface_hub import hf_hub_download
+    from safetensors import safe_open
+    source, path = args.pretrained_model_name_or_path, local_file(args.transformer_file, args.cache_dir)
+    config = source if Path(source).is_dir() else Path(hf_hub_download(
+        source, "transformer/config.json", revision=args.revision, cache_dir=args.cache_dir)).parents[1]
+    logger.info(f"loading the transformer from {args.transformer_file}", main_process_only=False)
+    with safe_open(path, "pt") as f:
+        state = file_tensors(set(f.keys()), f.get_tensor, dtype)
+    return Flux2Transformer2DModel.from_single_file(state, config=str(config), subfolder="transformer",
+                                                    torch_dtype=dtype, quantization_config=quantization, device=device)
+
+def file_transformer(args, dtype):
+    """A pipeline's from_pretrained keywords for --transformer_file's transformer (class images)."""
+    return {"transformer": load_transformer_file(args, dtype)} if args.transformer_file else {}
+
+def hashed(path, desc):
+    """A file's SHA-256, with a progress bar (64 GB take about a minute)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=Path(path).stat().st_size, desc=desc, unit="B", unit_scale=True) as bar:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+            bar.update(len(block))
+    return digest.hexdigest()
+
+@option
+class TransformerFile(Option):
+    """The transformer from one .safetensors file in BFL's or ComfyUI's layout (BFL's flux2-dev.safetensors, ComfyUI's
+    diffusion_models/ files, fine-tunes), or a Hub URL to one, through diffusers' single-file loader; everything else
+    (VAE, text encoder, tokenizer, scheduler, family, the transformer's config) from --pretrained_model_name_or_path.
+    Its tensors are checked against that config before anything loads; fp8 ones (ComfyUI's scaled too) load in the
+    run's precision. Cost: a Hub file downloads before the checks; the file is read once more for its SHA-256, which
+    config.yaml and the model card record."""
+
+    name = "transformer_file"
+    flags = [flag("--transformer_file", type=single_file, metavar="FILE", help="The transformer from this file (BFL "
+                  "or ComfyUI layout, fp8 too); the rest from --pretrained_model_name_or_path.")]
+
+    def check_model(self, model):
+        """Its tensors, by the header alone, are those of `model` (the checkpoint's transformer, on the meta device)."""
+        args = self.args
+        name = f"--transformer_file {args.transformer_file}"
+        try:
+            header = safetensors_header(local_file(args.transformer_file, args.cache_dir))
+        except Exception as e:  # noqa: BLE001 - unreadable, not safetensors, not on the Hub: the same advice
+            raise UsageError(f"{name}: cannot read it ({type(e).__name__}: {e})") from None
+        problem = file_problem(header, model)
+        refuse(problem, f"{name}: {problem} (its config: --pretrained_model_name_or_path "
+               f"{args.pretrained_model_name_or_path})")
+
+    def resolved(self, seed, batches, accelerator):
+        """Its SHA-256, for config.yaml and the model card (a Hub download's: its blob's name in the Hub cache)."""
+        source = self.args.transformer_file
+        path = Path(local_file(source, self.args.cache_dir)).resolve()
+        if accelerator.is_main_process:
+            hub = re.fullmatch(HUB_FILE, source) and re.fullmatch(r"[0-9a-f]{64}", path.name)
+            vars(self.args)["transformer_sha256"] = path.name if hub else hashed(path, "Hashing the transformer file")
+
+    def load_transformer(self, accelerator, weight_dtype):
+        quantization = Hooks(self.args).first("quantization_config", weight_dtype)  # 4-bit weights go to the GPU
+        return load_transformer_file(self.args, weight_dtype, quantization, quantization and accelerator.device)
+
+    def card(self):
+        args = self.args
+        return ["", f"Trained on the transformer of `{args.transformer_file}` (SHA-256 `{args.transformer_sha256}`), "
+                "a single file: give it to the pipeline as `transformer=Flux2Transformer2DModel.from_single_file("
+                f"{args.transformer_file!r}, config={args.pretrained_model_name_or_path!r}, subfolder='transformer', "
+                "torch_dtype=torch.bfloat16)`."]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Option: block_swap (--blocks_to_swap)
 
 @option
@@ -6094,6 +6249,7 @@ class MemoryEstimate:
         self.copies, self.largest = list(map(sum, linears)), max(map(max, linears)) * validates  # option: int8_weights
         self.weights = {}  # (swap, quant) -> weight_bytes: 50 ms each on [dev]'s shapes, and a plan asks hundreds
         self.decode = self.encode = 0
+        self.file = 0  # option: transformer_file (its largest tensor's bytes: a file loads whole, then one such)
         self.per_call, self.calls = images, dict.fromkeys((1, images), 0)  # images in one call -> the call's peak
         with shapes_only(), torch.no_grad():
             for n in self.calls if validates else ():  # [klein]'s CFG is a second forward, not a batch of 2n
@@ -6126,6 +6282,7 @@ class MemoryEstimate:
         # sampling converts one layer's weight at a time ([dev]'s largest: 0.7 GB); loading quantises on the CPU
         if quant == "int8":  # option: int8_weights
             validation, one, load = validation + self.largest, one + self.largest, weights + host
+        load = self.unquantised + self.file if self.file else load  # option: transformer_file (quantised too)
         return dict(weights=weights, host=host, load=load, lora=lora, activations=activations, training=training,
                     validation=validation, peak=max(training, validation), peak_one=max(training, one))
 
@@ -6383,8 +6540,12 @@ def run_estimate(args, dtype, instances=()):
     rows *= 2 if args.output_preservation else 1  # option: trigger_words
     validates = validates or bool(args.validation_prompts_file)  # option: validation_extras
     images = max(1, min(args.validation_batch or args.num_validation_images, args.num_validation_images))
-    return MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, (height // 8, width // 8),
-                          validates, args.cache_latents, images)
+    estimate = MemoryEstimate(transformer, vae, rows, tokens, args.max_sequence_length, (height // 8, width // 8),
+                              validates, args.cache_latents, images)
+    if args.transformer_file:  # option: transformer_file
+        estimate.file = max(t["data_offsets"][1] - t["data_offsets"][0] for n, t in safetensors_header(
+            local_file(args.transformer_file, args.cache_dir)).items() if n != "__metadata__")
+    return estimate
 
 def text_encoder_size(args, family):
     """-> (parameters, those quantisation leaves alone: input embeddings, output layer), from its config on meta."""

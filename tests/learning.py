@@ -634,6 +634,9 @@ def main(out, *flags):
 
 
 if __name__ == "__main__":
+    from train_dreambooth_lora_flux2 import quiet_library_imports
+
+    quiet_library_imports()  # before diffusers' import: `make demo` shows the trainer's console, not the libraries'
     if len(sys.argv) > 1 and sys.argv[1] == "--write-base-models":
         write_base_models(sys.argv[2:])
     elif len(sys.argv) > 2 and sys.argv[1] == "--edit" and not sys.argv[2].startswith("-"):

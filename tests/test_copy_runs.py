@@ -30,7 +30,7 @@ from tests.test_folders import _two_folders
 from tests.test_fsdp import FORCE_FSDP, FSDP_ENV
 from tests.test_inputs import _dataset_folder
 from tests.test_paths import fake_prodigy  # noqa: F401  (a fixture: prodigy's run asks for it)
-from tests.tiny_flux2 import make_images
+from tests.tiny_flux2 import make_images, write_bfl_transformer
 from tests.tiny_metrics import build_tiny_dino
 
 NAMES = [o.name for o in T.OPTIONS]
@@ -294,6 +294,16 @@ def run_validation_extras(copy, model, images, tmp_path, request):
                      "--num_validation_images", "1", "--validation_lora_scales", "0,1"), script=copy)
     names = {p.name for p in (tmp_path / "out" / "validation").iterdir()}
     assert {"final-0.png", "final-1.png"} <= names and "final-2.png" not in names
+
+
+@run_of("transformer_file")
+def run_transformer_file(copy, model, images, tmp_path, request):
+    """--transformer_file (the tiny [dev]'s transformer in BFL's layout): the transformer loads from it, and
+    config.yaml records its SHA-256."""
+    path = write_bfl_transformer(model, tmp_path / "bfl.safetensors")
+    proc = launch(base_args(model, images, tmp_path / "out", *ONE_STEP, "--transformer_file", path), script=copy)
+    assert f"loading the transformer from {path}" in proc.stderr
+    assert len(yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["transformer_file_sha256"]) == 64
 
 
 @run_of("validation_transformer")

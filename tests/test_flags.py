@@ -105,6 +105,7 @@ REFUSED = {
     "validation_inference_steps": ["0"],
     "intermediate_inference_steps": ["0", "-1"],
     "validation_transformer": ["FILE", "MISSING", "no spaces allowed/in ids"],  # its files: test_validation
+    "transformer_file": ["FILE", "MISSING", "FOLDER", "https://example.com/x.safetensors"],  # its files: test_transformer_file
     "validation_guidance_scale": ["-1", "nan"],
     "validation_metrics": ["dino,size", "DINO", ""],
     "metrics_reference_dir": ["MISSING", "FILE"],

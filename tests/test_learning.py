@@ -321,6 +321,8 @@ def test_progress_sheet_drops_a_column_with_fewer_rows_than_now(tmp_path):
 
 def _validation_run(*extra):
     """args and run of a text-to-image run with --validation_prompt (and `extra` flags), for the output functions."""
+    from accelerate import PartialState
+
     args = T.parse_args(["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--output_dir", "out",
                          "--validation_prompt", "a sks dog", "--validation_inference_steps", "2",
                          "--num_validation_images", "1", "--max_train_steps", "10",
@@ -329,6 +331,8 @@ def _validation_run(*extra):
     dataset = SimpleNamespace(conditions=None, instances=[])
     data = SimpleNamespace(seed=0, specs=tuple(T.option_validation_specs(hooks)), dataset=dataset, hooks=hooks,
                            family=T.Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration"))
+    PartialState()  # the script's logger
+    T.resolve_family_defaults(args, data.family)  # validation's guidance: the pipeline's
     return args, SimpleNamespace(data=data, hooks=hooks, weight_dtype=torch.float32)
 
 
@@ -364,6 +368,7 @@ def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
     assert (tmp_path / "progress-0.json").exists()
     with_prompts = tmp_path / "prompts.txt"
     with_prompts.write_text("a sks dog on a beach --seed 3\n")
+    (tmp_path / "tuned.safetensors").write_bytes(b"")  # --transformer_file's own checks come later
     condition = Image.new("RGB", (16, 16), (9, 9, 9))
     for other in (_base_record("--validation_prompt", "a sks cat"), _base_record("--num_validation_images", "2"),
                   _base_record("--validation_lora_scales", "0,1"),
@@ -372,6 +377,7 @@ def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
                   _base_record("--validation_inference_steps", "3"),
                   _base_record("--validation_guidance_scale", "2"), _base_record("--guidance_scale", "2"),
                   _base_record("--pretrained_model_name_or_path", "other"), _base_record("--revision", "v2"),
+                  _base_record("--transformer_file", tmp_path / "tuned.safetensors"),
                   _base_record(condition=[condition]), _base_record(model="distilled", steps=4)):
         assert other != made and T.base_images_missing(plain, tmp_path, other), other
     assert _base_record(condition=[condition]) == _base_record(condition=[condition.copy()])  # pixels, not objects
@@ -408,11 +414,11 @@ def test_model_card_captions_each_final_image_with_its_prompt_and_strength(tmp_p
     assert "\\[sks\\] dog's \\*toy\\* (LoRA strength 1)" in card  # markup escaped: shown as written
     code = card.split("```py\n")[1].split("```")[0]
     ast.parse(code)
-    assert "pipe('a photo of \"sks\" dog', guidance_scale=3.5)" in code
+    assert "pipe('a photo of \"sks\" dog', guidance_scale=4)" in code  # [dev]'s pipeline's, as validation
     assert f"pipe.load_lora_weights({str(tmp_path)!r}," in code
-    # the snippet samples as validation did ([dev]: --guidance_scale, not the pipeline's 4) and loads from the Hub
-    # repository pushed to, with or without --hub_model_id
-    args, run = _validation_run("--output_dir", tmp_path, "--guidance_scale", "2.5")
+    # the snippet samples as validation did (--validation_guidance_scale, not training's --guidance_scale) and loads
+    # from the Hub repository pushed to, with or without --hub_model_id
+    args, run = _validation_run("--output_dir", tmp_path, "--validation_guidance_scale", "2.5", "--guidance_scale", "3")
     T.write_model_card(args, [], run, "someone/my-dog-lora")
     code = (tmp_path / "README.md").read_text().split("```py\n")[1].split("```")[0]
     assert "pipe('a sks dog', guidance_scale=2.5)" in code

@@ -253,3 +253,20 @@ def test_posterior_sampling_cache_draws_fresh_latents_around_the_cached_mean(tin
     sigma, stacked = fresh_params[:, 1], torch.stack(draws)
     assert sigma.min() > 0 and ((stacked.mean(0) - mean).abs() <= 4 * sigma / 20).all()  # 4 standard errors of 400
     torch.testing.assert_close(stacked.std(0), sigma.expand_as(stacked[0]), rtol=0.2, atol=0)
+
+
+def test_dev_trains_at_embedded_guidance_1_and_validates_at_its_pipelines(tiny_model, tmp_path, accelerator):
+    """Issue 60: [dev] (a guidance embedding) trains at --guidance_scale 1, as every [dev] command of the diffusers
+    README passes it (its parser's default, 3.5, is not what they train at); validation keeps the pipeline's own."""
+    import inspect
+    from types import SimpleNamespace
+
+    from diffusers import Flux2Pipeline
+
+    args = T.parse_args(base_args(tiny_model, ".", tmp_path))
+    T.resolve_family_defaults(args, DEV)
+    pipelines = inspect.signature(Flux2Pipeline.__call__).parameters["guidance_scale"].default
+    assert args.guidance_scale == 1.0 and args.validation_guidance_scale == pipelines == 4.0
+    run = SimpleNamespace(caches=SimpleNamespace(prompts={"a dog": torch.zeros(1, 4, 8)}), weight_dtype=torch.float32,
+                          data=SimpleNamespace(seed=0, condition=None))
+    assert T.pipeline_call(args, run, T.ValidationSpec("a dog"), "cpu", DEV, 2)["guidance_scale"] == 4.0

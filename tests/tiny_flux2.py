@@ -365,6 +365,67 @@ def _write_model_index(path, class_name, text_encoder, tokenizer, **pipeline_con
         json.dump(model_index, f, indent=2, sort_keys=True)
 
 
+# diffusers' FLUX.2 transformer names -> BFL's (flux2-dev.safetensors, ComfyUI's diffusion_models/ files): the inverse
+# of diffusers' convert_flux2_transformer_checkpoint_to_diffusers (test_transformer_file.py loads it back through it)
+BFL_NAMES = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+             "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+             "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+             "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+             "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+             "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+             "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+             "single_stream_modulation.linear": "single_stream_modulation.lin"}
+BFL_DOUBLE = {"attn.norm_q.weight": "img_attn.norm.query_norm.scale", "attn.norm_k.weight": "img_attn.norm.key_norm.scale",
+              "attn.to_out.0": "img_attn.proj", "ff.linear_in": "img_mlp.0", "ff.linear_out": "img_mlp.2",
+              "attn.norm_added_q.weight": "txt_attn.norm.query_norm.scale",
+              "attn.norm_added_k.weight": "txt_attn.norm.key_norm.scale", "attn.to_add_out": "txt_attn.proj",
+              "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
+BFL_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2", "attn.norm_q.weight": "norm.query_norm.scale",
+              "attn.norm_k.weight": "norm.key_norm.scale"}
+BFL_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+             "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+
+
+def to_bfl(state):
+    """A diffusers FLUX.2 transformer state dict -> BFL's layout: renamed, q/k/v fused, norm_out's (scale, shift)
+    halves back in BFL's (shift, scale) order."""
+    out, fused = {}, set()
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if parts[0] in ("transformer_blocks", "single_transformer_blocks"):
+            double, block, rest = parts[0] == "transformer_blocks", parts[1], ".".join(parts[2:])
+            fuse = next(((bfl, sources) for bfl, sources in BFL_FUSED.items() if double
+                         and rest.rsplit(".", 1)[0] in sources), None)
+            if fuse:
+                kind = rest.rsplit(".", 1)[1]
+                out[f"double_blocks.{block}.{fuse[0]}.{kind}"] = torch.cat(
+                    [state[f"transformer_blocks.{block}.{s}.{kind}"] for s in fuse[1]])
+                continue
+            table = BFL_DOUBLE if double else BFL_SINGLE
+            key = rest if rest in table else rest.rsplit(".", 1)[0]
+            new = table[key] + ("" if rest in table else "." + rest.rsplit(".", 1)[1])
+            out[f"{'double_blocks' if double else 'single_blocks'}.{block}.{new}"] = tensor
+        elif name.startswith("norm_out.linear."):
+            scale, shift = tensor.chunk(2, dim=0)
+            out["final_layer.adaLN_modulation.1." + parts[-1]] = torch.cat([shift, scale])
+        else:
+            base, kind = name.rsplit(".", 1)
+            out[f"{BFL_NAMES[base]}.{kind}"] = tensor
+    return out
+
+
+def write_bfl_transformer(folder, path, dtype=None, prefix=""):
+    """The transformer of the checkpoint `folder` as one BFL-layout .safetensors file at `path` (in `dtype`; `prefix`
+    before every name, e.g. ComfyUI's 'model.diffusion_model.') -> path."""
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import save_file
+
+    model = Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    state = {prefix + n: (t if dtype is None else t.to(dtype)).contiguous() for n, t in to_bfl(model.state_dict()).items()}
+    save_file(state, str(path))
+    return path
+
+
 def make_images(folder, captions=True):
     """Write a seeded mixed-aspect image set (+ captions for most); return sorted image paths."""
     os.makedirs(folder, exist_ok=True)
