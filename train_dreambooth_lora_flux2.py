@@ -3810,10 +3810,13 @@ def write_copy(argv):
     refuse(target.exists() and os.path.samefile(target, source), f"--write_copy {target} is this script; name "
            "another file")
     refuse(target.is_dir(), f"--write_copy {target} is a folder; name a file")
-    refuse(target.stem in sys.stdlib_module_names, f"--write_copy {target}: run as a script, it would be imported "
-           f"in place of Python's own {target.stem} module (its folder comes first on the path); name it otherwise")
+    refuse(not target.absolute().parent.is_dir(), f"--write_copy {target}: no folder {target.parent}; make it first")
+    text = source.read_text(encoding="utf-8")  # the modules it imports: `import x` and `from x` lines, __import__
+    found = sum(re.findall(r"^\s*(?:import|from) (\w+)|(?:__import__|find_spec)\(\"(\w+)", text, re.M), ())
+    owner = "Python's own" if target.stem in sys.stdlib_module_names else "the library" * (target.stem in found)
+    refuse(owner, f"--write_copy {target}: run as a script, it would be imported in place of {owner} {target.stem} "
+           "module (its folder comes first on the path); name it otherwise")
     refuse(target.exists() and not args.overwrite, f"--write_copy {target} exists; pass --overwrite to replace it")
-    text = source.read_text(encoding="utf-8")
     header = copy_header(keep, VERSION, hashlib.sha256(text.encode()).hexdigest()[:12])
     text = trimmed_source(text, {o.name: [n for names, _ in o.flags for n in names] for o in OPTIONS}, keep, header)
     with writing(target):

@@ -6,10 +6,12 @@ options kept, for users who read and edit it.
   lacks in any string: messages, advice, docstrings, help.
 - `--keep all` is the full script under a header; the header says what the copy is; a copy trims itself again.
 - Refusals: an unknown option (listing the names), an existing file without --overwrite, the running script itself
-  (even with --overwrite, through a link too), a folder: exit 2, one `error:` line.
+  (even with --overwrite, through a link too), a folder, a folder that does not exist, the name of a module the copy
+  imports: exit 2, one `error:` line. The header's SHA-256 is that of the text the copy was trimmed from.
 - README.md's "Copy and edit" sizes are the copies' (tests/copy_sizes.py --write); the budgets are test_parts'.
-- The disk cache names entries by the code that computes them: an edited copy encodes every entry again, an unedited
-  copy reuses the full script's.
+- The disk cache names entries by the code that computes them: a copy with its prompt encoder, its image encoder or
+  the closure where precompute calls it edited (each alone) encodes again the entries that code makes, and only those;
+  an unedited copy reuses the full script's.
 
 test_parts.py trains the copy without options to the full script's LoRA; test_copy_runs.py trains each single-option
 copy's smallest run.
@@ -75,10 +77,10 @@ def literal_flags(source):
 
 
 def write_copies(folder, kinds):
-    """{kind: the copy `--keep kind` wrote into `folder`}."""
+    """{kind: the copy `--keep kind` wrote into `folder`} (as keep_KIND.py: diffusers.py would shadow diffusers)."""
     for keep in kinds:
-        write(T, "--write_copy", folder / f"{keep}.py", "--keep", keep)
-    return {keep: folder / f"{keep}.py" for keep in kinds}
+        write(T, "--write_copy", folder / f"keep_{keep}.py", "--keep", keep)
+    return {keep: folder / f"keep_{keep}.py" for keep in kinds}
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +170,37 @@ def test_a_copy_neither_overwrites_a_file_nor_the_running_script(tmp_path):
     write(T, "--write_copy", tmp_path / "mine.py", "--keep", "ema", "--overwrite")
     assert (tmp_path / "mine.py").read_text().startswith("#!/usr/bin/env python")
     assert os.stat(tmp_path / "mine.py").st_mode & 0o777 == os.stat(SCRIPT).st_mode & 0o777
+
+
+def test_a_copy_named_after_a_module_it_imports_or_in_no_folder_is_refused(tmp_path):
+    """diffusers.py was written and could not run (it imported itself in place of diffusers); a copy into a folder that
+    does not exist stopped with exit 1 as if removed during the run. The modules are the script's own imports (its
+    import and from lines, __import__ and find_spec: bitsandbytes, prodigyopt) and Python's, not a list kept by hand."""
+    for name, message in (("diffusers.py", "in place of the library diffusers module"), ("torch.py", "library torch"),
+                          ("PIL.py", "library PIL module"), ("yaml.py", "library yaml module"),
+                          ("bitsandbytes.py", "library bitsandbytes"), ("prodigyopt.py", "library prodigyopt"),
+                          ("json.py", "Python's own json module"), ("nope/sub/c.py", f"no folder {tmp_path}/nope/sub; "
+                                                                                  "make it first")):
+        with pytest.raises(T.UsageError, match=re.escape(f"--write_copy {tmp_path / name}: ")) as refused:
+            write(T, "--write_copy", tmp_path / name, "--keep", "none")
+        assert message in str(refused.value), name
+    assert list(tmp_path.iterdir()) == []
+    write(T, "--write_copy", tmp_path / "diffusers_lora.py", "--keep", "none")  # a name of no module: written
+
+
+def test_a_copys_header_states_the_sha256_of_the_text_it_was_trimmed_from(tmp_path):
+    """Of the text, not of its path: a copy of a copy states the first copy's digest."""
+    import hashlib
+
+    def stated(path):
+        header = " ".join(line.removeprefix("# ") for line in path.read_text().splitlines()[2:8])
+        return re.search(r"has SHA-256 ([0-9a-f]+)\.\.\.\)", header).group(1)
+    write(T, "--write_copy", tmp_path / "first.py", "--keep", "all")
+    assert stated(tmp_path / "first.py") == hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
+    first = (tmp_path / "first.py").read_text()
+    write(load_copy(first, tmp_path / "first.py"), "--write_copy", tmp_path / "second.py", "--keep", "ema")
+    assert stated(tmp_path / "second.py") == hashlib.sha256(first.encode()).hexdigest()[:12] != stated(
+        tmp_path / "first.py")
 
 
 def test_readme_gives_the_copies_sizes():
