@@ -1919,10 +1919,11 @@ class _Parser(argparse.ArgumentParser):
     the flag, the value and what the flag accepts. A default is not checked: it is the script's own choice."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, allow_abbrev=False, **kwargs)  # no prefixes: they read --keep as --keep_best
         self.register("action", "store_true", Switch)  # option: config
 
     def error(self, message):
+        refuse(re.match(r"unrecognized arguments: (.* )?--keep\b", message), "--keep goes with --write_copy FILE")
         raise UsageError(f"{message} (see --help)")
 
     def _get_value(self, action, text):

@@ -328,6 +328,18 @@ def test_a_value_that_is_not_even_of_the_flags_kind_is_told_what_it_accepts(flag
         _validate(places, flag, value)
 
 
+def test_a_flag_is_read_only_by_its_full_name_and_keep_is_named_with_write_copy():
+    """argparse's prefixes read --keep as --keep_best ("invalid choice: 'ema'", or "--keep_best has no effect"): a
+    training command refuses --keep naming --write_copy, and an abbreviation as an unknown flag."""
+    base = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "p"]
+    for keep in (["--keep", "ema"], ["--keep", "subject"], ["--keep=subject"], ["--seed", "1", "--keep", "none"]):
+        with pytest.raises(T.UsageError, match=r"^--keep goes with --write_copy FILE$"):
+            T.parse_args([*base, *keep])
+    with pytest.raises(T.UsageError, match=r"^unrecognized arguments: --max_train 5 \(see --help\)$"):
+        T.parse_args([*base, "--max_train", "5"])
+    assert T.parse_args([*base, "--max_train_steps=5", "--keep_best", "subject"]).max_train_steps == 5
+
+
 def test_the_diffusers_examples_command_line_parses_as_before(monkeypatch, tmp_path):
     """Switches take an optional true or false (to undo a --config file's true): the diffusers example's README gives
     them bare, each followed by another flag (its first command, /work/shared/reference/diffusers-README_flux2.md)."""
