@@ -3170,19 +3170,62 @@ def cache_identity(args, weight_dtype, family, encoder=None):  # option: disk_ca
     encoder = encoder or [fingerprint_folder(component_folder(args, name)) for name in ("text_encoder", "tokenizer")]
     prompts = [*encoder, args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype),
                family.pipeline, SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None,
-               code_identity(prompt_encoder, encode_prompts)]
+               code_identity(PROMPT_CODE)]
     latents = ([fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling,
-                code_identity(load_vae, encode_images, DreamBoothDataset.pixels, ImageRecord.load, to_rgb, grey8,
-                              image_to_tensor, transform_image)] if args.cache_latents else None)
+                code_identity(LATENT_CODE)] if args.cache_latents else None)
     return CacheIdentity(prompts, latents)
 
-def code_identity(*functions):  # option: disk_cache
-    """What computes an entry besides the models: the source of the functions (a copy edited to encode otherwise
-    makes other entries, never the old ones) and the versions of the libraries that run them."""
+# The code between a file (or a text) and its entry: these definitions (outer.inner: a closure) and, found by
+# covered_code, every function, class and constant of the script they name, transitively (README.md: Copy and edit)
+PROMPT_CODE = ("prompt_encoder", "encode_prompts", "encode_missing")  # option: disk_cache
+LATENT_CODE = (  # option: disk_cache
+    "load_vae", "prepare_latents.encode", "DreamBoothDataset.pixels", "ImageRecord.load", "encode_missing")
+
+def code_identity(names):  # option: disk_cache
+    """What computes an entry besides the models: the code it runs (covered_code: a copy edited to encode otherwise
+    makes other entries, never the old ones) and the versions of the libraries that run it."""
     import diffusers
     import transformers
-    return [json_digest(*map(inspect.getsource, functions)), torch.__version__, diffusers.__version__,
-            transformers.__version__]
+    code = covered_code(script_definitions(Path(__file__).read_text(encoding="utf-8")), names)
+    return [json_digest(sorted(code.items())), torch.__version__, diffusers.__version__, transformers.__version__]
+
+def covered_code(defs, names):  # option: disk_cache
+    """{name: code} of the definitions `names` (in `defs`, a script's script_definitions) and of every function, class
+    or constant of the script that their code names (NAME, Class.NAME, self.NAME in a method), transitively: followed,
+    not listed, so a function moved or newly called stays covered. The code as parsed (ast.unparse): a comment or
+    layout edit does not count."""
+    import ast
+    found, todo = {}, list(names)
+    while todo:
+        if (name := todo.pop()) in found or name not in defs:
+            continue
+        node, owner = defs[name]
+        found[name] = ast.unparse(node)
+        local = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)} | {
+            n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and n.id not in local:
+                todo.append(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+                todo.append(f"{owner if n.value.id in ('self', 'cls') else n.value.id}.{n.attr}")
+    return found
+
+@functools.lru_cache(maxsize=1)  # option: disk_cache (one parse a run: 0.2 s)
+def script_definitions(source):
+    """{name: (its node, the class whose `self` it sees)} of the script's functions, classes and constants (by their
+    assignment); methods and closures as outer.inner."""
+    import ast
+    defs = {}
+    for node in ast.parse(source).body:
+        targets = getattr(node, "targets", [getattr(node, "target", None)])
+        for target in (n for t in targets for n in getattr(t, "elts", [t]) if isinstance(n, ast.Name)):
+            defs[target.id] = node, None  # a, b = ...: both
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            owner = node.name if isinstance(node, ast.ClassDef) else None
+            defs[node.name] = node, owner
+            for inner in (n for n in ast.walk(node) if n is not node and isinstance(n, ast.FunctionDef)):
+                defs.setdefault(f"{node.name}.{inner.name}", (inner, owner))
+    return defs
 
 def settle_cache(accelerator, disk, entries):  # option: disk_cache
     """After precompute: each machine's first process bounds the folder (evict_lru), the main one logs what it did."""

@@ -210,22 +210,28 @@ def test_readme_gives_the_copies_sizes():
 
 @pytest.fixture(scope="module")
 def cached_runs(tiny_model, tmp_path_factory):
-    """The same run three times over one disk cache: the full script, an unedited copy keeping the disk cache, then
-    that copy with both encoders edited (a statement added to each: the code that makes every entry changed)."""
+    """The same run over one disk cache: the full script, an unedited copy keeping the disk cache, then that copy with
+    one place of the code that makes the entries edited at a time: the prompt encoder (a statement added), the image
+    encoder (the same), and the pixels scaled where precompute calls it (prepare_latents's `encode` closure)."""
     root = tmp_path_factory.mktemp("stale")
     images = root / "images"
     make_images(str(images))
     copy = root / "kept.py"  # (not copy.py: run as a script, it would shadow Python's copy module)
     write(T, "--write_copy", copy, "--keep", "disk_cache")
-    edited = root / "edited.py"
-    source = copy.read_text()
-    for name in ("encode_images", "encode_prompts"):
-        body = re.search(rf"^def {name}\(.*?\n    \"\"\".*?\"\"\"\n", source, re.M | re.S)
-        source = source[:body.end()] + "    _ = 'edited'  # a user's change\n" + source[body.end():]
-    edited.write_text(source)
+    source, scripts = copy.read_text(), {"full": SCRIPT, "copy": copy}
+    for name, function in (("prompts", "encode_prompts"), ("images", "encode_images"), ("closure", None)):
+        if function:
+            body = re.search(rf"^def {function}\(.*?\n    \"\"\".*?\"\"\"\n", source, re.M | re.S).end()
+            edited = source[:body] + "    _ = 'edited'  # a user's change\n" + source[body:]
+        else:
+            call = "torch.stack([dataset.pixels(k) for k in keys])"
+            assert source.count(call) == 1
+            edited = source.replace(call, f"{call} * 0.5")
+        scripts[name] = root / f"edited_{name}.py"
+        scripts[name].write_text(edited)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     runs = {}
-    for name, script in (("full", SCRIPT), ("copy", copy), ("edited", edited)):
+    for name, script in scripts.items():
         args = base_args(tiny_model, images, root / name, "--cache_latents", "--max_train_steps", "1",
                          "--precompute_cache_dir", root / "cache")
         cmd = [sys.executable, str(script), *args]
@@ -244,8 +250,12 @@ def encoded(log):
     return tuple(map(int, prompts)), tuple(map(int, images.groups())) if images else (0, 0)
 
 
-def test_an_edited_copy_encodes_every_entry_again_and_an_unedited_one_reuses_them(cached_runs):
+def test_an_edited_copy_encodes_again_what_its_edit_makes_and_an_unedited_one_reuses_everything(cached_runs):
+    """Each edit alone: an identity that fingerprinted the image encoder for prompts too, or missed the closure where
+    precompute calls the encoder (the old latents reused, the LoRA the unedited one), would fail here."""
     (prompts, _), (images, _) = encoded(cached_runs["full"])
     assert prompts > 0 and images > 0
     assert encoded(cached_runs["copy"]) == ((0, 0), (0, 0))  # same code, same keys: all found
-    assert encoded(cached_runs["edited"]) == ((prompts, prompts), (images, images))
+    assert encoded(cached_runs["prompts"]) == ((prompts, prompts), (0, 0))
+    assert encoded(cached_runs["images"]) == ((0, 0), (images, images))
+    assert encoded(cached_runs["closure"]) == ((0, 0), (images, images))
