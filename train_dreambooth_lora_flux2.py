@@ -3979,8 +3979,10 @@ def config_tokens(argv):
     path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
     try:
         text = Path(path).read_text(encoding="utf-8")
-        data = (json.loads(text) if path.endswith(".json") else __import__("tomllib").loads(text)
-                if path.endswith(".toml") else __import__("yaml").safe_load(text))
+        kind = {".json": "json", ".toml": "toml"}.get(Path(path).suffix, "yaml")
+        data = read_settings(text, kind, f"--config {path}")
+    except UsageError:
+        raise
     except Exception as e:  # noqa: BLE001 - unreadable or not the format its name says
         raise UsageError(f"--config {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     refuse(not isinstance(data, dict), f"--config {path}: expected a mapping of flag names to values")
@@ -4024,6 +4026,41 @@ def config_tokens(argv):
     except UsageError as e:
         raise UsageError(f"--config {path}: {e}") from None
     return path, tokens, argv
+
+def read_settings(text, kind, name):
+    """YAML, TOML or JSON `text` (kind: yaml, toml or json) -> its data. A key given twice in one mapping, which YAML
+    and JSON read as its last value (a datasets: entry's forgotten dash drops a folder) and TOML refuses without
+    naming it, is refused naming `name` (the file), the key and its line."""
+    import yaml
+    twice = lambda key, line: f"{name}: line {line}: {key!r} is given twice in one mapping"  # noqa: E731
+    if kind == "toml":
+        import tomllib
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:  # "Cannot overwrite a value (at line 3, ...)", "Cannot declare ... twice"
+            at = re.search(r"(overwrite a value|twice) \(at line (\d+)", str(e))
+            refuse(at, at and twice(re.split(r"[\s=\]]", text.splitlines()[int(at[2]) - 1].strip(" ["))[0], at[2]))
+            raise
+    if kind == "json":
+        data, keys = json.loads(text), []  # valid JSON: a string is matched whole, so a bracket in it is not seen
+        for m in re.finditer(r'"(?:[^"\\]|\\.)*"(\s*:)?|[{}\[\]]', text):
+            if m[0] in "{}[]":
+                keys = keys + [set()] if m[0] in "{[" else keys[:-1]
+            elif m[1]:
+                key = json.loads(m[0][:-len(m[1])])
+                refuse(key in keys[-1], twice(key, text.count("\n", 0, m.start()) + 1))
+                keys[-1].add(key)
+        return data
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key, _ in node.value:  # (a merge key, <<, may repeat one: what it merges gives way)
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    refuse((key.tag, key.value) in seen, twice(key.value, key.start_mark.line + 1))
+                    seen.add((key.tag, key.value))
+            return super().construct_mapping(node, deep)
+    return yaml.load(text, Loader=Loader)
 
 def parse_with_config(argv):
     """The flags of a --config file, then argv's: argv wins, over the file's settings of an option it turns off too
