@@ -1563,13 +1563,8 @@ def train(args, accelerator, run, global_step):
                 if accelerator.sync_gradients:
                     signum, bad = stop.agreed(accelerator, (~finite).long())
                     if bad:
-                        found = list_checkpoints(args.output_dir)
-                        raise TrainingStopped(
-                            f"the loss became NaN or infinite at step {global_step + 1} (samples {batch['indices']}); "
-                            "stopped without applying that update and without writing a final LoRA. Last good "
-                            f"checkpoint: {found[-1] if found else 'none'}: resume from it with a lower "
-                            "--max_grad_norm, or start over (--overwrite_output_dir) with a lower --learning_rate" + (
-                                ", or --mixed_precision bf16" if accelerator.mixed_precision == "fp16" else ""))
+                        raise TrainingStopped(non_finite_loss(args, accelerator.mixed_precision == "fp16",
+                                                              global_step + 1, batch["indices"]))
                     optimizer_step(args, accelerator, run)
             sample_log.write(json.dumps({"micro_step": micro, "epoch": epoch, "indices": batch["indices"],
                                          "latent_hw": latent_hw}) + "\n")
@@ -1875,8 +1870,8 @@ sides = Accepts("sides from 16 to 4096, multiples of 16, distinct, comma-separat
 bucket_lists = Accepts("'h,w;h,w;...' with sides multiples of 16 (with several --resolution sides, a list per side, "
                        "separated by |)", lambda v: all(map(parse_buckets, v.split("|"))))
 layer_list = Accepts("presets and module names, comma-separated", lambda v: any(t.strip() for t in v.split(",")))
-timestep_shift = Accepts("none, auto, pipeline or a number > 0", lambda v: v in ("none", "auto", "pipeline") or (
-    math.isfinite(v) and v > 0), shift)
+timestep_shift = Accepts("none, auto, pipeline or a number from 1e-7 to 1e38", lambda v: v in (
+    "none", "auto", "pipeline") or 1e-7 <= v <= 1e38, shift)  # beyond, float32 sigmas overflow (test_learning)
 tracker_list = Accepts(f"none, all, or trackers among {', '.join(TRACKERS)} (comma-separated)",
                        lambda v: v in ("none", "all") or all(t in TRACKERS for t in v.split(",")))
 
@@ -3423,6 +3418,15 @@ OOM_ADVICE = ", ".join([
     "--blocks_to_swap (with --gradient_checkpointing)",  # option: block_swap
     "a 4-bit --bnb_quantization_config_path",  # option: compile
 ])
+
+def non_finite_loss(args, fp16, step, samples):
+    """A NaN or infinite loss's message: the run's flags that can cause it, where to resume, what to change."""
+    return (f"the loss became NaN or infinite at step {step} (samples {samples}); stopped before applying that "
+            f"update, no final LoRA written. Flags that can cause it: --learning_rate {args.learning_rate:g}, "
+            f"--max_grad_norm {args.max_grad_norm:g}, --timestep_shift {args.timestep_shift}, --weighting_scheme "
+            f"{args.weighting_scheme}{', --mixed_precision fp16 (bf16 has the range)' * fp16}. Last good checkpoint: "
+            f"{(list_checkpoints(args.output_dir) or ['none'])[-1]}: resume from it with a lower --max_grad_norm, or "
+            "start over (--overwrite_output_dir) with a lower --learning_rate or other values of those")
 
 
 # ----------------------------------------------------------------------------------------------------------------

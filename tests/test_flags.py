@@ -76,7 +76,7 @@ REFUSED = {
     "max_train_steps": ["0", "-10"],
     "gradient_accumulation_steps": ["0"],
     "weighting_scheme": ["uniform"],
-    "timestep_shift": ["0", "-1", "inf", "sometimes"],
+    "timestep_shift": ["0", "-1", "inf", "sometimes", "1e40", "1e-10"],  # float32 sigmas: NaN beyond (test_learning)
     "logit_mean": ["nan", "inf"],
     "logit_std": ["0", "-1"],
     "mode_scale": ["2", "-1.5", "nan"],
@@ -124,7 +124,7 @@ ACCEPTED = {
     "resolution": ["16", "4096", "512,768,1024", "1024,512"], "caption_dropout": ["0", "1"], "ema_decay": ["0", "0.9999"], "seed": ["0", str(2**32 - 1)],
     "mode_scale": ["-1", "1.75"], "lora_dropout": ["0"], "lr_warmup_steps": ["0"], "num_validation_images": ["0"],
     "precompute_cache_max_gb": ["0"], "prior_loss_weight": ["0"], "logit_mean": ["-3"], "text_encoder_out_layers": ["0 2"],
-    "dataloader_num_workers": ["0"], "blocks_to_swap": ["0"], "timestep_shift": ["auto", "pipeline", "none", "3"], "report_to": ["none", "all", "tensorboard,wandb"],
+    "dataloader_num_workers": ["0"], "blocks_to_swap": ["0"], "timestep_shift": ["auto", "pipeline", "none", "3", "1e-7", "1e38"], "report_to": ["none", "all", "tensorboard,wandb"],
     "precompute_cache_dir": ["none", "NEW", "FILE", "UNDER_FILE"], "output_dir": ["NEW"], "resume_from_checkpoint": ["latest"],
     "remote_text_encoder_url": ["http://127.0.0.1:8000/predict"], "ema_device": ["cpu"], "aspect_ratio_buckets": ["32,48;48,32"],
     "pretrained_model_name_or_path": ["black-forest-labs/FLUX.2-dev", "FOLDER"], "lora_layers": ["attention,proj_out"],
@@ -321,7 +321,7 @@ def test_a_bad_flag_exits_2_with_one_line_before_anything_loads(tmp_path):
 @pytest.mark.parametrize("flag, value, what", [("gpu_memory", "24000MB", "a size up to 1024 GiB, e.g. 24GB or "
                                                                 "24564MiB (a bare number is read in GiB)"),
                                                ("seed", "1.5", "an integer from 0 to 4294967295"),
-                                               ("timestep_shift", "sometimes", "none, auto, pipeline or a number > 0")])
+                                               ("timestep_shift", "sometimes", "none, auto, pipeline or a number from 1e-7 to 1e38")])
 def test_a_value_that_is_not_even_of_the_flags_kind_is_told_what_it_accepts(flag, value, what, places):
     """argparse said "invalid memory_size value" (a function's name): the refusal says what the flag takes instead."""
     with pytest.raises(T.UsageError, match=f"^--{flag} {value}: expected {re.escape(what)}$"):

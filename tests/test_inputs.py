@@ -375,6 +375,24 @@ def test_non_finite_loss_stops_keeps_the_last_checkpoint_and_writes_no_lora(tiny
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and not (out / LORA).exists()
 
 
+def test_the_non_finite_loss_message_names_the_flags_of_the_run_that_can_cause_it(tmp_path):
+    """An extreme --timestep_shift or sigma_sqrt's unbounded weights make a NaN loss as a high rate does: the message
+    names each of those flags with the run's value (fp16 only where the run is fp16)."""
+    def message(*flags, fp16=False):
+        args = T.parse_args(["--pretrained_model_name_or_path", "m", "--output_dir", str(tmp_path), *flags])
+        return T.non_finite_loss(args, fp16, 3, [4, 5])
+    plain = message()
+    assert plain.startswith("the loss became NaN or infinite at step 3 (samples [4, 5]); stopped before applying")
+    assert ("Flags that can cause it: --learning_rate 0.0001, --max_grad_norm 1, --timestep_shift none, "
+            "--weighting_scheme none. Last good checkpoint: none: resume from it") in plain
+    assert "--mixed_precision" not in plain
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / T.TRAINER_STATE_NAME).write_text("{}")
+    risky = message("--timestep_shift", "1e30", "--weighting_scheme", "sigma_sqrt", fp16=True)
+    assert ("--timestep_shift 1e+30, --weighting_scheme sigma_sqrt, --mixed_precision fp16 (bf16 has the range). "
+            f"Last good checkpoint: {tmp_path / 'checkpoint-2'}: resume") in risky
+
+
 def test_out_of_memory_in_the_final_validation_says_so_and_still_writes_the_card(tiny_model, images, tmp_path,
                                                                                  monkeypatch):
     """The training flags would not help there; the LoRA is saved already, and the model card is written."""
