@@ -5987,11 +5987,13 @@ class ValidationTransformer(Option):
     name = "validation_transformer"
     flags = [flag("--validation_transformer", type=model_source, metavar="MODEL", help="Validate on this "
                   "transformer with the LoRA: a FLUX.2 checkpoint, sampled as its pipeline does (distilled [klein]: 4 "
-                  "steps, no guidance), or a folder of a distilled [klein] transformer alone.")]
+                  "steps, no guidance) or in --validation_inference_steps, or a folder of a distilled [klein] "
+                  "transformer alone.")]
 
     def check(self):
         refuse(fsdp_requested(), "--validation_transformer is not supported under FSDP (every process validates, "
                "so each would hold all of it)")
+        self.steps = self.args.validation_inference_steps  # the user's, if given (the family's default comes later)
 
     def resolve(self, family):
         self.family = family  # the run's
@@ -6039,7 +6041,7 @@ class ValidationTransformer(Option):
         if self.params.keys() != run.named_params.keys():
             raise TrainingStopped(f"--validation_transformer {args.validation_transformer}: the LoRA's layers do not "
                                   "all match its own")
-        self.sampler = (model.requires_grad_(False).eval(), self.family, default_sampling_steps(self.family))
+        self.sampler = (model.requires_grad_(False).eval(), self.family, self._sampling_steps())
         logger.info(f"validation on {args.validation_transformer} ({self.family.name}"
                     f"{', distilled' if self.family.distilled else ''}: {self.sampler[2]} steps)")
 
@@ -6056,7 +6058,11 @@ class ValidationTransformer(Option):
     def card(self):
         family = self.family
         return ["", f"The validation images were made on {self.args.validation_transformer} ({family.name}"
-                f"{', distilled' if family.distilled else ''}, {default_sampling_steps(family)} steps) with this LoRA."]
+                f"{', distilled' if family.distilled else ''}, {self._sampling_steps()} steps) with this LoRA."]
+
+    def _sampling_steps(self):
+        """--validation_inference_steps if given, else as the transformer's pipeline samples (distilled: 4)."""
+        return getattr(self, "steps", None) or default_sampling_steps(self.family)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Option: memory_plan (--memory_plan auto: the fastest settings that fit this GPU; --plan_only, --gpu_memory)
