@@ -5839,6 +5839,10 @@ class SpeedAndMemory(Option):
 # ----------------------------------------------------------------------------------------------------------------
 # Option: hub (--push_to_hub: the LoRA, its images and card uploaded to a Hugging Face repository)
 
+def hub_repo_id(value):
+    from huggingface_hub.utils import validate_repo_id
+    return validate_repo_id(value) is None  # the Hub's rules, checked here: raises ValueError on a name it refuses
+
 @option
 class Hub(Option):
     """At the end, the output folder (not its checkpoints, logs or what names this machine) goes to a Hub repository,
@@ -5846,7 +5850,9 @@ class Hub(Option):
 
     name = "hub"  # --hub_token also serves the remote text encoder, --hub_model_id alone names the card's repository
     flags = [flag("--push_to_hub", action="store_true", help="Upload the LoRA; the only flag using the network."),
-             flag("--hub_model_id", help="Hub repository; default: the name of --output_dir."),
+             flag("--hub_model_id", type=Accepts("a Hub repository id (name or owner/name: letters, digits, -, _ "
+                                                 "and ., no -- or ..)", hub_repo_id),
+                  help="Hub repository; default: the name of --output_dir."),
              flag("--hub_token", help="Hub token (never logged or saved); prefer `hf auth login`.")]
 
     def check(self):

@@ -111,11 +111,12 @@ REFUSED = {
     "metrics_dino_model": ["FILE", "MISSING", "no spaces allowed/in ids"],
     "metrics_clip_model": ["FILE", "no spaces allowed/in ids"],
     "keep_best": ["best", "drift"],
+    "hub_model_id": ["my lora", "me/my/lora", "me/my--lora", "-lora", "lora.git"],  # the Hub's own rules
     "max_drift": ["-1", "nan"],
 }
-# Flags that accept any text (prompts, names, Hub ids: the Hub itself is the judge, and only with --push_to_hub)
+# Flags that accept any text (prompts, names: the Hub itself is the judge of a revision, and only where it is read)
 FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column", "cond_image_column",
-             "instance_prompt", "class_prompt", "hub_model_id", "hub_token", "validation_prompt", "final_validation_prompt",
+             "instance_prompt", "class_prompt", "hub_token", "validation_prompt", "final_validation_prompt",
              "class_word", "init_lora"}  # init_lora: a file, folder or Hub file, read (and judged) later
 # Flags never refused, and why
 NEVER_REFUSED = {"precompute_cache_dir": "the cache never stops a run: a folder it cannot write warns, entries stay in memory"}
@@ -130,6 +131,7 @@ ACCEPTED = {
     "pretrained_model_name_or_path": ["black-forest-labs/FLUX.2-dev", "FOLDER"], "lora_layers": ["attention,proj_out"],
     "gpu_memory": ["24GB", "24GiB", "24", "7.5 GB"], "host_memory": ["64gb"],
     "prior_generation_precision": ["no"],  # among the diffusers example's choices: its default precision
+    "hub_model_id": ["lora", "me/flux2-dog_lora.v2"],
 }
 
 
