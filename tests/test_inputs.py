@@ -358,6 +358,35 @@ def test_bad_flag_for_this_model_or_machine_exits_2(extra, message, tiny_model, 
         assert "loading the text encoder" not in proc.stderr
 
 
+@pytest.mark.parametrize("case", ["copy into no folder", "copy named diffusers.py", "--keep without --write_copy",
+                                  "a key twice in --config", "--timestep_shift 1e40", "--hub_model_id 'my lora'"])
+def test_round_six_bad_inputs_exit_2_with_one_line_and_leave_nothing(case, tmp_path):
+    """Issue 59, as a new user met them: exit 1 or a copy that cannot run, a folder dropped without a word, a NaN at
+    step 1 with files left, a model card no Hub accepts. Each: exit 2, one `error:` line naming the flag or file, no
+    traceback, before any model loads (the model does not exist), nothing written."""
+    out, config = tmp_path / "out", tmp_path / "run.yaml"
+    config.write_text(f"datasets:\n- folder: {tmp_path}\n  folder: {tmp_path}\n")  # the second entry's dash forgotten
+    train = base_args("nobody/no-such-model", tmp_path, out)
+    argv, said = {
+        "copy into no folder": (["--write_copy", tmp_path / "nope" / "sub" / "c.py"], f"--write_copy {tmp_path}/nope"
+                                                                                       f"/sub/c.py: no folder"),
+        "copy named diffusers.py": (["--write_copy", tmp_path / "diffusers.py"], f"--write_copy {tmp_path}/diffusers.py: "
+                                                                               "run as a script, it would be imported "
+                                                                               "in place of the library diffusers"),
+        "--keep without --write_copy": ([*train, "--keep", "ema"], "--keep goes with --write_copy FILE"),
+        "a key twice in --config": ([*train, "--config", config],
+                                    f"--config {config}: line 3: 'folder' is given twice in one mapping"),
+        "--timestep_shift 1e40": ([*train, "--timestep_shift", "1e40"], "--timestep_shift 1e40: expected"),
+        "--hub_model_id 'my lora'": ([*train, "--hub_model_id", "my lora"], "--hub_model_id my lora: expected a Hub "
+                                                                           "repository id"),
+    }[case]
+    proc = launch([str(a) for a in argv], check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {said}") and "Traceback" not in proc.stderr, (
+        proc.stderr[-3000:])
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
 # ---------------------------------------------------------------------------------------------------- failures
 
 
