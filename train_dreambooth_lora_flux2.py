@@ -1480,7 +1480,8 @@ def training_step(args, accelerator, run, micro, batch, inputs, prefetch, stop):
         return loss.detach(), 0, list(model_input.shape[-2:])
     signum, bad = stop.agreed(accelerator, (~stop.finite).long())  # the update's one host-device sync
     if bad:
-        raise TrainingStopped(non_finite_loss(args, accelerator, micro // args.gradient_accumulation_steps + 1, batch))
+        raise TrainingStopped(non_finite_loss(args, accelerator.mixed_precision == "fp16",
+                                              micro // args.gradient_accumulation_steps + 1, batch["indices"]))
     accelerator.clip_grad_norm_(list(run.named_params.values()), args.max_grad_norm)
     run.optimizer.step()
     run.lr_scheduler.step()
@@ -1840,8 +1841,8 @@ sides = Accepts("sides from 16 to 4096, multiples of 16, distinct, comma-separat
 bucket_lists = Accepts("'h,w;h,w;...' with sides multiples of 16 (with several --resolution sides, a list per side, "
                        "separated by |)", lambda v: all(map(parse_buckets, v.split("|"))))
 layer_list = Accepts("presets and module names, comma-separated", lambda v: any(t.strip() for t in v.split(",")))
-timestep_shift = Accepts("none, auto, pipeline or a number > 0", lambda v: v in ("none", "auto", "pipeline") or (
-    math.isfinite(v) and v > 0), shift)
+timestep_shift = Accepts("none, auto, pipeline or a number from 1e-7 to 1e38", lambda v: v in (
+    "none", "auto", "pipeline") or 1e-7 <= v <= 1e38, shift)  # beyond, float32 sigmas overflow (test_learning)
 tracker_list = Accepts(f"none, all, or trackers among {', '.join(TRACKERS)} (comma-separated)",
                        lambda v: v in ("none", "all") or all(t in TRACKERS for t in v.split(",")))
 
@@ -1884,7 +1885,7 @@ class _Parser(argparse.ArgumentParser):
     the flag, the value and what the flag accepts. A default is not checked: it is the script's own choice."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, allow_abbrev=False, **kwargs)  # no prefixes: they read --keep as --keep_best
         self.register("action", "store_true", Switch)  # option: config
 
     def error(self, message):
@@ -3133,19 +3134,62 @@ def cache_identity(args, weight_dtype, family, encoder=None):  # option: disk_ca
     encoder = encoder or [fingerprint_folder(component_folder(args, name)) for name in ("text_encoder", "tokenizer")]
     prompts = [*encoder, args.max_sequence_length, list(args.text_encoder_out_layers), str(weight_dtype),
                family.pipeline, SYSTEM_MESSAGE if family.pipeline == "Flux2Pipeline" else None,
-               code_identity(prompt_encoder, encode_prompts)]
+               code_identity(PROMPT_CODE)]
     latents = ([fingerprint_folder(component_folder(args, "vae")), str(weight_dtype), args.latent_sampling,
-                code_identity(load_vae, encode_images, DreamBoothDataset.pixels, ImageRecord.load, to_rgb, grey8,
-                              image_to_tensor, transform_image)] if args.cache_latents else None)
+                code_identity(LATENT_CODE)] if args.cache_latents else None)
     return CacheIdentity(prompts, latents)
 
-def code_identity(*functions):  # option: disk_cache
-    """What computes an entry besides the models: the source of the functions (a copy edited to encode otherwise
-    makes other entries, never the old ones) and the versions of the libraries that run them."""
+# The code between a file (or a text) and its entry: these definitions (outer.inner: a closure) and, found by
+# covered_code, every function, class and constant of the script they name, transitively (README.md: Copy and edit)
+PROMPT_CODE = ("prompt_encoder", "encode_prompts", "encode_missing")  # option: disk_cache
+LATENT_CODE = (  # option: disk_cache
+    "load_vae", "prepare_latents.encode", "DreamBoothDataset.pixels", "ImageRecord.load", "encode_missing")
+
+def code_identity(names):  # option: disk_cache
+    """What computes an entry besides the models: the code it runs (covered_code: a copy edited to encode otherwise
+    makes other entries, never the old ones) and the versions of the libraries that run it."""
     import diffusers
     import transformers
-    return [json_digest(*map(inspect.getsource, functions)), torch.__version__, diffusers.__version__,
-            transformers.__version__]
+    code = covered_code(script_definitions(Path(__file__).read_text(encoding="utf-8")), names)
+    return [json_digest(sorted(code.items())), torch.__version__, diffusers.__version__, transformers.__version__]
+
+def covered_code(defs, names):  # option: disk_cache
+    """{name: code} of the definitions `names` (in `defs`, a script's script_definitions) and of every function, class
+    or constant of the script that their code names (NAME, Class.NAME, self.NAME in a method), transitively: followed,
+    not listed, so a function moved or newly called stays covered. The code as parsed (ast.unparse): a comment or
+    layout edit does not count."""
+    import ast
+    found, todo = {}, list(names)
+    while todo:
+        if (name := todo.pop()) in found or name not in defs:
+            continue
+        node, owner = defs[name]
+        found[name] = ast.unparse(node)
+        local = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)} | {
+            n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and n.id not in local:
+                todo.append(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+                todo.append(f"{owner if n.value.id in ('self', 'cls') else n.value.id}.{n.attr}")
+    return found
+
+@functools.lru_cache(maxsize=1)  # option: disk_cache (one parse a run: 0.2 s)
+def script_definitions(source):
+    """{name: (its node, the class whose `self` it sees)} of the script's functions, classes and constants (by their
+    assignment); methods and closures as outer.inner."""
+    import ast
+    defs = {}
+    for node in ast.parse(source).body:
+        targets = getattr(node, "targets", [getattr(node, "target", None)])
+        for target in (n for t in targets for n in getattr(t, "elts", [t]) if isinstance(n, ast.Name)):
+            defs[target.id] = node, None  # a, b = ...: both
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            owner = node.name if isinstance(node, ast.ClassDef) else None
+            defs[node.name] = node, owner
+            for inner in (n for n in ast.walk(node) if n is not node and isinstance(n, ast.FunctionDef)):
+                defs.setdefault(f"{node.name}.{inner.name}", (inner, owner))
+    return defs
 
 def settle_cache(accelerator, disk, entries):  # option: disk_cache
     """After precompute: each machine's first process bounds the folder (evict_lru), the main one logs what it did."""
@@ -3331,15 +3375,6 @@ def quiet_library_imports(environ=os.environ):
         del sys.modules["kernels"]
         sys.modules.update({"kernels": held} if held else {})
 
-def non_finite_loss(args, accelerator, step, batch):
-    """What to do when the loss of `batch` turned NaN or infinite, before its update `step` was applied."""
-    found = list_checkpoints(args.output_dir)
-    return (f"the loss became NaN or infinite at step {step} (samples {batch['indices']}); stopped without applying "
-            "that update and without writing a final LoRA. Last good checkpoint: "
-            f"{found[-1] if found else 'none'}: resume from it with a lower --max_grad_norm, or start over "
-            "(--overwrite_output_dir) with a lower --learning_rate" + (
-                ", or --mixed_precision bf16" if accelerator.mixed_precision == "fp16" else ""))
-
 @contextlib.contextmanager
 def validation_oom(step):
     """Out of GPU memory making validation images: advice for them (OOM_ADVICE's training flags would not help), and
@@ -3365,6 +3400,15 @@ OOM_ADVICE = ", ".join([
     "8-bit frozen weights: --transformer_quantization int8",  # option: int8_weights
     "a 4-bit --bnb_quantization_config_path",  # option: compile
 ])
+
+def non_finite_loss(args, fp16, step, samples):
+    """A NaN or infinite loss's message: the run's flags that can cause it, where to resume, what to change."""
+    return (f"the loss became NaN or infinite at step {step} (samples {samples}); stopped before applying that "
+            f"update, no final LoRA written. Flags that can cause it: --learning_rate {args.learning_rate:g}, "
+            f"--max_grad_norm {args.max_grad_norm:g}, --timestep_shift {args.timestep_shift}, --weighting_scheme "
+            f"{args.weighting_scheme}{', --mixed_precision fp16 (bf16 has the range)' * fp16}. Last good checkpoint: "
+            f"{(list_checkpoints(args.output_dir) or ['none'])[-1]}: resume from it with a lower --max_grad_norm, or "
+            "start over (--overwrite_output_dir) with a lower --learning_rate or other values of those")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3826,8 +3870,10 @@ def config_tokens(argv):
     path, argv = (argv[i][9:], argv[:i] + argv[i + 1:]) if "=" in argv[i] else (argv[i + 1], argv[:i] + argv[i + 2:])
     try:
         text = Path(path).read_text(encoding="utf-8")
-        data = (json.loads(text) if path.endswith(".json") else __import__("tomllib").loads(text)
-                if path.endswith(".toml") else __import__("yaml").safe_load(text))
+        kind = {".json": "json", ".toml": "toml"}.get(Path(path).suffix, "yaml")
+        data = read_settings(text, kind, f"--config {path}")
+    except UsageError:
+        raise
     except Exception as e:  # noqa: BLE001 - unreadable or not the format its name says
         raise UsageError(f"--config {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     refuse(not isinstance(data, dict), f"--config {path}: expected a mapping of flag names to values")
@@ -3871,6 +3917,41 @@ def config_tokens(argv):
     except UsageError as e:
         raise UsageError(f"--config {path}: {e}") from None
     return path, tokens, argv
+
+def read_settings(text, kind, name):
+    """YAML, TOML or JSON `text` (kind: yaml, toml or json) -> its data. A key given twice in one mapping, which YAML
+    and JSON read as its last value (a datasets: entry's forgotten dash drops a folder) and TOML refuses without
+    naming it, is refused naming `name` (the file), the key and its line."""
+    import yaml
+    twice = lambda key, line: f"{name}: line {line}: {key!r} is given twice in one mapping"  # noqa: E731
+    if kind == "toml":
+        import tomllib
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:  # "Cannot overwrite a value (at line 3, ...)", "Cannot declare ... twice"
+            at = re.search(r"(overwrite a value|twice) \(at line (\d+)", str(e))
+            refuse(at, at and twice(re.split(r"[\s=\]]", text.splitlines()[int(at[2]) - 1].strip(" ["))[0], at[2]))
+            raise
+    if kind == "json":
+        data, keys = json.loads(text), []  # valid JSON: a string is matched whole, so a bracket in it is not seen
+        for m in re.finditer(r'"(?:[^"\\]|\\.)*"(\s*:)?|[{}\[\]]', text):
+            if m[0] in "{}[]":
+                keys = keys + [set()] if m[0] in "{[" else keys[:-1]
+            elif m[1]:
+                key = json.loads(m[0][:-len(m[1])])
+                refuse(key in keys[-1], twice(key, text.count("\n", 0, m.start()) + 1))
+                keys[-1].add(key)
+        return data
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key, _ in node.value:  # (a merge key, <<, may repeat one: what it merges gives way)
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    refuse((key.tag, key.value) in seen, twice(key.value, key.start_mark.line + 1))
+                    seen.add((key.tag, key.value))
+            return super().construct_mapping(node, deep)
+    return yaml.load(text, Loader=Loader)
 
 def parse_with_config(argv):
     """The flags of a --config file, then argv's: argv wins, over the file's settings of an option it turns off too
@@ -5872,6 +5953,10 @@ class Int8Weights(Option):
 # ----------------------------------------------------------------------------------------------------------------
 # Option: hub (--push_to_hub: the LoRA, its images and card uploaded to a Hugging Face repository)
 
+def hub_repo_id(value):
+    from huggingface_hub.utils import validate_repo_id
+    return validate_repo_id(value) is None  # the Hub's rules, checked here: raises ValueError on a name it refuses
+
 @option
 class Hub(Option):
     """At the end, the output folder (not its checkpoints, logs or what names this machine) goes to a Hub repository,
@@ -5880,7 +5965,9 @@ class Hub(Option):
     words = ("Hub repository", "upload")
     name = "hub"  # --hub_token also serves the remote text encoder, --hub_model_id alone names the card's repository
     flags = [flag("--push_to_hub", action="store_true", help="Upload the LoRA; the only flag using the network."),
-             flag("--hub_model_id", help="Hub repository; default: the name of --output_dir."),
+             flag("--hub_model_id", type=Accepts("a Hub repository id (name or owner/name: letters, digits, -, _ "
+                                                 "and ., no -- or ..)", hub_repo_id),
+                  help="Hub repository; default: the name of --output_dir."),
              flag("--hub_token", help="Hub token (never logged or saved); prefer `hf auth login`.")]
 
     def check(self):
@@ -6023,11 +6110,13 @@ class ValidationTransformer(Option):
     name = "validation_transformer"
     flags = [flag("--validation_transformer", type=model_source, metavar="MODEL", help="Validate on this "
                   "transformer with the LoRA: a FLUX.2 checkpoint, sampled as its pipeline does (distilled [klein]: 4 "
-                  "steps, no guidance), or a folder of a distilled [klein] transformer alone.")]
+                  "steps, no guidance) or in --validation_inference_steps, or a folder of a distilled [klein] "
+                  "transformer alone.")]
 
     def check(self):
         refuse(fsdp_requested(), "--validation_transformer is not supported under FSDP (every process validates, "
                "so each would hold all of it)")
+        self.steps = self.args.validation_inference_steps  # the user's, if given (the family's default comes later)
 
     def resolve(self, family):
         self.family = family  # the run's
@@ -6075,7 +6164,7 @@ class ValidationTransformer(Option):
         if self.params.keys() != run.named_params.keys():
             raise TrainingStopped(f"--validation_transformer {args.validation_transformer}: the LoRA's layers do not "
                                   "all match its own")
-        self.sampler = (model.requires_grad_(False).eval(), self.family, default_sampling_steps(self.family))
+        self.sampler = (model.requires_grad_(False).eval(), self.family, self._sampling_steps())
         logger.info(f"validation on {args.validation_transformer} ({self.family.name}"
                     f"{', distilled' if self.family.distilled else ''}: {self.sampler[2]} steps)")
 
@@ -6092,7 +6181,11 @@ class ValidationTransformer(Option):
     def card(self):
         family = self.family
         return ["", f"The validation images were made on {self.args.validation_transformer} ({family.name}"
-                f"{', distilled' if family.distilled else ''}, {default_sampling_steps(family)} steps) with this LoRA."]
+                f"{', distilled' if family.distilled else ''}, {self._sampling_steps()} steps) with this LoRA."]
+
+    def _sampling_steps(self):
+        """--validation_inference_steps if given, else as the transformer's pipeline samples (distilled: 4)."""
+        return getattr(self, "steps", None) or default_sampling_steps(self.family)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Option: memory_plan (--memory_plan auto: the fastest settings that fit this GPU; --plan_only, --gpu_memory)
@@ -6905,10 +6998,13 @@ def write_copy(argv):
     refuse(target.exists() and os.path.samefile(target, source), f"--write_copy {target} is this script; name "
            "another file")
     refuse(target.is_dir(), f"--write_copy {target} is a folder; name a file")
-    refuse(target.stem in sys.stdlib_module_names, f"--write_copy {target}: run as a script, it would be imported "
-           f"in place of Python's own {target.stem} module (its folder comes first on the path); name it otherwise")
+    refuse(not target.absolute().parent.is_dir(), f"--write_copy {target}: no folder {target.parent}; make it first")
+    text = source.read_text(encoding="utf-8")  # the modules it imports: `import x` and `from x` lines, __import__
+    found = sum(re.findall(r"^\s*(?:import|from) (\w+)|(?:__import__|find_spec)\(\"(\w+)", text, re.M), ())
+    owner = "Python's own" if target.stem in sys.stdlib_module_names else "the library" * (target.stem in found)
+    refuse(owner, f"--write_copy {target}: run as a script, it would be imported in place of {owner} {target.stem} "
+           "module (its folder comes first on the path); name it otherwise")
     refuse(target.exists() and not args.overwrite, f"--write_copy {target} exists; pass --overwrite to replace it")
-    text = source.read_text(encoding="utf-8")
     header = copy_header(keep, VERSION, hashlib.sha256(text.encode()).hexdigest()[:12])
     text = trimmed_source(text, {o.name: [n for names, _ in o.flags for n in names] for o in OPTIONS}, keep, header)
     with writing(target):

@@ -93,6 +93,35 @@ def test_a_bad_key_or_value_in_a_config_file_is_refused_naming_the_file(data, me
         T.parse_args(["--config", str(config)])
 
 
+@pytest.mark.parametrize("name, text, line, key", [
+    ("run.yaml", "rank: 4\nlearning_rate: 1e-4\nrank: 8\n", 3, "rank"),
+    ("run.yaml", "datasets:\n- folder: R3\n  folder: R1\n", 3, "folder"),  # the second entry's dash forgotten
+    ("run.toml", "rank = 4\nlearning_rate = 1e-4\nrank = 8\n", 3, "rank"),
+    ("run.toml", "[[datasets]]\nfolder = 'R3'\nfolder = 'R1'\n", 3, "folder"),
+    ("run.json", '{"rank": 4,\n "rank": 8}', 2, "rank"),
+    ("run.json", '{"validation_prompt": "a {dog}: \\"x\\"", "datasets": [{"folder": "R3",\n  "folder": "R1"}]}', 2,
+     "folder"),
+])
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_the_file_the_key_and_its_line(name, text, line, key,
+                                                                                           tmp_path):
+    """YAML and JSON keep a mapping's last value: a folder was dropped without a word (issue 59 item 5)."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(T.UsageError, match=rf"^--config {re.escape(str(tmp_path / name))}: line {line}: '{key}' is "
+                                           "given twice in one mapping$"):
+        T.parse_args(["--config", str(tmp_path / name)])
+
+
+def test_the_same_key_in_other_mappings_of_a_config_file_is_not_twice(tmp_path):
+    for name in ("R1", "R3"):
+        (tmp_path / name).mkdir()
+    entries = [{"folder": str(tmp_path / "R3"), "repeats": 2}, {"folder": str(tmp_path / "R1"), "repeats": 1}]
+    data = {"pretrained_model_name_or_path": "m", "validation_prompt": 'a {"folder": 1, "folder": 2} dog',
+            "datasets": entries}
+    for suffix in (".yaml", ".json"):
+        args = T.parse_args(["--config", str(_write(tmp_path / f"run{suffix}", data))])
+        assert args.datasets == entries and args.validation_prompt == data["validation_prompt"]
+
+
 def test_yaml_booleans_are_read_back_as_the_words_a_flag_of_choices_takes(tmp_path):
     (tmp_path / "run.yaml").write_text("pretrained_model_name_or_path: m\nmixed_precision: no\nlatent_sampling: mode\n")
     assert T.parse_args(["--config", str(tmp_path / "run.yaml")]).mixed_precision == "no"

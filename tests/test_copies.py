@@ -6,10 +6,12 @@ options kept, for users who read and edit it.
   lacks in any string: messages, advice, docstrings, help.
 - `--keep all` is the full script under a header; the header says what the copy is; a copy trims itself again.
 - Refusals: an unknown option (listing the names), an existing file without --overwrite, the running script itself
-  (even with --overwrite, through a link too), a folder: exit 2, one `error:` line.
+  (even with --overwrite, through a link too), a folder, a folder that does not exist, the name of a module the copy
+  imports: exit 2, one `error:` line. The header's SHA-256 is that of the text the copy was trimmed from.
 - README.md's "Copy and edit" sizes are the copies' (tests/copy_sizes.py --write); the budgets are test_parts'.
-- The disk cache names entries by the code that computes them: an edited copy encodes every entry again, an unedited
-  copy reuses the full script's.
+- The disk cache names entries by the code that computes them: a copy with its prompt encoder, its image encoder or
+  the closure where precompute calls it edited (each alone) encodes again the entries that code makes, and only those;
+  an unedited copy reuses the full script's.
 
 test_parts.py trains the copy without options to the full script's LoRA; test_copy_runs.py trains each single-option
 copy's smallest run.
@@ -75,10 +77,10 @@ def literal_flags(source):
 
 
 def write_copies(folder, kinds):
-    """{kind: the copy `--keep kind` wrote into `folder`}."""
+    """{kind: the copy `--keep kind` wrote into `folder`} (as keep_KIND.py: diffusers.py would shadow diffusers)."""
     for keep in kinds:
-        write(T, "--write_copy", folder / f"{keep}.py", "--keep", keep)
-    return {keep: folder / f"{keep}.py" for keep in kinds}
+        write(T, "--write_copy", folder / f"keep_{keep}.py", "--keep", keep)
+    return {keep: folder / f"keep_{keep}.py" for keep in kinds}
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +172,37 @@ def test_a_copy_neither_overwrites_a_file_nor_the_running_script(tmp_path):
     assert os.stat(tmp_path / "mine.py").st_mode & 0o777 == os.stat(SCRIPT).st_mode & 0o777
 
 
+def test_a_copy_named_after_a_module_it_imports_or_in_no_folder_is_refused(tmp_path):
+    """diffusers.py was written and could not run (it imported itself in place of diffusers); a copy into a folder that
+    does not exist stopped with exit 1 as if removed during the run. The modules are the script's own imports (its
+    import and from lines, __import__ and find_spec: bitsandbytes, prodigyopt) and Python's, not a list kept by hand."""
+    for name, message in (("diffusers.py", "in place of the library diffusers module"), ("torch.py", "library torch"),
+                          ("PIL.py", "library PIL module"), ("yaml.py", "library yaml module"),
+                          ("bitsandbytes.py", "library bitsandbytes"), ("prodigyopt.py", "library prodigyopt"),
+                          ("json.py", "Python's own json module"), ("nope/sub/c.py", f"no folder {tmp_path}/nope/sub; "
+                                                                                  "make it first")):
+        with pytest.raises(T.UsageError, match=re.escape(f"--write_copy {tmp_path / name}: ")) as refused:
+            write(T, "--write_copy", tmp_path / name, "--keep", "none")
+        assert message in str(refused.value), name
+    assert list(tmp_path.iterdir()) == []
+    write(T, "--write_copy", tmp_path / "diffusers_lora.py", "--keep", "none")  # a name of no module: written
+
+
+def test_a_copys_header_states_the_sha256_of_the_text_it_was_trimmed_from(tmp_path):
+    """Of the text, not of its path: a copy of a copy states the first copy's digest."""
+    import hashlib
+
+    def stated(path):
+        header = " ".join(line.removeprefix("# ") for line in path.read_text().splitlines()[2:8])
+        return re.search(r"has SHA-256 ([0-9a-f]+)\.\.\.\)", header).group(1)
+    write(T, "--write_copy", tmp_path / "first.py", "--keep", "all")
+    assert stated(tmp_path / "first.py") == hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
+    first = (tmp_path / "first.py").read_text()
+    write(load_copy(first, tmp_path / "first.py"), "--write_copy", tmp_path / "second.py", "--keep", "ema")
+    assert stated(tmp_path / "second.py") == hashlib.sha256(first.encode()).hexdigest()[:12] != stated(
+        tmp_path / "first.py")
+
+
 def test_readme_gives_the_copies_sizes():
     text = README.read_text(encoding="utf-8")
     assert render() in text, "README.md's copy sizes are stale: run `python tests/copy_sizes.py --write`"
@@ -177,22 +210,28 @@ def test_readme_gives_the_copies_sizes():
 
 @pytest.fixture(scope="module")
 def cached_runs(tiny_model, tmp_path_factory):
-    """The same run three times over one disk cache: the full script, an unedited copy keeping the disk cache, then
-    that copy with both encoders edited (a statement added to each: the code that makes every entry changed)."""
+    """The same run over one disk cache: the full script, an unedited copy keeping the disk cache, then that copy with
+    one place of the code that makes the entries edited at a time: the prompt encoder (a statement added), the image
+    encoder (the same), and the pixels scaled where precompute calls it (prepare_latents's `encode` closure)."""
     root = tmp_path_factory.mktemp("stale")
     images = root / "images"
     make_images(str(images))
     copy = root / "kept.py"  # (not copy.py: run as a script, it would shadow Python's copy module)
     write(T, "--write_copy", copy, "--keep", "disk_cache")
-    edited = root / "edited.py"
-    source = copy.read_text()
-    for name in ("encode_images", "encode_prompts"):
-        body = re.search(rf"^def {name}\(.*?\n    \"\"\".*?\"\"\"\n", source, re.M | re.S)
-        source = source[:body.end()] + "    _ = 'edited'  # a user's change\n" + source[body.end():]
-    edited.write_text(source)
+    source, scripts = copy.read_text(), {"full": SCRIPT, "copy": copy}
+    for name, function in (("prompts", "encode_prompts"), ("images", "encode_images"), ("closure", None)):
+        if function:
+            body = re.search(rf"^def {function}\(.*?\n    \"\"\".*?\"\"\"\n", source, re.M | re.S).end()
+            edited = source[:body] + "    _ = 'edited'  # a user's change\n" + source[body:]
+        else:
+            call = "torch.stack([dataset.pixels(k) for k in keys])"
+            assert source.count(call) == 1
+            edited = source.replace(call, f"{call} * 0.5")
+        scripts[name] = root / f"edited_{name}.py"
+        scripts[name].write_text(edited)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     runs = {}
-    for name, script in (("full", SCRIPT), ("copy", copy), ("edited", edited)):
+    for name, script in scripts.items():
         args = base_args(tiny_model, images, root / name, "--cache_latents", "--max_train_steps", "1",
                          "--precompute_cache_dir", root / "cache")
         cmd = [sys.executable, str(script), *args]
@@ -211,8 +250,12 @@ def encoded(log):
     return tuple(map(int, prompts)), tuple(map(int, images.groups())) if images else (0, 0)
 
 
-def test_an_edited_copy_encodes_every_entry_again_and_an_unedited_one_reuses_them(cached_runs):
+def test_an_edited_copy_encodes_again_what_its_edit_makes_and_an_unedited_one_reuses_everything(cached_runs):
+    """Each edit alone: an identity that fingerprinted the image encoder for prompts too, or missed the closure where
+    precompute calls the encoder (the old latents reused, the LoRA the unedited one), would fail here."""
     (prompts, _), (images, _) = encoded(cached_runs["full"])
     assert prompts > 0 and images > 0
     assert encoded(cached_runs["copy"]) == ((0, 0), (0, 0))  # same code, same keys: all found
-    assert encoded(cached_runs["edited"]) == ((prompts, prompts), (images, images))
+    assert encoded(cached_runs["prompts"]) == ((prompts, prompts), (0, 0))
+    assert encoded(cached_runs["images"]) == ((0, 0), (images, images))
+    assert encoded(cached_runs["closure"]) == ((0, 0), (images, images))

@@ -309,12 +309,13 @@ def run_transformer_file(copy, model, images, tmp_path, request):
 @run_of("validation_transformer")
 def run_validation_transformer(copy, model, images, tmp_path, request):
     """--validation_transformer (the tiny [dev] itself: a checkpoint of the same shape): loaded once, it makes the
-    base and final images, and the model card says so."""
+    base and final images in the --validation_inference_steps given (2; its pipeline's 50 were used without a word),
+    and the model card says so."""
     proc = launch(base_args(model, images, tmp_path / "out", *ONE_STEP, "--validation_prompt", "a photo of sks dog",
                             "--num_validation_images", "1", "--validation_transformer", model), script=copy)
-    assert f"validation on {model} (FLUX.2 [dev]: 50 steps)" in proc.stderr
+    assert f"validation on {model} (FLUX.2 [dev]: 2 steps)" in proc.stderr
     assert {"base-0.png", "final-0.png"} <= {p.name for p in (tmp_path / "out" / "validation").iterdir()}
-    assert f"made on {model}" in (tmp_path / "out" / "README.md").read_text()
+    assert f"made on {model} (FLUX.2 [dev], 2 steps)" in (tmp_path / "out" / "README.md").read_text()
 
 
 @run_of("memory_plan")

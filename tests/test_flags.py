@@ -77,7 +77,7 @@ REFUSED = {
     "max_train_steps": ["0", "-10"],
     "gradient_accumulation_steps": ["0"],
     "weighting_scheme": ["uniform"],
-    "timestep_shift": ["0", "-1", "inf", "sometimes"],
+    "timestep_shift": ["0", "-1", "inf", "sometimes", "1e40", "1e-10"],  # float32 sigmas: NaN beyond (test_learning)
     "logit_mean": ["nan", "inf"],
     "logit_std": ["0", "-1"],
     "mode_scale": ["2", "-1.5", "nan"],
@@ -113,11 +113,12 @@ REFUSED = {
     "metrics_dino_model": ["FILE", "MISSING", "no spaces allowed/in ids"],
     "metrics_clip_model": ["FILE", "no spaces allowed/in ids"],
     "keep_best": ["best", "drift"],
+    "hub_model_id": ["my lora", "me/my/lora", "me/my--lora", "-lora", "lora.git"],  # the Hub's own rules
     "max_drift": ["-1", "nan"],
 }
-# Flags that accept any text (prompts, names, Hub ids: the Hub itself is the judge, and only with --push_to_hub)
+# Flags that accept any text (prompts, names: the Hub itself is the judge of a revision, and only where it is read)
 FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column", "cond_image_column",
-             "instance_prompt", "class_prompt", "hub_model_id", "hub_token", "validation_prompt", "final_validation_prompt",
+             "instance_prompt", "class_prompt", "hub_token", "validation_prompt", "final_validation_prompt",
              "class_word", "init_lora"}  # init_lora: a file, folder or Hub file, read (and judged) later
 # Flags never refused, and why
 NEVER_REFUSED = {"precompute_cache_dir": "the cache never stops a run: a folder it cannot write warns, entries stay in memory"}
@@ -126,12 +127,13 @@ ACCEPTED = {
     "resolution": ["16", "4096", "512,768,1024", "1024,512"], "caption_dropout": ["0", "1"], "ema_decay": ["0", "0.9999"], "seed": ["0", str(2**32 - 1)],
     "mode_scale": ["-1", "1.75"], "lora_dropout": ["0"], "lr_warmup_steps": ["0"], "num_validation_images": ["0"],
     "precompute_cache_max_gb": ["0"], "prior_loss_weight": ["0"], "logit_mean": ["-3"], "text_encoder_out_layers": ["0 2"],
-    "dataloader_num_workers": ["0"], "blocks_to_swap": ["0"], "timestep_shift": ["auto", "pipeline", "none", "3"], "report_to": ["none", "all", "tensorboard,wandb"],
+    "dataloader_num_workers": ["0"], "blocks_to_swap": ["0"], "timestep_shift": ["auto", "pipeline", "none", "3", "1e-7", "1e38"], "report_to": ["none", "all", "tensorboard,wandb"],
     "precompute_cache_dir": ["none", "NEW", "FILE", "UNDER_FILE"], "output_dir": ["NEW"], "resume_from_checkpoint": ["latest"],
     "remote_text_encoder_url": ["http://127.0.0.1:8000/predict"], "ema_device": ["cpu"], "aspect_ratio_buckets": ["32,48;48,32"],
     "pretrained_model_name_or_path": ["black-forest-labs/FLUX.2-dev", "FOLDER"], "lora_layers": ["attention,proj_out"],
     "gpu_memory": ["24GB", "24GiB", "24", "7.5 GB"], "host_memory": ["64gb"],
     "prior_generation_precision": ["no"],  # among the diffusers example's choices: its default precision
+    "hub_model_id": ["lora", "me/flux2-dog_lora.v2"],
 }
 
 
@@ -323,11 +325,23 @@ def test_a_bad_flag_exits_2_with_one_line_before_anything_loads(tmp_path):
 @pytest.mark.parametrize("flag, value, what", [("gpu_memory", "24000MB", "a size up to 1024 GiB, e.g. 24GB or "
                                                                 "24564MiB (a bare number is read in GiB)"),
                                                ("seed", "1.5", "an integer from 0 to 4294967295"),
-                                               ("timestep_shift", "sometimes", "none, auto, pipeline or a number > 0")])
+                                               ("timestep_shift", "sometimes", "none, auto, pipeline or a number from 1e-7 to 1e38")])
 def test_a_value_that_is_not_even_of_the_flags_kind_is_told_what_it_accepts(flag, value, what, places):
     """argparse said "invalid memory_size value" (a function's name): the refusal says what the flag takes instead."""
     with pytest.raises(T.UsageError, match=f"^--{flag} {value}: expected {re.escape(what)}$"):
         _validate(places, flag, value)
+
+
+def test_a_flag_is_read_only_by_its_full_name_and_keep_is_named_with_write_copy():
+    """argparse's prefixes read --keep as --keep_best ("invalid choice: 'ema'", or "--keep_best has no effect"): a
+    training command refuses --keep naming --write_copy, and an abbreviation as an unknown flag."""
+    base = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "p"]
+    for keep in (["--keep", "ema"], ["--keep", "subject"], ["--keep=subject"], ["--seed", "1", "--keep", "none"]):
+        with pytest.raises(T.UsageError, match=r"^--keep goes with --write_copy FILE$"):
+            T.parse_args([*base, *keep])
+    with pytest.raises(T.UsageError, match=r"^unrecognized arguments: --max_train 5 \(see --help\)$"):
+        T.parse_args([*base, "--max_train", "5"])
+    assert T.parse_args([*base, "--max_train_steps=5", "--keep_best", "subject"]).max_train_steps == 5
 
 
 def test_the_diffusers_examples_command_line_parses_as_before(monkeypatch, tmp_path):

@@ -358,6 +358,35 @@ def test_bad_flag_for_this_model_or_machine_exits_2(extra, message, tiny_model, 
         assert "loading the text encoder" not in proc.stderr
 
 
+@pytest.mark.parametrize("case", ["copy into no folder", "copy named diffusers.py", "--keep without --write_copy",
+                                  "a key twice in --config", "--timestep_shift 1e40", "--hub_model_id 'my lora'"])
+def test_round_six_bad_inputs_exit_2_with_one_line_and_leave_nothing(case, tmp_path):
+    """Issue 59, as a new user met them: exit 1 or a copy that cannot run, a folder dropped without a word, a NaN at
+    step 1 with files left, a model card no Hub accepts. Each: exit 2, one `error:` line naming the flag or file, no
+    traceback, before any model loads (the model does not exist), nothing written."""
+    out, config = tmp_path / "out", tmp_path / "run.yaml"
+    config.write_text(f"datasets:\n- folder: {tmp_path}\n  folder: {tmp_path}\n")  # the second entry's dash forgotten
+    train = base_args("nobody/no-such-model", tmp_path, out)
+    argv, said = {
+        "copy into no folder": (["--write_copy", tmp_path / "nope" / "sub" / "c.py"], f"--write_copy {tmp_path}/nope"
+                                                                                       f"/sub/c.py: no folder"),
+        "copy named diffusers.py": (["--write_copy", tmp_path / "diffusers.py"], f"--write_copy {tmp_path}/diffusers.py: "
+                                                                               "run as a script, it would be imported "
+                                                                               "in place of the library diffusers"),
+        "--keep without --write_copy": ([*train, "--keep", "ema"], "--keep goes with --write_copy FILE"),
+        "a key twice in --config": ([*train, "--config", config],
+                                    f"--config {config}: line 3: 'folder' is given twice in one mapping"),
+        "--timestep_shift 1e40": ([*train, "--timestep_shift", "1e40"], "--timestep_shift 1e40: expected"),
+        "--hub_model_id 'my lora'": ([*train, "--hub_model_id", "my lora"], "--hub_model_id my lora: expected a Hub "
+                                                                           "repository id"),
+    }[case]
+    proc = launch([str(a) for a in argv], check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {said}") and "Traceback" not in proc.stderr, (
+        proc.stderr[-3000:])
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
 # ---------------------------------------------------------------------------------------------------- failures
 
 
@@ -373,6 +402,24 @@ def test_non_finite_loss_stops_keeps_the_last_checkpoint_and_writes_no_lora(tiny
     assert "resume from it with a lower --max_grad_norm, or start over (--overwrite_output_dir) with a lower " \
            "--learning_rate" in proc.stderr and "--mixed_precision" not in proc.stderr
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and not (out / LORA).exists()
+
+
+def test_the_non_finite_loss_message_names_the_flags_of_the_run_that_can_cause_it(tmp_path):
+    """An extreme --timestep_shift or sigma_sqrt's unbounded weights make a NaN loss as a high rate does: the message
+    names each of those flags with the run's value (fp16 only where the run is fp16)."""
+    def message(*flags, fp16=False):
+        args = T.parse_args(["--pretrained_model_name_or_path", "m", "--output_dir", str(tmp_path), *flags])
+        return T.non_finite_loss(args, fp16, 3, [4, 5])
+    plain = message()
+    assert plain.startswith("the loss became NaN or infinite at step 3 (samples [4, 5]); stopped before applying")
+    assert ("Flags that can cause it: --learning_rate 0.0001, --max_grad_norm 1, --timestep_shift none, "
+            "--weighting_scheme none. Last good checkpoint: none: resume from it") in plain
+    assert "--mixed_precision" not in plain
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / T.TRAINER_STATE_NAME).write_text("{}")
+    risky = message("--timestep_shift", "1e30", "--weighting_scheme", "sigma_sqrt", fp16=True)
+    assert ("--timestep_shift 1e+30, --weighting_scheme sigma_sqrt, --mixed_precision fp16 (bf16 has the range). "
+            f"Last good checkpoint: {tmp_path / 'checkpoint-2'}: resume") in risky
 
 
 def test_out_of_memory_in_the_final_validation_says_so_and_still_writes_the_card(tiny_model, images, tmp_path,

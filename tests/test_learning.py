@@ -135,6 +135,25 @@ def test_timestep_shift_auto_is_the_schedule_flux2_was_trained_with():
     assert T.timestep_shift_for("auto", 16384, 50) == pytest.approx(math.exp(calculate_shift(16384)))
 
 
+def test_timestep_shift_takes_what_float32_noise_levels_hold():
+    """--timestep_shift 1e40 (finite, > 0) made the sigmas NaN: exit 1 at step 1, files left behind. The flag takes the
+    shifts under which the training table's float32 sigmas stay finite in [0, 1], and refuses those just beyond."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    table = FlowMatchEulerDiscreteScheduler(shift=1.0).sigmas.float()  # what setup_training draws from: 1 to 0.001
+    assert table.dtype == torch.float32 and table.max() == 1 and table.min() == pytest.approx(0.001)
+    for shift, holds in ((1e-7, True), (1e38, True), (1e-8, False), (1e39, False)):
+        shifted = T.shift_sigmas(table, shift)
+        assert bool(torch.isfinite(shifted).all() and (shifted >= 0).all() and (shifted <= 1).all()) == holds, shift
+        argv = ["--pretrained_model_name_or_path", "m", f"--timestep_shift={shift}"]
+        if holds:
+            assert T.parse_args(argv).timestep_shift == shift
+        else:
+            with pytest.raises(T.UsageError, match=re.escape(f"--timestep_shift {shift}: expected none, auto, "
+                                                             "pipeline or a number from 1e-7 to 1e38")):
+                T.parse_args(argv)
+
+
 @pytest.mark.parametrize("family", ["dev", "klein-distilled"])
 def test_timestep_shift_pipeline_reproduces_the_pipelines_own_sigmas(family, tiny_model, tmp_path):
     from tests.tiny_flux2 import build_tiny_flux2_klein

@@ -10,6 +10,7 @@ import torch
 import train_dreambooth_lora_flux2 as T
 
 SEED = 5
+SCRIPT_SOURCE = open(T.__file__, encoding="utf-8").read()
 
 
 def _dataset():
@@ -115,6 +116,64 @@ def test_every_part_of_the_cache_identity_changes_the_entry_names(tiny_model, tm
     }
     for part, ((prompt, latent), (prompt_changes, latent_changes)) in changes.items():
         assert (prompt != base[0], latent != base[1]) == (prompt_changes, latent_changes), part
+
+
+def test_a_library_version_changes_every_entry_name(tiny_model, monkeypatch):
+    """Another torch, diffusers or transformers may encode otherwise: entries name the versions that made them."""
+    import diffusers
+    import transformers
+
+    args = T.parse_args(["--pretrained_model_name_or_path", str(tiny_model), "--instance_prompt", "p",
+                         "--instance_data_dir", ".", "--cache_latents", "--text_encoder_out_layers", "1", "2"])
+    family = T.Family("FLUX.2 [dev]", "Flux2Pipeline", "Mistral3ForConditionalGeneration")
+    base = T.cache_identity(args, torch.float32, family)
+    for module in (torch, diffusers, transformers):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "__version__", f"{module.__version__}.post1")
+            other = T.cache_identity(args, torch.float32, family)
+        assert other.prompts != base.prompts and other.latents != base.latents, module.__name__
+    assert T.cache_identity(args, torch.float32, family) == base
+
+
+def _edited(node):
+    """A copy of the definition `node` with its code changed: a statement added to its body, or its value (a
+    constant's) written otherwise."""
+    import ast
+    import copy
+
+    node = copy.deepcopy(node)
+    if hasattr(node, "body"):
+        node.body.insert(0, ast.parse("_edited = 1").body[0])
+    else:
+        node.value = ast.Subscript(ast.Tuple([node.value], ast.Load()), ast.Constant(0), ast.Load())  # (value,)[0]
+    return node
+
+
+def test_the_code_identity_covers_each_place_between_a_file_and_its_entry_alone():
+    """The code that makes an entry is followed from the definitions named (PROMPT_CODE, LATENT_CODE) through every
+    function, class and constant of the script it names: the closure where precompute calls the VAE (an edit there
+    reused the old latents), the image transform and decoding. Each covered place edited alone changes the names of
+    the entries it makes, and only those; an edit elsewhere, or of a comment, changes none."""
+    kinds = {"prompts": T.PROMPT_CODE, "latents": T.LATENT_CODE}
+    definitions = T.script_definitions(SCRIPT_SOURCE)
+    covered = {kind: T.covered_code(definitions, names).keys() for kind, names in kinds.items()}
+    assert {"prepare_latents.encode", "encode_images", "load_vae", "DreamBoothDataset.pixels",
+            "DreamBoothDataset.record", "ImageRecord.load", "image_to_tensor", "transform_image", "to_rgb", "grey8",
+            "NEUTRAL_GREY", "on_device", "encode_missing"} <= covered["latents"]
+    assert {"prompt_encoder", "encode_prompts", "load_pipeline_tokenizer", "encode_missing"} <= covered["prompts"]
+    assert not {"encode_images", "transform_image", "prepare_latents.encode"} & covered["prompts"]
+
+    def digests(defs):
+        return {kind: T.json_digest(sorted(T.covered_code(defs, names).items())) for kind, names in kinds.items()}
+    base = digests(definitions)
+    for name in sorted(covered["prompts"] | covered["latents"]) + ["log_step"]:  # the loop's: no entry's code
+        node, owner = definitions[name]
+        changed = digests({**definitions, name: (_edited(node), owner)})
+        assert {kind for kind in kinds if changed[kind] != base[kind]} == {
+            kind for kind in kinds if name in covered[kind]}, name
+    lines = SCRIPT_SOURCE.splitlines(keepends=True)  # a comment a user adds, in the file: the same code
+    body = definitions["encode_images"][0].body[0].lineno - 1
+    assert digests(T.script_definitions("".join(lines[:body] + ["    # a note of a user's\n"] + lines[body:]))) == base
 
 
 # ----------------------------------------------------------------------------------------------------- checkpoints

@@ -126,13 +126,13 @@ def _fingerprint(proc):
     return re.findall(r"LoRA fingerprint ([0-9a-f]{16})", proc.stderr)
 
 
-def _reference(model, lora_folder=None, weight_name=T.LORA_WEIGHTS_NAME, count=2):
+def _reference(model, lora_folder=None, weight_name=T.LORA_WEIGHTS_NAME, count=2, steps=4):
     """The distilled pipeline as a user runs it with the run's LoRA file: 4 steps, no guidance, the run's noise."""
     pipe = _pipeline(model, distilled=True)
     if lora_folder is not None:
         pipe.load_lora_weights(str(lora_folder), weight_name=weight_name)
     seed = T.seed_for("validation", 0)  # the run's --seed 0
-    images = pipe(prompt_embeds=_embeds(model, [PROMPT]), height=32, width=32, num_inference_steps=4,
+    images = pipe(prompt_embeds=_embeds(model, [PROMPT]), height=32, width=32, num_inference_steps=steps,
                   num_images_per_prompt=count, generator=[torch.Generator().manual_seed(T.seed_for(seed, k))
                                                           for k in range(count)]).images
     return [np.asarray(image, dtype=int) for image in images]
@@ -146,35 +146,41 @@ def _close(images, references):
 
 @pytest.fixture(scope="module")
 def runs(kleins, tmp_path_factory):
-    """A [klein] base run validated as usual, on the distilled checkpoint, and on its transformer folder with EMA."""
+    """A [klein] base run validated as usual, on the distilled checkpoint (in the --validation_inference_steps given),
+    and on its transformer folder with EMA (at its pipeline's steps: no --validation_inference_steps)."""
     from tests.tiny_flux2 import make_images
 
     root = tmp_path_factory.mktemp("validation-runs")
     make_images(str(root / "images"))
     base, distilled = kleins
 
-    def run(name, *extra):
-        return launch(base_args(base, root / "images", root / name, "--max_train_steps", "2", "--validation_prompt",
-                                PROMPT, "--num_validation_images", "2", "--learning_rate", "0.05", *extra,
-                                layers=LAYERS))  # a LoRA that shows
-    return root, {"plain": run("plain"), "distilled": run("distilled", "--validation_transformer", distilled),
+    def run(name, *extra, steps="2"):
+        args = base_args(base, root / "images", root / name, "--max_train_steps", "2", "--validation_prompt", PROMPT,
+                         "--num_validation_images", "2", "--learning_rate", "0.05", *extra, layers=LAYERS)
+        at = args.index("--validation_inference_steps")  # a LoRA that shows; base_args gives 2 steps
+        return launch(args[:at] + (["--validation_inference_steps", steps] if steps else []) + args[at + 2:])
+    return root, {"plain": run("plain"),
+                  "distilled": run("distilled", "--validation_transformer", distilled, steps="3"),
                   "folder-ema": run("folder-ema", "--validation_transformer", distilled / "transformer", "--use_ema",
-                                    "--ema_decay", "0.5")}
+                                    "--ema_decay", "0.5", steps=None)}
 
 
 def test_validation_on_the_distilled_transformer_shows_its_images_with_the_same_lora(runs, kleins):
     root, procs = runs
     distilled = kleins[1]
     assert _fingerprint(procs["distilled"]) == _fingerprint(procs["plain"]) != []  # the LoRA is the same
-    assert "validation on " in procs["distilled"].stderr and "4 steps" in procs["distilled"].stderr
+    # in the --validation_inference_steps given (3, not its pipeline's 4): a flag the user gave is used
+    assert "validation on " in procs["distilled"].stderr and ": 3 steps)" in procs["distilled"].stderr
     final, base = _images(root / "distilled", "final"), _images(root / "distilled", "base")
     assert all(np.abs(a - b).max() > 8 for a, b in zip(final, _images(root / "plain", "final")))
-    with_lora, without = _reference(distilled, root / "distilled"), _reference(distilled)
+    with_lora, without = _reference(distilled, root / "distilled", steps=3), _reference(distilled, steps=3)
     assert not _close(with_lora, without)  # the LoRA shows in the images
-    assert _close(final, with_lora) and _close(base, without)  # its weights, the LoRA, 4 steps, no CFG; base: its own
-    assert "made on " in (root / "distilled" / "README.md").read_text()
-    # a transformer folder alone is sampled as a distilled [klein]; with --use_ema the images show the average,
-    # which is the LoRA file the run saves
+    assert _close(final, with_lora) and _close(base, without)  # its weights, the LoRA, 3 steps, no CFG; base: its own
+    assert not _close(final, _reference(distilled, root / "distilled"))  # its pipeline's 4 steps: other images
+    assert "3 steps) with this LoRA" in (root / "distilled" / "README.md").read_text()
+    # a transformer folder alone is sampled as a distilled [klein] (4 steps, no --validation_inference_steps given);
+    # with --use_ema the images show the average, which is the LoRA file the run saves
+    assert ": 4 steps)" in procs["folder-ema"].stderr
     average = _reference(distilled, root / "folder-ema")
     assert not _close(average, _reference(distilled, root / "folder-ema", T.RAW_LORA_WEIGHTS_NAME))
     assert _close(_images(root / "folder-ema", "final"), average)
