@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 # Copyright 2026 The train_dreambooth_lora_flux2 authors. Licensed under the Apache License, Version 2.0.
-"""DreamBooth LoRA training for FLUX.2 [dev] and FLUX.2 [klein]: text-to-image, and edit (image-to-image).
+"""DreamBooth LoRA training for FLUX.2 [dev] and FLUX.2 [klein].
 
 Trains PEFT LoRA adapters on the Flux2Transformer2DModel of a FLUX.2 checkpoint from a folder of images (a same-stem
 .txt file is an image's caption). FLUX.2 [klein] base 4B:
@@ -16,33 +16,35 @@ Trains PEFT LoRA adapters on the Flux2Transformer2DModel of a FLUX.2 checkpoint 
 FLUX.2 [dev]: the same flags with --pretrained_model_name_or_path black-forest-labs/FLUX.2-dev and
 --output_dir flux2-dog-lora (the family is read from model_index.json; its text-encoder layers and validation
 defaults from its diffusers pipeline).
-Edit LoRAs add --cond_data_dir (same-stem condition images).
+Edit (image-to-image) LoRAs add --cond_data_dir (same-stem condition images).
 --memory_plan auto fits a run to the GPU (README.md: what it chooses on cards of 16 to 141 GB).
 
 What is cached and what stays random:
-- Samples are the instance images times --repeats (with prior preservation, at least one per class image). Each
-  sample has an index; the dataset maps a sample and epoch to content keys, the caches map keys to tensors.
+- Samples are the instance images times --repeats. Each sample has an index; the dataset maps a sample and epoch to
+  content keys, the caches map keys to tensors.
+  With prior preservation there is at least one sample per class image.
 - Prompt embeddings are precomputed once per unique text, latents (--cache_latents) once per unique (image, bucket,
-  crop, orientation), into a per-user disk cache that later runs reuse; the encoders are loaded only for what is
-  missing. With cached latents a sample's crop is drawn once; flips, and without the cache crops too, are drawn at
-  every use, from generators seeded by (seed, epoch, sample).
+  crop, orientation); the encoders are loaded only for what is missing.
+  The entries go to a per-user disk cache that later runs reuse.
+  With cached latents a sample's crop is drawn once; flips, and without the cache crops too, are drawn at every use,
+  from generators seeded by (seed, epoch, sample).
 - Every batch holds one bucket; the order of epoch e is a pure function of (seed, e). Noise and timesteps come from
   a generator seeded by (seed, micro-step, process). A checkpoint records the global step, from which the epoch and
   the position in it follow: a resumed run sees exactly the batches a straight run would have.
 
 Reading map: three parts, drawn by what runs.
-  Part 1, the recipe: everything the command above executes, top to bottom. Flags; the seam to the options (Option,
-    Hooks); data (records, buckets, the dataset, the bucket sampler, collate, SampleCache); model maths (encoding,
-    noise levels, the loss, one step); what the stages share (Data, Caches, Run); stages 1-6 (prepare_data,
-    precompute, setup_training, checkpoints, train, finish); main().
+  Part 1, the recipe: everything the command above executes, top to bottom: flags; data (records, buckets, the
+    dataset, the bucket sampler, collate, SampleCache); model maths (encoding, the LoRA); what the stages share (Data,
+    Caches, Run); stages 1-6 (prepare_data, precompute, setup_training, checkpoints, train and its step, finish);
+    main().
+    The seam to the options (Option, Hooks) follows the flags.
   Part 2, the plumbing every run uses (read it when it breaks): the command line's validators, pre-flight checks,
     checkpoint files, the FLUX.2 families, image files and the folder scan, the caches, small helpers, signals,
-    several processes, the outputs (progress sheet, model card), trimmed copies.
-  Part 3, the options (delete what you do not use, or leave them out of a copy: --write_copy): a section each, its
-    banner '# Option: NAME', with its own flags, called only through the seam while it is on: config, dataset, folders,
-    masked_loss, disk_cache, manifest, class_images, edit, ema, adapters, trigger_words, text_encoders, prodigy, fsdp,
-    transformer_file, block_swap, attention, compile, int8_weights, hub, validation_extras, validation_transformer,
-    memory_plan, metrics, copies.
+    several processes, the outputs (progress sheet, model card).
+  Part 3, the options (delete what you do not use): a section each, its banner '# Option: NAME', with its own flags,
+    reached only while it is on: config, dataset, folders, masked_loss, disk_cache, manifest, class_images, edit, ema,
+    adapters, trigger_words, text_encoders, prodigy, fsdp, transformer_file, block_swap, attention, compile,
+    int8_weights, hub, validation_extras, validation_transformer, memory_plan, metrics, copies.
 """
 
 # ================================================================================================================
@@ -119,9 +121,8 @@ def build_parser():
     """Flags by group; names and meanings follow the diffusers example where it has them."""
     p = _Parser(description="DreamBooth LoRA training for FLUX.2 [dev] and [klein] (README.md: commands per GPU size).",
                 usage="accelerate launch %(prog)s --pretrained_model_name_or_path MODEL --instance_data_dir DIR "
-                      "--instance_prompt TEXT [flags]", formatter_class=_HelpFormatter,
-                epilog="A copy to read and edit, with only the options you keep: %(prog)s --write_copy FILE --keep "
-                       "NAMES (README.md: Copy and edit).")
+                      "--instance_prompt TEXT [flags]", formatter_class=_HelpFormatter)
+    p.epilog = "A copy with only the options you keep: %(prog)s --write_copy FILE --keep NAMES"  # option: copies
     for add_flags in (model_flags, data_flags, caching_flags, quality_flags,
                       lora_flags, optimisation_flags, output_flags, validation_flags):
         add_flags(p)
@@ -142,7 +143,7 @@ def model_flags(p):
 def data_flags(p):
     g = p.add_argument_group("data")
     g.add_argument("--instance_data_dir", type=existing_folder,
-                   help="The subject's images; x.txt is x's caption (UTF-8), x_mask.png its loss mask.")
+                   help="The subject's images; x.txt is x's caption (UTF-8).")
     g.add_argument("--instance_prompt", help="Prompt of images without a caption, e.g. 'a photo of sks dog'.")
     g.add_argument("--repeats", type=positive_int, default=1, help="Samples per instance image in one epoch.")
     g.add_argument("--resolution", type=sides, default=512,
@@ -195,7 +196,7 @@ def optimisation_flags(p):
     g.add_argument("--adam_epsilon", type=positive, default=1e-8, help="Denominator epsilon.")
     g.add_argument("--max_grad_norm", type=positive, default=1.0, help="Gradient clipping norm.")
     g.add_argument("--train_batch_size", type=positive_int, default=4,
-                   help="Instance samples per batch and process (class images add as many).")
+                   help="Instance samples per batch and process.")
     g.add_argument("--num_train_epochs", type=positive_int, default=1, help="Epochs without --max_train_steps.")
     g.add_argument("--max_train_steps", type=positive_int, help="Optimizer steps; default: the epochs' worth.")
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per optimizer step.")
@@ -262,8 +263,9 @@ def parse_args(argv=None):
     return args
 
 def validate_args(args, hooks=None):
-    """The checks that combine flags (each flag's own value was checked by its type), then the options' checks,
-    before anything heavy loads. hooks: the run's options (default: those `args` turns on). Raises UsageError."""
+    """The checks that combine flags (each flag's own value was checked by its type), before anything heavy loads.
+    Raises UsageError.
+    hooks: the run's options (default: those `args` turns on), whose checks follow."""
     hooks = hooks or Hooks(args)
     cuda = torch.cuda.is_available()
     layers = args.text_encoder_out_layers or []
@@ -313,7 +315,8 @@ SEAMS = {  # what an option may define, by how the recipe combines the answers (
     "save_final", "write_lora", "plan_memory", "validated", "card", "checkpoint_lora", "retagged", "resolved",
     "lora_loading", "repository", "publish", "validation_model", "validation_steps",
     # Hooks.flag's: an option that is on brings the images, no text encoder, places the transformer, ... (True)
-    "replaces_data", "no_text_encoder", "places_transformer", "sharded_text_encoder", "prints_only", "replaces_optimizer"}
+    "replaces_data", "no_text_encoder", "places_transformer", "sharded_text_encoder", "prints_only",
+    "replaces_optimizer"}
 
 def option(cls):
     """Registers a Part 3 option (the decorator of every option class)."""
@@ -378,7 +381,7 @@ class Hooks:
         self.options = [cls(args) for cls in OPTIONS if cls.wanted(args, texts)]
 
     def wake(self, args, texts=()):
-        """Also turn on the options now wanted: a placeholder in `texts` (captions), or flags the memory plan set."""
+        """Also turn on the options now wanted: a placeholder in `texts` (captions), or flags an option set."""
         off = [cls for cls in OPTIONS if cls not in {type(o) for o in self.options}]
         self.options += [cls(args) for cls in off if cls.wanted(args, texts)]
         self.options.sort(key=lambda o: OPTIONS.index(type(o)))
@@ -423,8 +426,10 @@ class Hooks:
 
 @dataclass(frozen=True)
 class ImageRecord:
-    """One image: a file (`path`) or an in-memory PIL image (`image`, from a `datasets` row). `size` is (width,
-    height) as displayed (EXIF orientation applied); `conditions`: an edit target's condition images."""
+    """One image: a file (`path`) or an in-memory PIL image (`image`). `size` is (width, height) as displayed (EXIF
+    orientation applied).
+    An in-memory image is a `datasets` row's.
+    `conditions`: an edit target's condition images."""
 
     name: str
     size: tuple
@@ -817,7 +822,7 @@ class Data:
     dataset: DreamBoothDataset
     sampler: BucketBatchSampler
     loader: torch.utils.data.DataLoader
-    condition: tuple | None = None  # edit validation: (the condition images, in reference order; their bucket)
+    condition: tuple | None = None  # option: edit (validation's condition images, in reference order; their bucket)
     hooks: Hooks | None = None  # the options that are on
     specs: tuple = ()  # the options' validation prompts (ValidationSpec), beside --validation_prompt
     run_id: str = ""  # every file of this run's checkpoints carries it: files of two runs never form one
@@ -825,7 +830,7 @@ class Data:
 
 @dataclass(frozen=True)
 class Caches:
-    """Precomputed inputs on the CPU or disk, never the GPU: prompt embeddings; with --cache_latents latents, masks."""
+    """Precomputed inputs on the CPU or disk, never the GPU: prompt embeddings; with --cache_latents latents."""
 
     prompts: SampleCache
     latents: SampleCache | None = None
@@ -922,7 +927,9 @@ def build_data(args, instances, classes, seed, accelerator):
 
 def prepare_data(args, accelerator, cache, hooks=None):
     """Everything that can fail on the user's input, before any weights load: images, resume point, seed, the flags
-    the family resolves; then class images and the data. Resolves, then freezes `args`. hooks: default `args`'s."""
+    the family resolves; then the data. Resolves, then freezes `args`.
+    Class images are generated, if they are, just before the data.
+    hooks: the run's options (default: those `args` turns on)."""
     hooks = hooks or Hooks(args)
     instances = agreed_refusal(accelerator, lambda: hooks.first("load_images", cache, accelerator, default=lambda: (
         load_instance_images(args, cache, accelerator))))  # a machine's own folder refused: every process says why
@@ -948,28 +955,30 @@ def prepare_data(args, accelerator, cache, hooks=None):
     images.update({f"class/{r.name}": r.content_hash() for r in dataset.classes})  # option: class_images
     check_resume_point(args, checkpoint, images)
     freeze(args)
-    return Data(family, checkpoint, seed, dataset, sampler, loader, condition, hooks, specs,
-                agree_run_id(accelerator), images)
+    return Data(family, checkpoint, seed, dataset, sampler, loader, hooks=hooks, specs=specs,
+                condition=condition,  # option: edit
+                run_id=agree_run_id(accelerator), images=images)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 2: precompute (prompt embeddings, latents)
 
 def open_cache(args):
-    """The run's cache (Part 2): entries in memory, or (the disk cache option, on by default) on disk, per user."""
+    """The run's cache (Part 2): its entries in memory.
+    The disk cache, on by default, keeps them on disk, per user."""
     cache = MemoryCache()
     if (root := resolve_cache_dir(args.precompute_cache_dir, os.environ)) is not None:  # option: disk_cache
         cache = DiskCache.open(root, args)
     return cache
 
 def option_validation_specs(hooks):
-    """The options' validation prompts (a prompts file's), filled by the options ([trigger])."""
+    """The options' validation prompts, as the options fill them."""
     return tuple(dataclasses.replace(s, prompt=hooks.chain("prompt", s.prompt))
                  for s in hooks.collect("validation_specs"))
 
 def validation_specs(args, data):
-    """What every validation generates (the sheet's columns and the scores compare the same rows): --validation_prompt,
-    else --final_validation_prompt (the diffusers example's rule), then the options' prompts."""
+    """What every validation generates (the sheet's columns compare the same rows): --validation_prompt, else
+    --final_validation_prompt (the diffusers example's rule), then the options' prompts."""
     prompt = args.validation_prompt or args.final_validation_prompt
     return ([ValidationSpec(prompt)] if prompt else []) + list(data.specs)
 
@@ -978,8 +987,8 @@ def validation_prompts(args, data):
     return list(dict.fromkeys(s.prompt for s in validation_specs(args, data)))
 
 def needed_prompts(args, data):
-    """Every text whose embedding the run reads: training slots, the options' (output preservation's), validation
-    prompts, and the empty prompt for dropped captions and the negative prompt of [klein] validation with CFG."""
+    """Every text whose embedding the run reads: training samples', the options', validation prompts, and the empty
+    prompt for dropped captions and the negative prompt of [klein] validation with CFG."""
     dataset = data.dataset
     samples = list(range(len(dataset)))
     samples += dataset.class_slots(samples)  # option: class_images
@@ -1031,7 +1040,8 @@ def prompt_encoder(args, accelerator, family, weight_dtype, hooks):
 @torch.no_grad()
 def precompute_prompts(args, accelerator, data, weight_dtype, cache, progress):
     """Encode every prompt the run reads and `cache` lacks, once; the text encoder is loaded only if something is
-    missing here (or it is sharded: every process joins every pass), and freed afterwards."""
+    missing here, and freed afterwards.
+    A sharded text encoder is loaded by every process, which joins every pass."""
     keys = needed_prompts(args, data)
     todo = agreed_todo(cache, keys, accelerator)
     sharded = data.hooks.flag("sharded_text_encoder") and bool(todo)
@@ -1115,7 +1125,9 @@ def precompute(args, accelerator, data, weight_dtype, cache):
 # Stage 3: model and optimizer (setup_training)
 
 def load_transformer(args, weight_dtype, hooks=None):
-    """The checkpoint's transformer in the training dtype, on the CPU (quantised: on the GPU). hooks: default args'."""
+    """The checkpoint's transformer in the training dtype, on the CPU.
+    A quantised one is on the GPU.
+    hooks: the run's options (default: those `args` turns on)."""
     from diffusers import Flux2Transformer2DModel
     hooks = hooks or Hooks(args)
     return Flux2Transformer2DModel.from_pretrained(
@@ -1124,9 +1136,9 @@ def load_transformer(args, weight_dtype, hooks=None):
         quantization_config=hooks.first("quantization_config", weight_dtype))
 
 def prepare_transformer(args, accelerator, transformer, hooks=None):
-    """A loaded transformer -> frozen, with float32 adapters (a LoRA on --lora_layers unless an option brings
-    another), on the device, with the options' placement, precision and speed applied. benchmarks/gpu_step.py calls
-    it on real-shaped random transformers. hooks: the run's options (default: those `args` turns on)."""
+    """A loaded transformer -> frozen, with float32 adapters (a LoRA on --lora_layers), on the device.
+    benchmarks/gpu_step.py calls it on real-shaped random transformers.
+    hooks: the run's options (default: those `args` turns on): another adapter, placement, precision, speed."""
     hooks = hooks or Hooks(args)
     transformer.requires_grad_(False)
     # the whole model goes to the device now, unless an option places it (swapped blocks, FSDP shards, 4-bit)
@@ -1139,7 +1151,8 @@ def prepare_transformer(args, accelerator, transformer, hooks=None):
     return hooks.chain("after_lora", transformer, accelerator)
 
 def setup_optimizer(args, params, accelerator, hooks=None):
-    """AdamW on the LoRA parameters, or an option's optimizer. hooks: default those `args` turns on."""
+    """AdamW on the LoRA parameters.
+    hooks: the run's options (default: those `args` turns on), one of which may bring another optimizer."""
     lr = args.learning_rate
     if args.scale_lr:
         lr *= args.gradient_accumulation_steps * args.train_batch_size * accelerator.num_processes
@@ -1183,7 +1196,8 @@ def setup_training(args, accelerator, data, caches, vae, latent_stats, weight_dt
 
 def lora_state_dict(accelerator, transformer, hooks):
     """The adapter's tensors, complete and on the CPU, keyed as diffusers' FLUX.2 LoRA loader expects (before its
-    "transformer." prefix); an option may gather them (FSDP: a collective). Copies, never the parameters (EMA swaps)."""
+    "transformer." prefix): copies, never the parameters.
+    An option may gather them (FSDP: a collective; EMA swaps the parameters)."""
     from peft.utils import get_peft_model_state_dict
     state = hooks.first("lora_state", accelerator, transformer, default=lambda: get_peft_model_state_dict(
         accelerator.unwrap_model(transformer)))
@@ -1423,8 +1437,8 @@ def flow_matching_loss(model_pred, target, weighting):
 def training_step(args, accelerator, run, micro, batch, inputs, prefetch, stop):
     """One micro-batch, top to bottom: the noisy input, the prediction, the loss and its backward; at the last
     micro-batch of an accumulation, the update (clipping, optimizer, learning rate) -> (the loss, detached; the stop
-    signal the processes agreed at an update, else 0; the latents' (h, w)). Noise, timesteps and posterior draws come from a generator
-    seeded by (seed, micro-step, process): a resumed run draws what a straight run drew."""
+    signal the processes agreed at an update, else 0; the latents' (h, w)). Noise, timesteps and posterior draws come
+    from a generator seeded by (seed, micro-step, process): a resumed run draws what a straight run drew."""
     from diffusers import Flux2Pipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
     generator = torch.Generator(accelerator.device).manual_seed(
@@ -1603,7 +1617,8 @@ def uses_cfg(args, data):
 
 def pipeline_call(args, run, spec, device, family, steps):
     """The pipeline's arguments for one validation spec: its cached embeddings (and [klein] CFG's empty prompt), size
-    (edit mode: the conditions, in their bucket), steps, guidance, and the seed and device of its noise."""
+    steps, guidance, and the seed and device of its noise.
+    Edit mode: the conditions, in their bucket."""
     guidance = spec.guidance if spec.guidance is not None else args.validation_guidance_scale
     call = {"prompt_embeds": run.caches.prompts[spec.prompt].to(device, run.weight_dtype),
             "height": spec.height or args.resolution, "width": spec.width or args.resolution,
@@ -1611,7 +1626,7 @@ def pipeline_call(args, run, spec, device, family, steps):
             "seed": spec.seed if spec.seed is not None else seed_for("validation", run.data.seed), "device": device}
     if samples_with_cfg(family, guidance):
         call["negative_prompt_embeds"] = run.caches.prompts[""].to(device, run.weight_dtype)
-    if run.data.condition is not None:  # edit mode: the pipeline appends the conditions' tokens, as training did
+    if run.data.condition is not None:  # option: edit (the pipeline appends the conditions' tokens, as training did)
         conditions, (height, width) = run.data.condition
         call.update(image=list(conditions), height=spec.height or height, width=spec.width or width)
     return call
@@ -1653,10 +1668,11 @@ def run_validation(args, accelerator, run, tag, step):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(run.noise_scheduler.config), vae=run.vae,
         text_encoder=None, tokenizer=None, transformer=model, **extra)
     pipeline.set_progress_bar_config(disable=True)
-    condition = run.data.condition[0] if run.data.condition is not None else None
+    conditions = None
+    conditions = run.data.condition[0] if run.data.condition is not None else None  # option: edit
     folder, specs = Path(args.output_dir, "validation"), validation_specs(args, run.data)
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
-    made_from = base_record(args, run, specs, scales, condition, unwrapped, steps)  # a change remakes base-i.png
+    made_from = base_record(args, run, specs, scales, unwrapped, steps, conditions)  # a change remakes base-i.png
     make_base = base_images_missing(accelerator, folder, made_from)
     base, images, sampling = [], [], on_device(model, device, model is not trained)
     with accelerator.autocast(), on_device(run.vae, device, args.offload), validation_oom(step), sampling:
@@ -1677,18 +1693,19 @@ def run_validation(args, accelerator, run, tag, step):
         for name, batch in (("base", base), (tag, images)):
             for i, image in enumerate(batch):
                 image.save(folder / f"{name}-{i}.png")
-    show_validation(accelerator, folder, tag, step, specs, scales, images, condition, made_from if make_base else None)
+    show_validation(accelerator, folder, tag, step, specs, scales, images, made_from if make_base else None, conditions)
     run.hooks.each("validated", accelerator, folder, tag, step, specs, scales, images)  # scores (and keeps) them
     return [folder / f"{tag}-{i}.png" for i in range(len(images))]
 
 def write_lora_files(accelerator, transformer, state, folder, dtype, hooks):
-    """The final LoRA: diffusers' file, or what an option writes instead (ComfyUI's layout)."""
+    """The final LoRA: diffusers' file, or what an option writes instead."""
     hooks.first("write_lora", accelerator, transformer, state, folder, dtype,
                 default=lambda: save_lora(accelerator, transformer, state, folder, dtype))
 
 def finish(args, accelerator, run, signum=0):
-    """Save the LoRA (or the options' files: the EMA, ComfyUI's), the final validation images (none after a stop
-    signal: `signum`) and the model card. The main process writes; gathering (FSDP) and the fingerprint need all."""
+    """Save the LoRA (or the options' files), the final validation images (none after a stop signal: `signum`) and
+    the model card. The main process writes; the fingerprint needs all.
+    An option's gathering of the LoRA (FSDP) needs all too."""
     state = lora_state_dict(accelerator, run.transformer, run.hooks)
     fingerprint = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items())))
     logger.info(f"LoRA fingerprint {fingerprint.hexdigest()[:16]}", main_process_only=False)  # all must agree
@@ -1908,8 +1925,8 @@ class _Parser(argparse.ArgumentParser):
 VERSION = "2026.11.26"  # written into every resolved config
 
 def resolved_config(args, seed, accelerator, max_train_steps=None, run_id=None):
-    """Every flag's final value (what the family, the options and the manifest resolved included, never the Hub
-    token), the seed used and the script's version: a config file that repeats the run."""
+    """Every flag's final value (what the family and the options resolved included, never the Hub token), the seed
+    used and the script's version: a config file that repeats the run."""
     config = {}
     for action in build_parser()._actions:
         value = vars(args).get(action.dest)
@@ -2027,7 +2044,7 @@ def transformer_blocks(transformer):
     return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
 def adapted_modules(model):
-    """Names of the modules that carry an adapter (without the wrappers' prefixes: FSDP, checkpointing, compile)."""
+    """Names of the modules that carry an adapter (without the prefixes of the wrappers: checkpointing, options')."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     return [re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n)
             for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
@@ -2116,8 +2133,8 @@ def check_checkpoint_fits(checkpoint, accelerator, run, training):
                     f"({problem}); was it trained with another --rank, --lora_layers or model?")
 
 def surprising_values(args, hooks=None):
-    """Legal values that are probably not what the user meant -> one warning line each (the options' too). hooks: the
-    run's options (default: those `args` turns on)."""
+    """Legal values that are probably not what the user meant -> one warning line each (the options' too).
+    hooks: the run's options (default: those `args` turns on)."""
     hooks, cores = hooks or Hooks(args), cpu_cores()
     notes = [
         (args.caption_dropout > 0.5, f"--caption_dropout {args.caption_dropout}: most instance samples train on the "
@@ -2198,7 +2215,8 @@ def check_resume_processes(args, checkpoint, accelerator):
            "number of machines), or start a new run")
 
 def check_batches_early(args, instances, seed, processes, classes_wanted):
-    """The batch size, before the model's files are read and class images generated."""
+    """The batch size, before the model's files are read.
+    Class images are counted as wanted, before they are generated: more than that only add samples."""
     buckets = resolve_buckets(args)
     samples = sample_images(instances, args.repeats, len(args.resolutions))
     groups = sample_groups(instances, buckets, samples, max(len(samples), classes_wanted))
@@ -2700,21 +2718,25 @@ class ScanIndex:  # option: disk_cache
                       if st.st_mtime_ns < (scanned_at - RACY_SECONDS) * 1e9}
 
 def scan_folder(folder, cache, accelerator, read_captions=True, with_masks=False):
-    """scan_image_folder with what earlier scans learnt (the disk cache's index: unchanged files are not decoded)."""
+    """scan_image_folder with what earlier scans learnt about the folder's files: unchanged ones are not decoded.
+    The disk cache's index is where it learns."""
     tic = time.perf_counter()
     with cache.scan_index(folder, accelerator) as index:
         records = scan_image_folder(folder, read_captions, index, accelerator.is_local_main_process, with_masks)
-    masks = f" with {sum(r.mask_path is not None for r in records)} masks" if with_masks else ""
+    found = ""
+    found = f" with {sum(r.mask_path is not None for r in records)} masks" if with_masks else ""  # option: masked_loss
     decoded = "decoded and hashed"
     if index is not None:  # option: disk_cache
         decoded = f"{index.hits} unchanged since the last scan, {index.decoded} decoded and hashed"
-    logger.info(f"scanned {folder}: {len(records)} images{masks}, {decoded} in {time.perf_counter() - tic:.1f} s",
+    logger.info(f"scanned {folder}: {len(records)} images{found}, {decoded} in {time.perf_counter() - tic:.1f} s",
                 main_process_only=False)
     return records
 
 def load_instance_images(args, cache, accelerator):
     """The instance images: --instance_data_dir's files, each with a caption or --instance_prompt."""
-    records = scan_folder(args.instance_data_dir, cache, accelerator, with_masks=vars(args).get("masked_loss"))
+    masks = False
+    masks = args.masked_loss  # option: masked_loss
+    records = scan_folder(args.instance_data_dir, cache, accelerator, with_masks=masks)
     refuse(not records, f"--instance_data_dir {args.instance_data_dir}: no images found "
                         f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
     check_captioned(records, args.instance_prompt, f"--instance_data_dir {args.instance_data_dir}", "image(s) have "
@@ -2733,8 +2755,9 @@ def check_captioned(records, instance_prompt, source, what):
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
 
 class MemoryCache:
-    """Entries in each process's memory: a run holds and leaves nothing (without the disk cache, or with it set to
-    none). The recipe reaches a cache only through this interface, which DiskCache implements too:
+    """Entries in each process's memory: a run holds and leaves nothing.
+    So does the disk cache's run with --precompute_cache_dir none; DiskCache implements this interface too.
+    The recipe reaches a cache only through it:
     scan_index(folder, accelerator) (a context: what earlier scans learnt about a folder's files), stores() (the
     prompt and latent mappings), hold() (before anyone looks at the entries: -> what is missing) and settle()."""
 
@@ -3466,7 +3489,8 @@ def is_fsdp(accelerator):
     return accelerator.distributed_type == DistributedType.FSDP
 
 def validates_here(accelerator):
-    """Validation runs on the main process, or on all of them under FSDP (the sharded forward is a collective)."""
+    """Validation runs on the main process.
+    Under FSDP it runs on all of them (the sharded forward is a collective)."""
     return accelerator.is_main_process or is_fsdp(accelerator)
 
 def fsdp_requested():
@@ -3494,7 +3518,7 @@ def distributed_mode(accelerator):
     where = f"{n} {'GPUs' if kind == 'cuda' else 'processes'}" + (f" on {machines} machines" if machines > 1 else "")
     if accelerator.distributed_type == DistributedType.NO:
         return f"one process on the {'GPU' if kind == 'cuda' else kind.upper()}"
-    if accelerator.distributed_type == DistributedType.FSDP:
+    if accelerator.distributed_type == DistributedType.FSDP:  # option: fsdp
         return f"FSDP (each process holds a shard of the model) over {where}"
     return f"data parallel (every process a full copy, gradients averaged) over {where}"
 
@@ -3523,21 +3547,26 @@ def agreed_refusal(accelerator, load):
         raise UsageError(refused[0][1] if same else f"process {refused[0][0]}: {refused[0][1]}")
     return value
 
-def check_same_images(accelerator, instances, classes):
-    """Every process must train on the same images, captions and condition images. Folders of each machine's own can
-    differ (stale copies; class images, which every process generates into its class folder, each its share):
-    the processes would build different datasets and fail or hang at their first collective that no longer matches,
-    or train different samples silently (a caption or condition is shared by its key). Raises UsageError."""
+def check_same_images(accelerator, instances, classes=()):
+    """Every process must train on the same images and captions. Folders of each machine's own can differ (stale
+    copies): the processes would build different datasets and fail or hang at their first collective that no longer
+    matches, or train different samples silently (a caption is shared by its key). Raises UsageError.
+    So must the condition images of edit training.
+    Class images, which every process generates into its class folder, each its share, can differ too."""
     if accelerator.num_processes == 1:
         return
+
     def digest(records):
-        return json_digest(sorted([r.name, list(r.size), r.content_hash(), r.caption,
-                                   [c.content_hash() for c in r.conditions]] for r in records))
-    seen = gather_object([(len(instances), len(classes), digest(instances), digest(classes))])
+        rows = [[r.name, list(r.size), r.content_hash(), r.caption] for r in records]
+        rows = [row + [[c.content_hash() for c in r.conditions]] for row, r in zip(rows, records)]  # option: edit
+        return json_digest(sorted(rows))
+    seen = gather_object([(len(instances), digest(instances), len(classes), digest(classes))])
     if len(set(seen)) > 1:
-        counts = "; ".join(f"process {r}: {n} instance and {c} class images" for r, (n, c, _, _) in enumerate(seen))
+        counts = "; ".join(f"process {r}: {n} images" for r, (n, *_) in enumerate(seen))
+        counts = "; ".join(f"process {r}: {n} instance and {c} class images"  # option: class_images
+                           for r, (n, _, c, _) in enumerate(seen))
         raise UsageError(" ".join([
-            f"the processes see different images, captions or condition images ({counts}): every machine must see the "
+            f"the processes see different images or captions ({counts}): every machine must see the "
             "same files at the same path. Share --instance_data_dir between machines or copy it.",
             "Class images are generated by every process into "  # option: class_images
             "its --class_data_dir, each its share: with a folder per machine copy each machine's new class images "
@@ -3585,10 +3614,11 @@ def share_entries(cache, keys, accelerator):
 # ----------------------------------------------------------------------------------------------------------------
 # Outputs: the progress sheet, trackers, the model card, the upload
 
-def show_validation(accelerator, folder, tag, step, specs, scales, images, conditions, made_from=None):
-    """After a validation: the condition images (edit mode), what the base images were made from (`made_from` when
-    they were made now), the progress sheet, the trackers, a log line."""
-    if conditions:  # reference r (the pipeline's image[r]) in condition-r.png, the first in condition.png
+def show_validation(accelerator, folder, tag, step, specs, scales, images, made_from=None, conditions=None):
+    """After a validation: what the base images were made from (`made_from` when they were made now), the progress
+    sheet, the trackers, a log line.
+    Edit mode: first the condition images."""
+    if conditions:  # option: edit (reference r, the pipeline's image[r], in condition-r.png, the first condition.png)
         for old in folder.glob("condition*.png"):  # an earlier run's (it may have had more)
             old.unlink()
         for r, image in enumerate(conditions):
@@ -3616,7 +3646,7 @@ def validation_rows(specs, scales, count):
     """(spec, LoRA strength) of each row of a validation's images, in the order they are made and numbered."""
     return [(spec, scale) for spec in specs for scale in scales for _ in range(count)]
 
-def base_record(args, run, specs, scales, conditions, model, steps):
+def base_record(args, run, specs, scales, model, steps, conditions=None):
     """What the base model's validation images are made from, as validation/base.json holds it: the rows (prompts
     with their overrides, strengths, images each), the sampling model, the seed, size, steps, guidance, conditions."""
     return json.loads(json.dumps({  # as read back: lists, not tuples
@@ -3646,13 +3676,13 @@ def base_images_missing(accelerator, folder, made_from):
         broadcast_object_list(missing)
     return missing[0]
 
-def record_base_images(folder, made_from, conditions):
+def record_base_images(folder, made_from, conditions=None):
     """After new base images: write what made them (validation/base.json, last: an interrupted write remakes them).
-    Made from something else than before, the progress sheet starts again (its earlier columns hold other rows), and
-    text-to-image validation drops an earlier run's condition images."""
+    Made from something else than before, the progress sheet starts again (its earlier columns hold other rows).
+    Text-to-image validation then drops an earlier edit run's condition images."""
     if read_base_record(folder) != made_from:
         Path(folder, "progress-0.json").unlink(missing_ok=True)
-        for old in Path(folder).glob("condition*.png") if not conditions else ():
+        for old in Path(folder).glob("condition*.png") if not conditions else ():  # option: edit
             old.unlink()
     with writing(Path(folder, "base.json")):
         write_json_atomic(Path(folder, "base.json"), made_from)
@@ -3686,7 +3716,8 @@ def update_progress_sheet(folder, tag, step, count, labels=None):
     columns = [c for c in sheet_columns(folder) if c["step"] < step and c["tag"] != tag] + [{"tag": tag, "step": step}]
     columns = [c for c in columns if has_images(folder, c["tag"], count)]
     write_json_atomic(Path(folder, "progress-0.json"), {"columns": columns})
-    references = sorted(Path(folder).glob("condition*.png"), key=lambda f: (len(f.name), f.name))  # condition, -1..
+    references = []
+    references = sorted(Path(folder).glob("condition*.png"), key=lambda f: (len(f.name), f.name))  # option: edit
     sheet = progress_sheet(([("", [label_image(text) for text in labels])] if labels else []) +
                            [(f"condition {r + 1}" if len(references) > 1 else "condition", [Image.open(f)])
                             for r, f in enumerate(references)] +
@@ -3747,11 +3778,10 @@ def tracker_config(args):
             if k != "hub_token" and v is not None}
 
 def write_model_card(args, image_paths, run, repo_id=None):
-    """A local README.md for the LoRA (its snippet loads it from repo_id, pushed to, else the Hub repository named,
-    else here).
+    """A local README.md for the LoRA, whose snippet loads it from here.
+    Pushed to the Hub, from repo_id (else the Hub repository named).
     An edit dataset makes an image-to-image LoRA, used with a condition image."""
     dataset, family = run.data.dataset, run.data.family
-    edit = bool(dataset.conditions)
     images = [Path(p).relative_to(args.output_dir).as_posix() for p in image_paths]
     specs = validation_specs(args, run.data)  # the final images' rows, as run_validation made them
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
@@ -3768,12 +3798,15 @@ def write_model_card(args, image_paths, run, repo_id=None):
     notes = "\n".join([describe_captions(dataset), *run.hooks.collect("describe", dataset), *run.hooks.collect("card")])
     guidance = f"guidance_scale={args.validation_guidance_scale:g}"  # as validation sampled
     use = f"image = pipe({shown!r}, {guidance}).images[0]"  # a Python literal: quotes in the prompt stay valid code
-    if edit:  # several references: a list, in training's order
+    task = "text-to-image"
+    if dataset.conditions:  # option: edit (several references: a list, in training's order)
+        task = "image-to-image"
         count = max(len(r.conditions) for r in dataset.instances)
         loads = ", ".join(['load_image("photo.png")'] + [f'load_image("ref-{r}.png")' for r in range(2, count + 1)])
         use = (f"condition = {f'[{loads}]' if count > 1 else loads}  # the image to edit (from diffusers.utils import "
                f"load_image)\nimage = pipe(image=condition, prompt={shown!r}, {guidance}).images[0]")
-    source = repo_id or vars(args).get("hub_model_id") or args.output_dir
+    source = args.output_dir
+    source = repo_id or args.hub_model_id or source  # option: hub
     load = run.hooks.first("lora_loading", source, source != args.output_dir, default=lambda: (
         f"pipe.load_lora_weights({source!r}, weight_name={LORA_WEIGHTS_NAME!r})"))
     text = f"""---
@@ -3782,7 +3815,7 @@ library_name: diffusers
 license: other
 instance_prompt: {json.dumps(args.instance_prompt)}
 tags:
-- {"image-to-image" if edit else "text-to-image"}
+- {task}
 - diffusers
 - lora
 - flux2
@@ -3838,7 +3871,6 @@ class ConfigFile(Option):
     config.yaml, a file that repeats it); --print_config shows them resolved and stops; a switch takes true or false,
     so the command line can undo the file. Cost: none (parse_args reads the file; Switch is in Part 2)."""
 
-    words = ("config file", "YAML", "TOML")
     name, switches = "config", ("config", "print_config")
     flags = [flag("--config", type=readable_file, help="Flags from a YAML, TOML or JSON file; the command line wins."),
              flag("--print_config", action="store_true", help="Print the resolved flags (a --config file) and stop.")]
@@ -5842,7 +5874,7 @@ class SpeedAndMemory(Option):
     (QLoRA, bitsandbytes) and bitsandbytes' 8-bit AdamW. Costs: a one-off compile; fp8 and NF4 change the
     numbers a little (NF4 costs dequantisation in every matmul); docs/speed.md and docs/memory.md measure them."""
 
-    words = ("compile", "fp8", "8-bit", "NF4", "nf4", "bitsandbytes", "torchao", "quantis")
+    words = ("torch.compile", "fp8", "8-bit Adam", "NF4", "nf4", "quantis")
     name = "compile"
     flags = [
         flag("--compile", action="store_true", help="torch.compile the blocks: a one-off compile, then faster steps."),
@@ -6035,7 +6067,7 @@ class ValidationExtras(Option):
     a row of the progress sheet per prompt and strength. Cost: their images at every validation. Or fewer: the
     LoRA's images before the final validation in fewer steps (the base model's and the final ones keep theirs)."""
 
-    words = ("prompts file", "LoRA strength", "intermediate")
+    words = ("prompts file", "intermediate")
     name = "validation_extras"
     flags = [
         flag("--validation_prompts_file", type=Accepts("a readable text file of prompts (checked line by line)",
@@ -6791,7 +6823,7 @@ class ValidationMetrics(Option):
     trackers, the card; --keep_best keeps the best LoRA in best/. Cost: about 1 GB of models, on the GPU only while
     they score, and a forward pass of each a validation."""
 
-    words = ("metric", "score", "DINO", "CLIP", "drift")
+    words = ("metric", "scores", "DINO", "CLIP")
     name, switches, run, models, references = "metrics", ("validation_metrics",), None, None, None
     names = property(lambda self: metric_names(self.args.validation_metrics))  # the flag keeps the words as typed
     sources = property(lambda self: {SCORER[s]: vars(self.args)[f"metrics_{SCORER[s]}_model"] for s in self.names})
@@ -6965,6 +6997,7 @@ class ValidationMetrics(Option):
 # --keep's named set: the diffusers example's scope (class images, Prodigy, 8-bit Adam, its text-encoder flags, FSDP,
 # a `datasets` loader)
 OPTION_SETS = {"diffusers": ("class_images", "prodigy", "compile", "text_encoders", "fsdp", "dataset")}
+MACHINERY = ("seam", "Hooks", "hooks")  # the words of the seam itself: a copy without options names none
 
 @option
 class Copies(Option):
@@ -7034,12 +7067,16 @@ def trimmed_source(source, options, keep, header):
         if (m := re.match(r"# Option: (\w+)", line)) and m.group(1) in gone:
             drop.update(range(i - 1, next(j for j in range(i + 1, len(lines)) if lines[j].startswith(
                 ("# ---", "# ===", "if __name__")))))
-    marks, texts = marked_lines(source)
+    marks, texts, trailing = marked_lines(source)
     drop.update(i for name, span in marks if name in gone for i in span)
     classes = {o.name: o for o in OPTIONS}
-    words = [w for name, flags in gone.items() for w in [*flags, *getattr(classes.get(name), "words", ())]]
-    pattern = re.compile("|".join(rf"(?<![\w-]){re.escape(w)}" for w in words) or "$^")
+    words = [w for name, flags in gone.items() for w in [*flags, *getattr(classes.get(name), "words", MACHINERY)]]
+    pattern = re.compile("|".join(rf"(?<![\w-]){re.escape(w)}" if w != w.lower() else rf"(?i:(?<![\w-]){re.escape(w)})"
+                                  for w in words) or "$^")
     drop.update(i for i in texts if pattern.search(lines[i]))  # docstring and comment lines naming them
+    for i, col in trailing.items():  # the comments after code that name them, a docstring's last line but its quotes
+        if col is not None and pattern.search(lines[i][col:]):
+            lines[i] = lines[i][:col].rstrip() + "\n" if col else re.sub(r'\S.*(?=""")', "", lines[i])
     kept = [line for i, line in enumerate(lines) if i not in drop]
     text = "".join(kept[:2] + header + kept[next(i for i, line in enumerate(kept) if line.startswith('"""')):])
     implemented = {n for o in OPTIONS if o.name in keep for n in dir(o)}
@@ -7049,10 +7086,8 @@ def trimmed_source(source, options, keep, header):
 @functools.lru_cache(maxsize=4)  # a second copy of the same source skips the parse
 def marked_lines(source):
     """-> ([(option name, the line indexes its `# option: NAME` comment takes)], the indexes of the docstring lines
-    and the comment-only lines, but a docstring's first and last)."""
-    import ast
-    import tokenize
-    lines, spans, marks, texts = source.splitlines(keepends=True), {}, [], []
+    (but a docstring's first and last) and of the comment-only lines, {line index: column} of comments after code)."""
+    lines, spans, marks, texts, trailing = source.splitlines(keepends=True), {}, [], [], {}
     tree = ast.parse(source)
     for node in ast.walk(tree):  # breadth first: the outermost statement or entry starting on a line is found first
         entries = ([(node, node)] if isinstance(node, ast.stmt) else [(e, e) for e in node.elts] if isinstance(
@@ -7064,9 +7099,12 @@ def marked_lines(source):
                 spans.setdefault(start - 1, range(first - 1, entry.end_lineno))
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             texts += range(node.lineno, node.end_lineno - 1)  # a docstring's lines but its first and last
+            trailing[node.end_lineno - 1] = 0 if node.end_lineno > node.lineno else None  # the last: its quotes stay
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT and not lines[token.start[0] - 1][:token.start[1]].strip():
             texts.append(token.start[0] - 1)
+        elif token.type == tokenize.COMMENT:
+            trailing[token.start[0] - 1] = token.start[1]
         if token.type == tokenize.COMMENT and (m := re.search(r"# option: (\w+)\b", token.string)):
             span = spans.get(token.start[0] - 1, range(token.start[0] - 1, token.start[0]))
             above = span.start  # the comment lines just above a statement are about it
@@ -7074,14 +7112,15 @@ def marked_lines(source):
                     lines[above - 1].startswith(("# ---", "# ===")) or lines[above - 2].startswith(("# ---", "# ==="))):
                 above -= 1
             marks.append((m.group(1), range(above, span.stop)))
-    return marks, texts
+    return marks, texts, trailing
 
 def reading_map(text, names):
     """`text` with the reading map's Part 3 paragraph listing the options `names`, wrapped as the docstring is."""
     import textwrap
 
     def fill(m):
-        words = f"{' '.join(m.group(1).split())} {', '.join(names) or 'none in this copy'}."
+        words = f"{' '.join(m.group(1).split())} {', '.join(names)}." if names else (
+            "Part 3, the options: none in this copy (README.md: Copy and edit).")
         return textwrap.fill(words, 120, initial_indent="  ", subsequent_indent="    ") + "\n"
     return re.sub(r"  (Part 3, the options .*?while it is on:) [^.]*\.\n", fill, text, count=1, flags=re.S)
 
@@ -7118,7 +7157,7 @@ class Source:
                 self.attrs.setdefault(node.attr, []).append(node)
             elif kind is ast.Name or kind is ast.arg:  # a name a function assigns is its own there, not a global
                 self.stored.add((owner, getattr(node, "id", None) or node.arg))
-            top = kind is ast.Module or kind is ast.ClassDef
+            top = kind is ast.Module or kind is ast.ClassDef and owner is None  # a class in a function is the function's
             for field in node._fields:
                 value = getattr(node, field, None)
                 for child in value if type(value) is list else (value,):
@@ -7220,7 +7259,7 @@ class Source:
                 after = next((s[0] for s in spans if s[0] >= b), b)
                 pieces.append(self.text[a:after])
         text = "".join(pieces).rstrip().rstrip(",")
-        if re.search(r"#[^\n\"']*$", text):  # a comment ends it: the closing bracket goes on a line of its own
+        if "#" in text.rsplit("\n", 1)[-1]:  # a comment may end it: the closing bracket goes on a line of its own
             text += "\n" + " " * elements[0].col_offset
         self.put(start, stop, text)
         for e in removed:
@@ -7282,7 +7321,17 @@ def in_fstring(node):
 
 def fold_seams(src, folded):
     """The calls of folded seams: each/collect -> nothing ([] in an expression), first -> its default, chain -> the
-    value, context -> no item, flag -> False; wake (no option kept) -> nothing."""
+    value, context -> no item, flag -> False; wake (no option kept) -> nothing. SEAMS keeps the others."""
+    for stmt in src.tree.body:
+        if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "SEAMS" and id(stmt) not in src.dead:
+            gone = [e for e in getattr(stmt.value, "elts", []) if e.value in folded and id(e) not in src.dead]
+            if gone:
+                src.begin()
+                if len(gone) < len(stmt.value.elts):
+                    src.remove(stmt.value.elts, gone)
+                else:
+                    src.put(*src.span(stmt.value), "set()", stmt.value)
+                src.commit()
     for node in src.of(ast.Call):
         if not type(node.func) is ast.Attribute or id(node) in src.dead:
             continue
@@ -7456,6 +7505,9 @@ def dead_fields(src):
         if not isinstance(cls, ast.ClassDef) or not any("dataclass" in ast.unparse(d) for d in cls.decorator_list):
             continue
         fields = [s for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+        for call in [n.parent for n in src.reads.get(cls.name, []) if isinstance(n.parent, ast.Call)]:
+            if len(call.args) > len(fields):  # a field dropped while a call passes it by position
+                raise ValueError(f"line {call.lineno}: {cls.name}() given {len(call.args)} values for {len(fields)}")
         dead = [(i, f) for i, f in enumerate(fields) if f.target.id not in used and id(f) not in src.dead]
         if not dead:
             continue
@@ -7523,7 +7575,8 @@ def dead_definitions(src):
         names = [stmt.name] if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)) else [
             t.id for t in targets if isinstance(t, ast.Name)] if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and (
             stmt.value is None or pure(stmt.value)) and all(isinstance(t, ast.Name) for t in targets) else []
-        if names and unused(names, stmt, src.reads):
+        registered = any(getattr(d, "id", "") == "option" for d in getattr(stmt, "decorator_list", []))
+        if names and not registered and unused(names, stmt, src.reads):
             src.begin()
             src.delete(stmt)
             src.commit()
