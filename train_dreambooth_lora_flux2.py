@@ -3093,7 +3093,8 @@ class DiskCache:  # option: disk_cache
         return todo
 
     def settle(self, args, accelerator, data, caches):
-        """After precompute: bound the folder, say what was reused and written (and leave the dataset manifest)."""
+        """After precompute: bound the folder, say what was reused and written.
+        The dataset manifest is left there too."""
         settle_cache(accelerator, self, [entry for paths in self.paths.values() for entry in paths.values()])
         write_manifest(args, accelerator, data, self)  # option: manifest
 
@@ -4110,7 +4111,7 @@ def row_files(split, i):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Option: folders (--datasets: several folders, each with its prompt, repeats, trigger word and caption dropout)
+# Option: folders (--datasets: several folders, each with its own prompt, repeats and caption dropout)
 
 # what an entry of --datasets may hold -> the rule of its value (None: any text)
 ENTRY_KEYS = {"folder": existing_folder,
@@ -4150,26 +4151,28 @@ class Folder:
     """A --datasets entry as the run trains it, carried by each of its images' records (ImageRecord.folder), with
     the one-folder flags' values where it gives none."""
 
-    source: str  # its folder, or its `datasets` name
+    source: str  # its folder (or its `datasets` name)
     prompt: str | None  # the prompt of its images without a caption
     repeats: int
     caption_dropout: float
-    trigger_word: str | None = None
+    trigger_word: str | None = None  # option: trigger_words
 
 @option
 class Folders(Option):
-    """Several folders (or `datasets` sources), each with its own prompt for images without a caption, repeats,
-    trigger word and caption dropout (kohya's subsets); --instance_data_dir and its flags are the one-folder case,
-    and give each entry what it leaves out. Each record carries its Folder: the dataset repeats an image its
-    folder's times an epoch (sample_images: in passes, so alike repeats keep the one-folder order) and shows its
-    prompt, the step drops its caption at its folder's rate. Cost: none (each folder is scanned as one would be)."""
+    """Several folders, each with its own prompt for images without a caption, repeats and caption dropout (kohya's
+    subsets); --instance_data_dir and its flags are the one-folder case, and give each entry what it leaves out.
+    Each record carries its Folder: the dataset repeats an image its folder's times an epoch (sample_images: in
+    passes, so alike repeats keep the one-folder order) and shows its prompt, the step drops its caption at its
+    folder's rate. Cost: none (each folder is scanned as one would be).
+    An entry may name a `datasets` source in place of a folder.
+    An entry's trigger word fills its prompt and captions, as --trigger_word does."""
 
     words = ("several folders", "folder entr")
     name, switches, source, replaces_data = "folders", ("datasets",), "--datasets", True
     flags = [flag("--datasets", type=Accepts(f"a JSON or YAML list of entries, mappings of {', '.join(ENTRY_KEYS)}",
                                              convert=dataset_entries),
-                  help="Several folders, each with its own prompt, repeats, trigger word and caption dropout (a "
-                       "config file's datasets: list); the one-folder flags give what an entry leaves out.")]
+                  help="Several folders, each with its own prompt, repeats and caption dropout (a config file's "
+                       "datasets: list); the one-folder flags give what an entry leaves out.")]
 
     def check(self):
         args, folders = self.args, [Path(e["folder"]).resolve() for e in self.args.datasets if "folder" in e]
@@ -4192,8 +4195,9 @@ class Folders(Option):
         args, records, owner = self.args, [], {}
         for number, entry in enumerate(args.datasets, 1):
             folder = Folder(entry.get("folder") or entry.get("dataset"), entry.get("prompt", args.instance_prompt),
-                            entry.get("repeats", args.repeats), entry.get("caption_dropout", args.caption_dropout),
-                            entry.get("trigger_word", vars(args).get("trigger_word")))
+                            entry.get("repeats", args.repeats), entry.get("caption_dropout", args.caption_dropout))
+            folder = dataclasses.replace(  # option: trigger_words (its own word, else --trigger_word)
+                folder, trigger_word=entry.get("trigger_word", args.trigger_word))
             where, found = f"--datasets entry {number} ({folder.source})", entry_records(args, entry, cache,
                                                                                          accelerator)
             refuse(not found, f"{where}: no images found ({', '.join(sorted(IMAGE_EXTENSIONS))})")
@@ -4226,17 +4230,23 @@ class Folders(Option):
 
     def describe(self, dataset):
         folders = collections.Counter(r.folder for r in dataset.instances)
-        return [f"{len(folders)} folders (--datasets):"] + [
-            f"- `{f.source}`: {n} images, repeats {f.repeats}" + (f", prompt `{f.prompt}`" if f.prompt else "") + (
-                f", trigger word `{f.trigger_word}`" if f.trigger_word else "") + (
-                f", caption dropout {f.caption_dropout:g}" if f.caption_dropout else "") for f, n in folders.items()]
+        lines = [f"{len(folders)} folders (--datasets):"]
+        for f, n in folders.items():
+            parts = [f"- `{f.source}`: {n} images, repeats {f.repeats}", f"prompt `{f.prompt}`" * bool(f.prompt)]
+            parts.append(f"trigger word `{f.trigger_word}`" * bool(f.trigger_word))  # option: trigger_words
+            lines.append(", ".join(filter(None, [*parts, f"caption dropout {f.caption_dropout:g}" * bool(
+                f.caption_dropout)])))
+        return lines
 
 def entry_records(args, entry, cache, accelerator):
-    """An entry's images: its folder's files, each named <folder>/<file>, or its `datasets` source's rows."""
+    """An entry's images: its folder's files, each named <folder>/<file>.
+    An entry naming a `datasets` source: its rows."""
     if "dataset" in entry:  # option: dataset
         return load_hf_dataset(entry["dataset"], None, entry.get("image_column", "image"), entry.get("caption_column"),
                                args.cache_dir, progress=accelerator.is_local_main_process)
-    found = scan_folder(entry["folder"], cache, accelerator, with_masks=vars(args).get("masked_loss"))
+    masks = False
+    masks = args.masked_loss  # option: masked_loss
+    found = scan_folder(entry["folder"], cache, accelerator, with_masks=masks)
     return [dataclasses.replace(r, name=f"{entry['folder']}/{r.name}") for r in found]
 
 
@@ -4326,7 +4336,7 @@ class DiskCacheOption(Option):
     code is Part 2's disk cache, each definition marked for it; a copy without it keeps the entries in memory. Cost:
     none (it saves the encoders' loading and work on every later run)."""
 
-    words = ("disk cache", "cache folder", "lease", "evict", "scan index", "DiskStore", "DiskCache")
+    words = ("disk cache", "cache folder", "lease", "eviction", "scan index", "DiskStore", "DiskCache")
     name = "disk_cache"
     flags = [flag("--precompute_cache_dir", type=cache_folder,
                   help=f"Disk cache that later runs reuse; default: $XDG_CACHE_HOME/{TRAINER_NAME}."),
@@ -4443,7 +4453,7 @@ def apply_manifest(args, manifest):
     instances, classes = records(manifest["instances"]), records(manifest["classes"], data["class_prompt"])
     instances = [dataclasses.replace(r, folder=Folder(**row["folder"])) if "folder" in row else r  # option: folders
                  for r, row in zip(instances, manifest["instances"])]
-    logger.info(f"--from_manifest {args.from_manifest}: {len(instances)} instance and {len(classes)} class images, "
+    logger.info(f"--from_manifest {args.from_manifest}: {len(instances)} instance images and {len(classes)} more, "
                 f"their data settings and seed {data['seed']}")
     return instances, classes
 
@@ -4579,7 +4589,7 @@ class EditTraining(Option):
     name = "edit"
     flags = [
         flag("--cond_data_dir", type=existing_folder, nargs="+", help="Condition images: x.* pairs with the target "
-             "x.*; several folders: several references, in this order."),
+             "x.*; a folder a reference, in this order."),
         flag("--cond_image_column",  # option: dataset
              help="Condition image column of --dataset_name (a list: several references)."),
         flag("--validation_image", type=Accepts("a readable image file", image_file), nargs="+",
@@ -4609,10 +4619,10 @@ class EditTraining(Option):
 
     def notes(self):
         args = self.args
-        prompts = args.validation_prompt or args.final_validation_prompt or vars(args).get("validation_prompts_file")
+        prompts = args.validation_prompt or args.final_validation_prompt
+        prompts = prompts or args.validation_prompts_file  # option: validation_extras
         return [] if args.validation_image is None or prompts else [
-            "--validation_image without --validation_prompt, --final_validation_prompt or a prompts file: nothing is "
-            "validated"]
+            "--validation_image without a validation prompt: nothing is validated"]
 
     def load_images(self, cache, accelerator):
         """The targets with their conditions: a row's condition column, or x.* of each --cond_data_dir for target x.*
@@ -4713,9 +4723,9 @@ class EMA(Option):
         flag("--ema_device", type=Accepts("cpu, or a CUDA device of this machine (cuda, cuda:N)", ema_device),
              default="cpu", help="Where the EMA lives (cpu: no GPU memory).")]
 
-    def check(self):
-        if fsdp_requested():
-            raise UsageError("--use_ema is not supported under FSDP yet (the EMA would need the sharded parameters)")
+    def check(self):  # option: fsdp
+        refuse(fsdp_requested(), "--use_ema is not supported under FSDP yet (the EMA would need the sharded "
+               "parameters)")
 
     def setup(self, run):
         self.run, self.ema = run, LoraEMA(run.named_params, self.args.ema_decay, self.args.ema_device)
@@ -4819,7 +4829,7 @@ class Adapters(Option):
     file in the BFL layout (--lora_format comfyui; ComfyUI reads the diffusers file too). Cost: DoRA, LoKr and LoHa
     compute their weight update every forward."""
 
-    words = ("DoRA", "LoKr", "LoHa", "LyCORIS", "ComfyUI")
+    words = ("DoRA", "LoKr", "LoHa", "LyCORIS")
     name = "adapters"
     switches = ("adapter", "use_dora", "init_lora", "lora_format")
     resume_flags = ("adapter", "use_dora", "lokr_factor", "lokr_decompose_both")
@@ -4843,7 +4853,8 @@ class Adapters(Option):
 
     def check(self):
         args = self.args
-        unverified = ["FSDP"] if fsdp_requested() else []
+        unverified = []
+        unverified = ["FSDP"] if fsdp_requested() else []  # option: fsdp
         unverified += [f"--{f}" for f in ("bnb_quantization_config_path", "do_fp8_training", "blocks_to_swap")
                        if vars(args).get(f)]
         refuse(self.kind and unverified, f"{self.kind} (--use_dora, --adapter) is not verified with "
@@ -5157,8 +5168,8 @@ class TriggerWords(Option):
         flag("--trigger_word", type=Accepts("a word or words on one line, without spaces around", lambda v: bool(
             v.strip()) and v == v.strip() and "\n" not in v and "\r" not in v),
              help="The subject's word: fills [trigger], and goes before caption lines lacking it."),
-        flag("--output_preservation", action="store_true", help="Keep the class's look without class images: the "
-             "prediction for the caption with --trigger_word replaced by --class_word trains toward the base model's."),
+        flag("--output_preservation", action="store_true", help="Keep the class's look: the prediction for the "
+             "caption with --trigger_word replaced by --class_word trains toward the base model's."),
         flag("--class_word", help="What --output_preservation puts in place of --trigger_word, e.g. 'dog'."),
         flag("--output_preservation_weight", type=non_negative, default=1.0, help="Weight of that loss.")]
 
@@ -5177,7 +5188,7 @@ class TriggerWords(Option):
                "--class_word (the preservation prompt is the caption with the one replaced by the other)")
         refuse(vars(args).get("with_prior_preservation"),  # option: class_images
                "--output_preservation and --with_prior_preservation are two ways to the same end: choose one")
-        refuse(vars(args).get("cond_data_dir") or vars(args).get("cond_image_column"),
+        refuse(vars(args).get("cond_data_dir") or vars(args).get("cond_image_column"),  # option: edit
                "--output_preservation is not supported for edit training")
         refuse(vars(args).get("compile"), "--output_preservation is not supported with --compile "  # option: compile
                "(switching the adapters off for the base prediction would compile the blocks twice)")
@@ -5385,7 +5396,7 @@ class Prodigy(Option):
     """Prodigy (the prodigyopt package) finds its own step size; its learning rate multiplies it (usually 1.0).
     Cost: about twice AdamW's optimizer state."""
 
-    words = ("Prodigy", "prodigy")
+    words = ("Prodigy",)
     name = "prodigy"
     switches, requires = ("optimizer",), "--optimizer prodigy"
     replaces_optimizer = True
@@ -5424,7 +5435,7 @@ class FSDP(Option):
     """Training under accelerate's FSDP (its config turns it on): the LoRA and the optimizer state are gathered from
     the shards to save them and scattered to resume. Cost: those collectives at each checkpoint."""
 
-    words = ("FSDP", "shard")
+    words = ("FSDP",)
     name = "fsdp"
     env = "ACCELERATE_USE_FSDP"
     places_transformer = True  # accelerate moves and shards one wrapped block at a time
@@ -5638,7 +5649,6 @@ class BlockSwapping(Option):
     """The frozen weights of the last N blocks live in pinned host memory, each copied in just before it runs: a peak
     N - 2 blocks lower. Cost: their weights cross the bus once a forward and a backward (mostly hidden by compute)."""
 
-    words = ("swap",)
     name = "block_swap"
     places_transformer = True  # the swapped blocks are placed once their LoRA exists
     flags = [flag("--blocks_to_swap", type=non_negative_int, default=0, help="Keep the frozen weights of the last "
@@ -5647,7 +5657,8 @@ class BlockSwapping(Option):
     def check(self):
         refuse(not (torch.cuda.is_available() or vars(self.args).get("plan_only")), "--blocks_to_swap needs a CUDA "
                "GPU: it moves blocks between pinned host memory and the GPU")  # --plan_only: nothing moves here
-        refuse(fsdp_requested(), "--blocks_to_swap does not work under FSDP, which already splits every block over "
+        refuse(fsdp_requested(),  # option: fsdp
+               "--blocks_to_swap does not work under FSDP, which already splits every block over "
                "the GPUs; use one or the other")
         refuse(not self.args.gradient_checkpointing, "--blocks_to_swap needs --gradient_checkpointing: without it "
                "autograd keeps every block's weights for the backward pass, so swapped blocks could not leave the GPU")
@@ -5874,7 +5885,7 @@ class SpeedAndMemory(Option):
     (QLoRA, bitsandbytes) and bitsandbytes' 8-bit AdamW. Costs: a one-off compile; fp8 and NF4 change the
     numbers a little (NF4 costs dequantisation in every matmul); docs/speed.md and docs/memory.md measure them."""
 
-    words = ("torch.compile", "fp8", "8-bit Adam", "NF4", "nf4", "quantis")
+    words = ("torch.compile", "8-bit Adam")
     name = "compile"
     flags = [
         flag("--compile", action="store_true", help="torch.compile the blocks: a one-off compile, then faster steps."),
@@ -5963,9 +5974,10 @@ class Int8Weights(Option):
         args, this = self.args, "--transformer_quantization int8"
         for other in ("bnb_quantization_config_path", "do_fp8_training"):  # other weights or other matmuls
             refuse(vars(args).get(other), f"{this} and --{other} exclude each other")
-        refuse(fsdp_requested(), f"{this} does not work under FSDP (its shards are not torchao tensors)")
-        refuse(vars(args).get("use_dora") or vars(args).get("adapter", "lora") != "lora", f"{this} trains a plain "
-               "LoRA (DoRA, LoKr and LoHa on 8-bit weights are not verified here)")
+        refuse(fsdp_requested(),  # option: fsdp
+               f"{this} does not work under FSDP (its shards are not torchao tensors)")
+        refuse(args.use_dora or args.adapter != "lora",  # option: adapters
+               f"{this} trains a plain LoRA (DoRA, LoKr and LoHa on 8-bit weights are not verified here)")
 
     def quantization_config(self, weight_dtype):
         from diffusers import TorchAoConfig
@@ -6118,7 +6130,7 @@ class ValidationExtras(Option):
 # Option: validation_transformer (--validation_transformer: validation on another transformer, e.g. distilled [klein])
 
 def model_json(source, name, cache_dir):
-    """A small JSON file of a folder or Hub repository -> dict, or None where it has no such file (other failures,
+    """A small JSON file of a folder or a Hub model -> dict, or None where it has no such file (other failures,
     such as an unreachable Hub or an offline one without it: raised)."""
     if Path(source).is_dir():
         return json.loads(Path(source, name).read_text()) if Path(source, name).is_file() else None
@@ -6146,7 +6158,8 @@ class ValidationTransformer(Option):
                   "transformer alone.")]
 
     def check(self):
-        refuse(fsdp_requested(), "--validation_transformer is not supported under FSDP (every process validates, "
+        refuse(fsdp_requested(),  # option: fsdp
+               "--validation_transformer is not supported under FSDP (every process validates, "
                "so each would hold all of it)")
         self.steps = self.args.validation_inference_steps  # the user's, if given (the family's default comes later)
 
@@ -6205,7 +6218,7 @@ class ValidationTransformer(Option):
 
     @contextlib.contextmanager
     def validation_weights(self):
-        """The weights being trained (inside the EMA's context, an earlier option's: the average) copied in."""
+        """The weights being trained copied in (inside an earlier option's context: its weights)."""
         for name, param in self.params.items():
             param.detach().copy_(self.run.named_params[name].detach())
         yield
@@ -6517,7 +6530,8 @@ class MemoryPlan(Option):
         flag("--plan_only", action="store_true", help="Print the plan (every candidate, its estimated peak) and stop.")]
 
     def check(self):
-        refuse(fsdp_requested(), "--memory_plan auto plans one GPU's memory; under FSDP each process holds a shard: "
+        refuse(fsdp_requested(),  # option: fsdp
+               "--memory_plan auto plans one GPU's memory; under FSDP each process holds a shard: "
                "set the memory flags yourself")
         refuse(self.args.plan_only and self.args.gpu_memory is None and not torch.cuda.is_available(),
                "--plan_only: no GPU here; give --gpu_memory, the size of the card to plan for")
@@ -6830,13 +6844,13 @@ class ValidationMetrics(Option):
     flags = [
         flag("--validation_metrics", type=Accepts("none, all, or some of dino, clip, drift (comma-separated)", lambda v:
              metric_names(v) is not None), default="none", help="Scores at each validation: dino (the subject's "
-             "likeness), clip (prompt agreement), drift (the class prompt's images against the base model's)."),
+             "likeness), clip (prompt agreement), drift (the drift prompts' images against the base model's)."),
         flag("--metrics_reference_dir", type=Accepts("a readable folder of images", lambda v: existing_folder.ok(v)
              and bool(reference_photos(v))), help="Photos of the subject to compare with (held-out ones measure "
              "likeness, not memory); default: the instance images."),
         flag("--metrics_drift_prompts", type=Accepts("a readable text file, a prompt a line", lambda v: bool(
-             read_drift_prompts(v))), help="Prompts without the subject, one a line, for drift; default: output "
-             "preservation's prompt, or the class images'."),
+             read_drift_prompts(v))), help="Prompts without the subject, one a line, for drift; default: another "
+             "option's."),
         flag("--metrics_dino_model", type=model_source, default="facebook/dinov2-base", help="The DINO model: DINOv2, "
              "or the DreamBooth paper's facebook/dino-vits16."),
         flag("--metrics_clip_model", type=model_source, default="openai/clip-vit-base-patch32", help="The CLIP model."),
@@ -6857,11 +6871,12 @@ class ValidationMetrics(Option):
         refuse("subject" in names and not (args.metrics_reference_dir or args.instance_data_dir or vars(args).get(
             "dataset_name")), f"{given}: no instance images to compare with: give --metrics_reference_dir")
         refuse(keep and {*KEEP_BEST_SCORES[keep]} - {*names}, f"{given} lacks the scores --keep_best {keep} compares")
-        hint, word = "holds a word of --instance_prompt the drift prompts lack", vars(args).get("trigger_word")
-        hint = f"holds --trigger_word {word}" if word else hint  # option: trigger_words
+        hint = "holds a word of --instance_prompt the drift prompts lack"
+        hint = f"holds --trigger_word {args.trigger_word}" if args.trigger_word else hint  # option: trigger_words
         refuse(keep in ("subject", "balanced") and not any(self._names_subject(p, others) for p in prompts),
                f"--keep_best {keep} compares subject scores, and no validation prompt names the subject ({hint})")
-        refuse(keep and fsdp_requested(), "--keep_best under FSDP: not supported (the LoRA is sharded during "
+        refuse(keep and fsdp_requested(),  # option: fsdp
+               "--keep_best under FSDP: not supported (the LoRA is sharded during "
                "validation); choose from validation/metrics.jsonl")
         refuse(args.max_drift is not None and keep != "balanced", "--max_drift applies to --keep_best balanced")
 
@@ -6881,7 +6896,9 @@ class ValidationMetrics(Option):
 
     @property
     def others(self):
-        """Prompts without the subject (drift's): the file, else output preservation's, else the class images'."""
+        """Prompts without the subject (drift's): --metrics_drift_prompts, else another option's.
+        Output preservation's prompt.
+        The class images' prompt."""
         args, found, text = self.args, [], self.args.instance_prompt
         found = [args.class_prompt] if args.class_prompt else found  # option: class_images
         if text and (word := vars(args).get("class_word")):  # option: trigger_words
@@ -6892,8 +6909,9 @@ class ValidationMetrics(Option):
         return [ValidationSpec(p) for p in self.others] if "drift" in self.names else []
 
     def _names_subject(self, text, others):
-        """Whether a validation prompt names the subject: not one of `others`, and holding the trigger word, else a word
-        of the instance prompt that `others` lack (the rare token: sks), else (no such word) any."""
+        """Whether a validation prompt names the subject: not one of `others`, and holding a word of the instance prompt
+        that `others` lack (the rare token: sks), else (no such word) any.
+        With a trigger word: holding it."""
         words = lambda t: set(re.findall(r"\w+", (t or "").lower()))  # noqa: E731
         rare = words(self.args.instance_prompt) - set().union(*map(words, others))
         named = not others or not rare or bool(rare & words(text))
@@ -7101,7 +7119,8 @@ def marked_lines(source):
             texts += range(node.lineno, node.end_lineno - 1)  # a docstring's lines but its first and last
             trailing[node.end_lineno - 1] = 0 if node.end_lineno > node.lineno else None  # the last: its quotes stay
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT and not lines[token.start[0] - 1][:token.start[1]].strip():
+        if token.type == tokenize.COMMENT and not lines[token.start[0] - 1][:token.start[1]].strip() and not (
+                token.string.startswith("# Option: ")):  # a banner stays
             texts.append(token.start[0] - 1)
         elif token.type == tokenize.COMMENT:
             trailing[token.start[0] - 1] = token.start[1]
