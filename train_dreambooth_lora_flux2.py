@@ -2588,7 +2588,7 @@ def encode_prompts(family, text_encoder, tokenizer, prompts, max_sequence_length
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Image files and loss masks: decoding, EXIF, modes, the folder scan and its index, `datasets` rows
+# Image files: decoding, EXIF, modes, the folder scan
 
 NEUTRAL_GREY = (128, 128, 128)  # what transparent pixels become: black would teach the model dark borders
 # a file modified this close to its scan is not indexed: a same-size edit could share its mtime
@@ -2750,7 +2750,7 @@ def check_captioned(records, instance_prompt, source, what):
            f"{', ...' if len(missing) > 5 else ''}); give --instance_prompt for them")
 
 # ----------------------------------------------------------------------------------------------------------------
-# Caches: in memory, or on disk (content-addressed entries, leases, eviction, the scan index); the dataset manifest
+# Caches: the entries in memory, and what a cache offers the recipe
 
 DUPLICATED_RAM_WARN_BYTES = 8e9  # in-memory cache copies over all processes of a host above this: warn
 
@@ -3613,7 +3613,7 @@ def share_entries(cache, keys, accelerator):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Outputs: the progress sheet, trackers, the model card, the upload
+# Outputs: the progress sheet, trackers, the model card
 
 def show_validation(accelerator, folder, tag, step, specs, scales, images, made_from=None, conditions=None):
     """After a validation: what the base images were made from (`made_from` when they were made now), the progress
@@ -5207,7 +5207,8 @@ class TriggerWords(Option):
         """--trigger_word in the captions (fill_trigger)."""
         if vars(self.args).get("datasets"):  # option: folders (each folder's word: that option fills them)
             return instances
-        return fill_trigger(instances, self.args.trigger_word, self.args.instance_prompt)
+        return fill_trigger(instances, self.args.trigger_word, self.args.instance_prompt, "--trigger_word",
+                            "--instance_prompt")
 
     def prompt(self, text):
         refuse(TRIGGER in text and not self.args.trigger_word,
@@ -5241,7 +5242,7 @@ def with_preservation(transformer, model_kwargs, embeds, weight):
     joined = {k: None if v is None else torch.cat([v, rows[k]]) for k, v in model_kwargs.items()}
     return joined, lambda pred: weight * (pred.float() - base.float()).pow(2).mean()
 
-def fill_trigger(records, word, prompt, word_flag="--trigger_word", prompt_flag="--instance_prompt"):
+def fill_trigger(records, word, prompt, word_flag, prompt_flag):
     """`records` with [trigger] filled in every caption, and 'WORD, ' put before each caption line lacking the word;
     refused by name: a [trigger] without the word, images whose only prompt (`prompt`) lacks it (the run could not
     name its subject). word_flag, prompt_flag: where the word and the prompt were given."""
@@ -7090,7 +7091,7 @@ def trimmed_source(source, options, keep, header):
     classes = {o.name: o for o in OPTIONS}
     words = [w for name, flags in gone.items() for w in [*flags, *getattr(classes.get(name), "words", MACHINERY)]]
     pattern = re.compile("|".join(rf"(?<![\w-]){re.escape(w)}" if w != w.lower() else rf"(?i:(?<![\w-]){re.escape(w)})"
-                                  for w in words) or "$^")
+                                  for w in words) or "(?!)")  # (?!): nothing; "$^" matches a blank line
     drop.update(i for i in texts if pattern.search(lines[i]))  # docstring and comment lines naming them
     for i, col in trailing.items():  # the comments after code that name them, a docstring's last line but its quotes
         if col is not None and pattern.search(lines[i][col:]):
@@ -7099,7 +7100,8 @@ def trimmed_source(source, options, keep, header):
     text = "".join(kept[:2] + header + kept[next(i for i, line in enumerate(kept) if line.startswith('"""')):])
     implemented = {n for o in OPTIONS if o.name in keep for n in dir(o)}
     folded = SEAMS - implemented | ({"wake"} if not keep else set())
-    return reading_map(rewrite(text, source, frozenset(folded)), [n for n in options if n in keep])
+    text = rewrite(text, source, frozenset(folded)) if gone else text  # all kept: the script as it is
+    return reading_map(text, [n for n in options if n in keep])
 
 @functools.lru_cache(maxsize=4)  # a second copy of the same source skips the parse
 def marked_lines(source):
@@ -7119,11 +7121,12 @@ def marked_lines(source):
             texts += range(node.lineno, node.end_lineno - 1)  # a docstring's lines but its first and last
             trailing[node.end_lineno - 1] = 0 if node.end_lineno > node.lineno else None  # the last: its quotes stay
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT and not lines[token.start[0] - 1][:token.start[1]].strip() and not (
-                token.string.startswith("# Option: ")):  # a banner stays
-            texts.append(token.start[0] - 1)
-        elif token.type == tokenize.COMMENT:
-            trailing[token.start[0] - 1] = token.start[1]
+        row = token.start[0] - 1
+        if token.type == tokenize.COMMENT and not lines[row][:token.start[1]].strip() and not (
+                token.string.startswith("# Option: ") or lines[row - 1].startswith("# ---")):  # a banner stays
+            texts.append(row)
+        elif token.type == tokenize.COMMENT and lines[row][:token.start[1]].strip():
+            trailing[row] = token.start[1]
         if token.type == tokenize.COMMENT and (m := re.search(r"# option: (\w+)\b", token.string)):
             span = spans.get(token.start[0] - 1, range(token.start[0] - 1, token.start[0]))
             above = span.start  # the comment lines just above a statement are about it
@@ -7176,7 +7179,7 @@ class Source:
                 self.attrs.setdefault(node.attr, []).append(node)
             elif kind is ast.Name or kind is ast.arg:  # a name a function assigns is its own there, not a global
                 self.stored.add((owner, getattr(node, "id", None) or node.arg))
-            top = kind is ast.Module or kind is ast.ClassDef and owner is None  # a class in a function is the function's
+            top = kind is ast.Module or kind is ast.ClassDef and owner is None  # a class in a function: its
             for field in node._fields:
                 value = getattr(node, field, None)
                 for child in value if type(value) is list else (value,):
@@ -7227,7 +7230,8 @@ class Source:
     def of(self, *kinds):
         """The nodes of these types, outermost first."""
         if kinds not in self.cached:
-            self.cached[kinds] = sorted((n for k in kinds for n in self.kinds.get(k, [])), key=lambda n: self.order[id(n)])
+            found = [n for k in kinds for n in self.kinds.get(k, [])]
+            self.cached[kinds] = sorted(found, key=lambda n: self.order[id(n)])
         return self.cached[kinds]
 
     def live(self, nodes, owner=False):
@@ -7262,8 +7266,8 @@ class Source:
         cut = body[0].col_offset - stmt.col_offset
         text = "".join(x[cut:] if x[:cut].isspace() else x for x in self.lines[body[0].lineno - 1:body[-1].end_lineno])
         self.put(self.starts[stmt.lineno - 1], self.starts[body[-1].end_lineno], text)
-        for other in [getattr(stmt, "test", None), *(b for b in (stmt.body, getattr(stmt, "orelse", [])) if b is not body
-                                                     for b in b)]:
+        blocks = [b for b in (stmt.body, getattr(stmt, "orelse", [])) if b is not body]
+        for other in [getattr(stmt, "test", None), *(s for b in blocks for s in b)]:  # what goes with the statement
             if other is not None:
                 self.dying |= set(map(id, ast.walk(other)))
 
@@ -7343,13 +7347,13 @@ def fold_seams(src, folded):
     value, context -> no item, flag -> False; wake (no option kept) -> nothing. SEAMS keeps the others."""
     for stmt in src.tree.body:
         if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "SEAMS" and id(stmt) not in src.dead:
-            gone = [e for e in getattr(stmt.value, "elts", []) if e.value in folded and id(e) not in src.dead]
-            if gone:
+            kept = [e.value for e in getattr(stmt.value, "elts", []) if e.value not in folded]
+            if len(kept) < len(getattr(stmt.value, "elts", kept)):  # the others, wrapped as the literal was
+                import textwrap
+                text = textwrap.fill(", ".join(f'"{k}"' for k in kept), 116, initial_indent="    ",
+                                     subsequent_indent="    ")
                 src.begin()
-                if len(gone) < len(stmt.value.elts):
-                    src.remove(stmt.value.elts, gone)
-                else:
-                    src.put(*src.span(stmt.value), "set()", stmt.value)
+                src.put(*src.span(stmt.value), "{\n" + text + "}" if kept else "set()", stmt.value)
                 src.commit()
     for node in src.of(ast.Call):
         if not type(node.func) is ast.Attribute or id(node) in src.dead:
@@ -7408,7 +7412,8 @@ def fold_constants(src):
         elif isinstance(node, (ast.ListComp, ast.GeneratorExp)) and constant(node.generators[0].iter) == (True, []):
             src.put(*src.span(node), "[]" if isinstance(node, ast.ListComp) else "()", node)
         elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("any", "tuple") and len(node.args) == 1 \
-                and (constant(node.args[0]) == (True, []) or isinstance(node.args[0], ast.Tuple) and not node.args[0].elts):
+                and (constant(node.args[0]) == (True, []) or isinstance(node.args[0], ast.Tuple)
+                     and not node.args[0].elts):
             src.put(*src.span(node), "False" if node.func.id == "any" else "()", node)
         elif isinstance(node, ast.IfExp) and constant(node.test)[0]:
             src.replace(node, node.body if constant(node.test)[1] else node.orelse)
@@ -7443,8 +7448,8 @@ def call_sites(src, fn):
     calls = []
     for node in src.live((src.attrs if isinstance(fn.parent, ast.ClassDef) else src.reads).get(fn.name, [])):
         call = node.parent
-        if not isinstance(call, ast.Call) or call.func is not node or any(isinstance(a, ast.Starred) for a in
-                                                                        call.args) or any(k.arg is None for k in call.keywords):
+        if not isinstance(call, ast.Call) or call.func is not node or any(
+                isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
             return None
         calls.append(call)
     return calls
@@ -7483,8 +7488,10 @@ def dead_parameters(src, full):
         positional = (a.posonlyargs + a.args)[1 if method else 0:]
         defaults = dict(zip([p.arg for p in a.posonlyargs + a.args][::-1], a.defaults[::-1]))
         defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
-        edits = []
+        edits, assigned = [], {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and type(n.ctx) is ast.Store}
         for position, p in enumerate(positional + a.kwonlyargs):
+            if p.arg in assigned:  # `x = x or ...`: its reads after are not the parameter's value
+                continue
             passed = [argument(c, position if position < len(positional) else 10**6, p.arg) for c in calls]
             values = [x.value if isinstance(x, ast.keyword) else x for x in passed]
             loads = src.live(src.owned.get(fn, {}).get(p.arg, []))
@@ -7494,6 +7501,8 @@ def dead_parameters(src, full):
             elif default is not None and constant(default)[0] and not any(map(in_fstring, loads)) and all(
                     v is None or constant(v) == constant(default) and constant(v)[0] for v in values):
                 value = src.source(default)
+            elif isinstance(default, ast.Name) and default.id.isupper() and all(v is None for v in values):
+                value = default.id  # a module constant no call overrides
             else:
                 continue
             if all(v is None or pure(v) for v in values):
@@ -7519,7 +7528,7 @@ def dead_parameters(src, full):
 def dead_fields(src):
     """Fields of a dataclass no line reads, removed with what its constructor's calls pass for them."""
     used = {name for name, nodes in src.attrs.items() if src.live(nodes)} | {
-        k.arg for n in src.nodes if type(n) is ast.Call and getattr(n.func, "attr", "") == "replace" for k in n.keywords}
+        k.arg for n in src.of(ast.Call) if getattr(n.func, "attr", "") == "replace" for k in n.keywords}
     for cls in src.tree.body:
         if not isinstance(cls, ast.ClassDef) or not any("dataclass" in ast.unparse(d) for d in cls.decorator_list):
             continue
@@ -7576,15 +7585,12 @@ def dead_locals(src):
 
 def dead_definitions(src):
     """Module-level functions, classes and names nothing else reads, methods no attribute names, imports unread."""
-    said = {w for n in src.nodes if type(n) is ast.Constant and type(n.value) is str and type(n.parent) is not ast.Expr
-            for w in re.findall(r"\w+", n.value)}  # a name in a string (not a docstring) may be looked up by it
-
-    def unused(names, stmt, index):
+    def unused(names, stmt, index):  # (nothing of the script is looked up by a name in a string)
         def within(node):
             while node is not None and node is not stmt:
                 node = getattr(node, "parent", None)
             return node is stmt
-        return all(n != "main" and n not in said and all(within(r) or index is src.reads and r.owner and (r.owner, n) in src.stored
+        return all(n != "main" and all(within(r) or index is src.reads and r.owner and (r.owner, n) in src.stored
                                                          for r in src.live(index.get(n, []))) for n in names)
 
     for stmt in src.tree.body:
@@ -7603,7 +7609,8 @@ def dead_definitions(src):
         if isinstance(stmt, ast.ClassDef) and {ast.unparse(b) for b in stmt.bases if not isinstance(
                 b, ast.Name)} <= SAFE_BASES and "Option" not in {getattr(b, "id", "") for b in stmt.bases}:
             for fn in stmt.body:
-                if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("__") and unused([fn.name], fn, src.attrs):
+                if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("__") and unused(
+                        [fn.name], fn, src.attrs):
                     src.begin()
                     src.delete(fn)
                     src.commit()
@@ -7618,7 +7625,7 @@ def dead_definitions(src):
         if len(gone) == len(stmt.names):
             src.delete(stmt)
         elif gone:
-            head = f"from {'.' * stmt.level}{stmt.module or ''} import " if isinstance(stmt, ast.ImportFrom) else "import "
+            head = "import " if isinstance(stmt, ast.Import) else f"from {'.' * stmt.level}{stmt.module or ''} import "
             src.put(*src.span(stmt), head + ", ".join(ast.unparse(a) for a in stmt.names if a not in gone))
         src.commit()
 
@@ -7633,6 +7640,7 @@ def tidy(text):
         lines[row:row + 1] = [" " * (len(line) - len(line.lstrip())) + line[col:].rstrip("\n") + "\n",
                               line[:col].rstrip() + "\n"]
     text = re.sub(r"\n{4,}", "\n\n\n", "".join(lines))
+    text = re.sub(r"# -{112}\n# [^\n]*\n\n*(?=# -{112}\n|# ={112}\n)", "", text)  # a banner left with no section
     return re.sub(r"\n\n\n(?!# ---|# ===|if __name__)", "\n\n", text)
 
 @functools.lru_cache(maxsize=64)  # the tests ask for the same copies again

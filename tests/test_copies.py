@@ -1,10 +1,15 @@
-"""Trimmed copies (issue 51): `--write_copy FILE --keep NAMES` writes the script with Parts 1 and 2 and only the
-options kept, for users who read and edit it.
+"""Trimmed copies (issues 51, 57): `--write_copy FILE --keep NAMES` writes the script with Parts 1 and 2 and only the
+options kept, for users who read and edit it: the code a person would have written for those options.
 
 - Every copy (none, each single option, the diffusers example's scope, all) compiles, defines every name it reads,
   holds exactly the options asked for (and those they need), lists only their flags in --help, and names no flag it
-  lacks in any string: messages, advice, docstrings, help.
-- `--keep all` is the full script under a header; the header says what the copy is; a copy trims itself again.
+  lacks in any string: messages, advice, docstrings, help; nor any word (Option.words) of an option it lacks in any
+  text past its header: strings, docstrings, comments.
+- Its seams are folded: no option machinery beyond the seams its options implement (none at all without options),
+  no parameter that only a dropped option passed, none it accepts and ignores. The rewriter that folds them is tested
+  on small sources, kind by kind.
+- `--keep all` is the full script under a header; the header says what the copy is; a copy trims itself again when
+  it keeps the copy writer (copies), and holds none of it otherwise.
 - Refusals: an unknown option (listing the names), an existing file without --overwrite, the running script itself
   (even with --overwrite, through a link too), a folder, a folder that does not exist, the name of a module the copy
   imports: exit 2, one `error:` line. The header's SHA-256 is that of the text the copy was trimmed from.
@@ -94,7 +99,7 @@ def test_a_copy_holds_its_options_and_names_no_flag_it_lacks(copies, keep):
     assert undefined_globals(source) == set(), keep
     module = load_copy(source, copies[keep])
     names = expected(keep)
-    assert [o.name for o in module.OPTIONS] == names
+    assert [o.name for o in getattr(module, "OPTIONS", [])] == names
     assert not re.search(rf"^# Option: (?!({'|'.join(names) or '$^'}) )", source, re.M)
     parser = module.build_parser()
     flags = {name for action in parser._actions for name in action.option_strings}
@@ -114,20 +119,25 @@ def test_a_copy_holds_its_options_and_names_no_flag_it_lacks(copies, keep):
 def test_all_is_the_full_script_under_a_header_that_says_what_a_copy_is(copies):
     full, lines = SOURCE.splitlines(), copies["all"].read_text().splitlines()
     assert lines[:2] == full[:2] and lines[lines.index(full[2]):] == full[2:]  # full[2]: the docstring's first line
+    header = " ".join(line.removeprefix("# ") for line in lines[2:lines.index(full[2])])
+    assert "--write_copy FILE --keep NAMES trims this copy further" in header
     ema = copies["ema"].read_text().splitlines()
     header = " ".join(line.removeprefix("# ") for line in ema[2:ema.index(full[2])])
     for words in (f"version {T.VERSION}", "and the options ema.", "The full script, with every option,",
-                  "--write_copy FILE --keep NAMES trims this copy further"):
+                  "written without the copy writer (--keep copies keeps it), so it does not trim itself again"):
         assert words in header, words
+    assert "def write_copy" not in copies["ema"].read_text() and "def write_copy" in copies["copies"].read_text()
 
 
 def test_a_copy_trims_itself_again(copies, tmp_path):
-    """The copy with every option writes the same copies as the full script (their headers aside)."""
-    module = load_copy(copies["all"].read_text(), copies["all"])
-    for keep in ("ema", "manifest", "none"):
-        write(module, "--write_copy", tmp_path / f"{keep}.py", "--keep", keep)
-        again, first = (path.read_text().split('"""', 1)[1] for path in (tmp_path / f"{keep}.py", copies[keep]))
-        assert again == first, keep
+    """The copy with every option, and the one with only the copy writer, write the same copies as the full script
+    (their headers aside)."""
+    for writer in ("all", "copies"):
+        module = load_copy(copies[writer].read_text(), copies[writer])
+        for keep in ("ema", "manifest", "none") if writer == "all" else ("none",):
+            write(module, "--write_copy", tmp_path / f"{keep}.py", "--keep", keep, "--overwrite")
+            again, first = (path.read_text().split('"""', 1)[1] for path in (tmp_path / f"{keep}.py", copies[keep]))
+            assert again == first, (writer, keep)
 
 
 def test_a_copy_keeps_what_the_options_it_keeps_need(copies):
@@ -259,3 +269,169 @@ def test_an_edited_copy_encodes_again_what_its_edit_makes_and_an_unedited_one_re
     assert encoded(cached_runs["prompts"]) == ((prompts, prompts), (0, 0))
     assert encoded(cached_runs["images"]) == ((0, 0), (images, images))
     assert encoded(cached_runs["closure"]) == ((0, 0), (images, images))
+
+
+# ---------------------------------------------------------------------------------------------------- folded seams
+
+
+def words_pattern(words):
+    """A regex of `words` as the copy writer matches them: at a word's start, a flag whole, a word without capitals
+    in any case."""
+    parts = [rf"(?<![\w-]){re.escape(w)}" + (r"(?![\w-])" if w.startswith("--") else "") for w in words]
+    return re.compile("|".join(f"(?i:{p})" if w == w.lower() else p for w, p in zip(words, parts)) or "$^")
+
+
+def texts(source):
+    """(line, text) of every string and comment of `source` past its header and its docstring's first line."""
+    import tokenize
+    start = next(i for i, line in enumerate(source.splitlines()) if line.startswith('"""')) + 2
+    return [(token.start[0] + k, line) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.type in (tokenize.STRING, tokenize.COMMENT) for k, line in enumerate(token.string.split("\n"))
+            if token.start[0] + k > start]
+
+
+@pytest.mark.parametrize("keep", KINDS)
+def test_a_copy_names_no_word_of_an_option_it_dropped(copies, keep):
+    """Its help, messages, docstrings and comments speak of what it holds: no flag and no word (Option.words) of an
+    option it lacks, and without options no word of the seam (T.MACHINERY)."""
+    kept = expected(keep)
+    words = [w for o in T.OPTIONS if o.name not in kept for w in (*o.words, *option_flags(o))]
+    words += list(T.MACHINERY) if not kept else []
+    pattern = words_pattern(words)
+    named = [(line, text.strip()[:100]) for line, text in texts(copies[keep].read_text()) if pattern.search(text)]
+    assert named == [], keep
+
+
+@pytest.mark.parametrize("keep", KINDS)
+def test_a_copy_has_no_machinery_beyond_the_seams_its_options_implement(copies, keep):
+    """Without options: no Option, Hooks, SEAMS, option(), flag() nor a `hooks` anywhere, plain calls instead; with
+    some: SEAMS holds the seams they implement and no other, and every seam call left is one of them."""
+    source, kept = copies[keep].read_text(), expected(keep)
+    tree = ast.parse(source)
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+        t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    seams = set(T.SEAMS) | {"wake"}
+    calls = {(n.func.attr, n.args[0].value if n.args and isinstance(n.args[0], ast.Constant) else None)
+             for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and getattr(n.func.value, "id", getattr(n.func.value, "attr", None)) == "hooks"}
+    if not kept:
+        assert not defined & {"Option", "Hooks", "SEAMS", "OPTIONS", "option", "flag"}, keep
+        assert re.search(r"\bhooks\b", source) is None and calls == set()
+        return
+    implemented = {n for o in T.OPTIONS if o.name in kept for n in dir(o) if n in T.SEAMS}
+    module = load_copy(source, copies[keep])
+    assert set(module.SEAMS) == implemented, keep
+    assert {seam for method, seam in calls if seam in seams} <= implemented, keep
+
+
+def parameters(source):
+    """{function name: ({parameters}, {those its body reads}, {those some call passes})}: functions and methods
+    whose name is defined once."""
+    tree = ast.parse(source)
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    names, found, calls = [f.name for f in functions], {}, {}
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        calls.setdefault(getattr(call.func, "attr", getattr(call.func, "id", None)), []).append(call)
+    called = {id(c.func) for cs in calls.values() for c in cs}
+    values = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in called}  # callbacks
+    for fn in functions:
+        if names.count(fn.name) != 1 or fn.name in values or fn.name.startswith("__"):  # a callback, a protocol
+            continue
+        params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+        method = params[:1] in (["self"], ["cls"])
+        reads = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        passed = set()
+        for call in calls.get(fn.name, []):
+            if getattr(call.func, "attr" if method else "id", None) == fn.name:
+                passed |= set(params[int(method):][:len(call.args)]) | {k.arg for k in call.keywords}
+        found[fn.name] = (set(params[int(method):]), reads, passed)
+    return found
+
+
+FULL_PARAMETERS = parameters(SOURCE)
+
+
+@pytest.mark.parametrize("keep", KINDS)
+def test_a_copy_has_no_parameter_only_a_dropped_option_passes_nor_one_it_ignores(copies, keep):
+    """A parameter the full script's calls pass and the copy's never do was passed by code that went (mask,
+    conditions, num_instance, hooks...): the copy writer removes it with what reads it; a parameter the full script's
+    function reads and the copy's does not is accepted and ignored: removed too."""
+    for name, (params, reads, passed) in parameters(copies[keep].read_text()).items():
+        full_params, full_reads, full_passed = FULL_PARAMETERS.get(name, (set(), set(), set()))
+        assert not params & full_passed - passed, (keep, name, params & full_passed - passed)
+        assert not params & full_reads - reads, (keep, name, params & full_reads - reads)
+
+
+def rewritten(source, folded=(), full=None):
+    """`source` through the copy writer's rewriter, with seams `folded`."""
+    import textwrap
+    source = textwrap.dedent(source)
+    return T.rewrite(source, textwrap.dedent(full) if full else source, frozenset(folded))
+
+
+def test_the_copy_writer_folds_each_kind_of_seam_call_as_it_reads():
+    """each/collect: gone (an empty list in an expression); first: its default's code; chain: the value; context: no
+    item; flag: False, and the branches and operands that leaves constant; a kept seam stays."""
+    source = """
+        def run(hooks, args, x):
+            hooks.each("check")
+            y = hooks.first("optimizer", x, default=lambda: make(x))
+            z = hooks.chain("before_lora", y, args) + hooks.collect("notes")
+            with hooks.context("validation_weights"), open(x) as f:
+                f.read()
+            if not hooks.flag("places_transformer"):
+                y.to(x)
+            keep = hooks.first("kept") or x
+            return [z, *hooks.collect("describe", x)], keep
+
+        print(run)  # used, its parameters as they are
+        """
+    out = rewritten(source, {"check", "optimizer", "before_lora", "notes", "validation_weights",
+                             "places_transformer", "describe"})
+    assert "hooks.each" not in out and "y = make(x)" in out and "z = y\n" in out
+    assert "with open(x) as f:" in out and "    y.to(x)" in out and "if " not in out
+    assert "return [z], keep" in out and 'hooks.first("kept") or x' in out  # not folded: kept
+
+
+def test_the_copy_writer_removes_what_folding_leaves_unread():
+    """A parameter only a dropped seam read goes with what every call passes for it, a constant one is written in; a
+    dataclass field no line reads goes with its constructor argument; a local assigned and never read, a definition
+    and an import nothing uses go too."""
+    full = """
+        import json
+        import re
+        from dataclasses import dataclass
+
+        @dataclass
+        class Data:
+            seed: int
+            hooks: object = None
+
+        def helper(a, hooks=None, mask=None, verbose=False):
+            hooks.each("x")
+            if mask is not None:
+                a = a * mask
+            if verbose:
+                print(a)
+            return a
+
+        def unused():
+            return re.compile("x")
+
+        class Hooks:
+            def first(self, seam):
+                return None
+
+        def main(args):
+            hooks = Hooks(args)
+            data = Data(1, hooks)
+            extra = hooks.first("x")
+            return helper(data.seed, hooks), json.dumps(extra)
+        """
+    copy = full.replace("""            if mask is not None:
+                a = a * mask
+""", "")
+    out = rewritten(copy, {"x"}, full)
+    assert "def helper(a):" in out and "return helper(data.seed), json.dumps(None)" in out
+    assert "hooks" not in out and "Data(1)" in out and "class Data:\n    seed: int\n" in out
+    assert "def unused" not in out and "import re" not in out and "import json" in out and "print(a)" not in out

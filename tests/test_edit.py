@@ -132,7 +132,7 @@ def test_base_validation_images_are_redone_when_the_condition_changes(tmp_path):
     run = SimpleNamespace(data=SimpleNamespace(seed=0), weight_dtype=torch.float32)
     plain = SimpleNamespace(distributed_type=None)  # no FSDP
     model = SimpleNamespace(config={"_name_or_path": "m"})
-    made = lambda condition: T.base_record(args, run, [T.ValidationSpec("p")], [1.0], condition, model, 2)  # noqa: E731
+    made = lambda condition: T.base_record(args, run, [T.ValidationSpec("p")], [1.0], model, 2, condition)  # noqa: E731
     one, other = _picture(64, 64, 1), _picture(64, 64, 2)
     Image.new("RGB", (8, 8)).save(tmp_path / "base-0.png")
     T.record_base_images(tmp_path, made([one]), [one])
@@ -421,7 +421,7 @@ def test_dev_edit_run_caches_resumes_validates_and_its_lora_edits(tiny_model, pa
         embeds, _ = pipe.encode_prompt("relight scene 1", device="cpu", max_sequence_length=MAX_SEQUENCE_LENGTH,
                                        text_encoder_out_layers=TEXT_ENCODER_OUT_LAYERS)
         edited = pipe(image=[condition], prompt_embeds=embeds, height=64, width=96, num_inference_steps=2,
-                      guidance_scale=3.5, generator=torch.Generator().manual_seed(
+                      generator=torch.Generator().manual_seed(
                           T.seed_for(T.seed_for("validation", 0), 0))).images[0]  # image 0's own noise
     assert np.abs(np.asarray(edited, int) - np.asarray(Image.open(validation / "base-0.png"), int)).max() <= 1
     sheet = Image.open(validation / "progress-0.png")

@@ -120,6 +120,9 @@ REFUSED = {
 FREE_TEXT = {"revision", "variant", "dataset_name", "dataset_config_name", "image_column", "caption_column", "cond_image_column",
              "instance_prompt", "class_prompt", "hub_token", "validation_prompt", "final_validation_prompt",
              "class_word", "init_lora"}  # init_lora: a file, folder or Hub file, read (and judged) later
+# The copy writer's flags: write_copy() parses them apart from a run and refuses a bad --keep or target by name
+# (test_inputs.py, test_copies.py); a training run only refuses them given without --write_copy
+COPY_WRITER = {"write_copy", "keep"}
 # Flags never refused, and why
 NEVER_REFUSED = {"precompute_cache_dir": "the cache never stops a run: a folder it cannot write warns, entries stay in memory"}
 # Edge values that must still be accepted: the ranges are not stricter than they say
@@ -179,7 +182,8 @@ def test_every_flag_says_what_it_accepts_in_its_declaration_and_has_a_row_here()
     file says what it must refuse (REFUSED), or that it is free text."""
     for action in _actions():
         switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
-        assert (action.dest in REFUSED) + (action.dest in FREE_TEXT) + (action.dest in NEVER_REFUSED) + switch == 1, action.dest
+        categories = REFUSED, FREE_TEXT, NEVER_REFUSED, COPY_WRITER
+        assert sum(action.dest in c for c in categories) + switch == 1, action.dest
         if action.dest in REFUSED:  # numbers, choices, paths: the declaration holds the rule
             assert isinstance(action.type, T.Accepts) or action.choices, action.dest
         if action.dest in FREE_TEXT:
@@ -295,7 +299,7 @@ def test_a_sourceless_run_needs_no_text_encoder_not_even_its_config(tiny_model, 
     (["--validation_prompt", "v", "--num_validation_images", "0"], "no validation images are made"),
     (["--rank", "512"], "trains like a full fine-tune"),
     (["--validation_prompt", "v", "--final_validation_prompt", "f"], "--final_validation_prompt is ignored"),
-    (["--validation_image", "IMAGE"], "--validation_image without --validation_prompt"),
+    (["--validation_image", "IMAGE"], "--validation_image without a validation prompt"),
     (["--do_fp8_training"], "2.1 to 2.3 times slower than bf16"),  # measured eager (docs/speed.md); compiled: not measured
 ])
 def test_legal_but_surprising_values_get_one_warning(extra, warning, tmp_path):
@@ -334,11 +338,12 @@ def test_a_value_that_is_not_even_of_the_flags_kind_is_told_what_it_accepts(flag
 
 def test_a_flag_is_read_only_by_its_full_name_and_keep_is_named_with_write_copy():
     """argparse's prefixes read --keep as --keep_best ("invalid choice: 'ema'", or "--keep_best has no effect"): a
-    training command refuses --keep naming --write_copy, and an abbreviation as an unknown flag."""
+    training command refuses --keep naming --write_copy (the copies option's check of its settings), and an
+    abbreviation as an unknown flag."""
     base = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "p"]
     for keep in (["--keep", "ema"], ["--keep", "subject"], ["--keep=subject"], ["--seed", "1", "--keep", "none"]):
-        with pytest.raises(T.UsageError, match=r"^--keep goes with --write_copy FILE$"):
-            T.parse_args([*base, *keep])
+        with pytest.raises(T.UsageError, match=r"^--keep has no effect without --write_copy FILE$"):
+            T.validate_args(T.parse_args([*base, *keep]))
     with pytest.raises(T.UsageError, match=r"^unrecognized arguments: --max_train 5 \(see --help\)$"):
         T.parse_args([*base, "--max_train", "5"])
     assert T.parse_args([*base, "--max_train_steps=5", "--keep_best", "subject"]).max_train_steps == 5

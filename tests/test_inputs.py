@@ -373,7 +373,7 @@ def test_round_six_bad_inputs_exit_2_with_one_line_and_leave_nothing(case, tmp_p
         "copy named diffusers.py": (["--write_copy", tmp_path / "diffusers.py"], f"--write_copy {tmp_path}/diffusers.py: "
                                                                                "run as a script, it would be imported "
                                                                                "in place of the library diffusers"),
-        "--keep without --write_copy": ([*train, "--keep", "ema"], "--keep goes with --write_copy FILE"),
+        "--keep without --write_copy": ([*train, "--keep", "ema"], "--keep has no effect without --write_copy FILE"),
         "a key twice in --config": ([*train, "--config", config],
                                     f"--config {config}: line 3: 'folder' is given twice in one mapping"),
         "--timestep_shift 1e40": ([*train, "--timestep_shift", "1e40"], "--timestep_shift 1e40: expected"),

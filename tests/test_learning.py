@@ -361,8 +361,8 @@ def _base_record(*extra, seed=0, condition=None, model=None, steps=None):
     run.data.seed = seed
     scales = run.hooks.first("validation_scales", default=lambda: [1.0])
     sampler = SimpleNamespace(config={"_name_or_path": model or args.pretrained_model_name_or_path})
-    return T.base_record(args, run, T.validation_specs(args, run.data), scales, condition, sampler,
-                         steps or args.validation_inference_steps)
+    return T.base_record(args, run, T.validation_specs(args, run.data), scales, sampler,
+                         steps or args.validation_inference_steps, condition)
 
 
 def test_base_images_are_remade_when_what_made_them_changes(tmp_path):

@@ -136,6 +136,7 @@ def test_validation_leaves_the_trained_transformer_alone(tiny_model, images, tmp
 
     args = T.parse_args(base_args(tiny_model, images, tmp_path / "out", "--num_validation_images", "2",
                                   "--validation_prompt", "a sks dog"))
+    T.resolve_family_defaults(args, DEV)  # the pipeline's own guidance, as main() resolves it
     (tmp_path / "out").mkdir()  # main() makes it before training
     transformer = accelerator.prepare(T.prepare_transformer(args, accelerator, T.load_transformer(args, torch.float32)))
     transformer.train()

@@ -126,7 +126,7 @@ def _reference_loss(run, args, micro, epoch, indices, vae=None):
         tokens = torch.cat([tokens, *(Flux2Pipeline._pack_latents(r) for r in refs)], dim=1)
         ids = torch.cat([ids, Flux2Pipeline._prepare_image_ids([r[:1] for r in refs]).repeat(len(slots), 1, 1)], dim=1)
     with torch.no_grad():
-        pred = run.transformer(hidden_states=tokens, timestep=sigma, guidance=torch.full((len(slots),), 3.5),
+        pred = run.transformer(hidden_states=tokens, timestep=sigma, guidance=torch.full((len(slots),), args.guidance_scale),
                                encoder_hidden_states=embeds, txt_ids=Flux2Pipeline._prepare_text_ids(embeds),
                                img_ids=ids, return_dict=False)[0][:, : latents.shape[-2] * latents.shape[-1]]
     err = compute_loss_weighting_for_sd3(args.weighting_scheme, sigma).view(-1, 1, 1) * (
