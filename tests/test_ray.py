@@ -1,7 +1,9 @@
 """Ray Train and restarts (issue 38), on the CPU: a local Ray cluster of 2 CPUs, started once for the module, runs
-launch/ray_train.py with 2 workers on the tiny model. An uninterrupted Ray run, a Ray run whose main worker is killed
-(SIGKILL) after a checkpoint, and a torchrun run with --max-restarts whose main process is killed the same way all
-train the LoRA of a plain 2-process torchrun, bit for bit. A bad flag, FSDP, a relative --output_dir on a cluster and
+launch/ray_train.py with 2 workers on the tiny model. A Ray run whose main worker is killed (SIGKILL) after a
+checkpoint, and a torchrun run with --max-restarts whose main process is killed the same way, both train the LoRA of a
+plain 2-process torchrun, bit for bit. (The killed Ray run is also the test of an ordinary Ray run: its first attempt
+is one, from scratch to the kill, and its last one trains to the end and exits 0; a Ray run costs about 50 s here,
+most of it the workers' start-up.) A bad flag, FSDP, a relative --output_dir on a cluster and
 more GPUs than the cluster has are refused on the driver (exit 2, the script's message, no worker started);
 the launcher's own bad flags before Ray starts, without the cluster."""
 
@@ -42,7 +44,9 @@ def world(tiny_model, tmp_path_factory):
     started = subprocess.run([*ray, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard",
                               "false", "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stdout + started.stderr
-    launch(base_args(tiny_model, root / "images", root / "reference", *COMMON), num_processes=2, torchrun=True)
+    # the 2-process run forked from the zygote with the environment torchrun gives each rank (torchrun's own agent
+    # is the last test's subject): the same two gloo processes, a fresh interpreter's imports saved
+    launch(base_args(tiny_model, root / "images", root / "reference", *COMMON), num_processes=2)
     yield {"root": root, "address": "auto", "env": env, "model": tiny_model,
            "reference": load_file(str(root / "reference" / LORA))}
     subprocess.run([*ray, "stop", "--force"], env=env, capture_output=True, timeout=300)
@@ -75,21 +79,29 @@ def _kill_main_after(folder, proc, step=10):
     return pid
 
 
-def test_a_ray_run_trains_the_lora_of_torchrun(world):
-    proc = subprocess.run(_ray(world, "straight", "--max_failures", "0"), cwd=ROOT, env=world["env"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _same_lora(world, "straight")
-    assert "no checkpoint in" in proc.stderr  # every attempt runs with --resume_from_checkpoint latest
-
-
-def test_a_killed_ray_worker_restarts_the_group_which_resumes_to_the_same_lora(world):
+@pytest.fixture(scope="module")
+def killed(world):
+    """One Ray run of the module's LoRA whose main worker is SIGKILLed once checkpoint 10 is written (its first
+    attempt: an uninterrupted Ray run until then) and which Ray restarts once: its exit code and stderr."""
     out = world["root"] / "killed"
     proc = subprocess.Popen(_ray(world, "killed", "--max_failures", "1"), cwd=ROOT, env=world["env"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_main_after(out, proc)
     _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-4000:]
+    return proc.returncode, stderr
+
+
+def test_a_ray_run_trains_the_lora_of_torchrun(world, killed):
+    """The first attempt started from scratch, and the run (its last attempt) ended with torchrun's LoRA, exit 0."""
+    returncode, stderr = killed
+    assert returncode == 0, stderr[-4000:]
+    assert _same_lora(world, "killed")
+    assert "no checkpoint in" in stderr  # every attempt runs with --resume_from_checkpoint latest
+
+
+def test_a_killed_ray_worker_restarts_the_group_which_resumes_to_the_same_lora(world, killed):
+    returncode, stderr = killed
+    assert returncode == 0, stderr[-4000:]
     assert re.search(r"resum\w+ from .*checkpoint-\d+", stderr), stderr[-4000:]  # the second attempt resumed
     assert _same_lora(world, "killed")
 
