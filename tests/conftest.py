@@ -150,15 +150,18 @@ class Zygote:
         return cls.process.poll() is None and cls.fixed(env) == cls.env
 
     @classmethod
-    def run(cls, cmd, env, timeout, ranks=None):
+    def run(cls, cmd, env, timeout, ranks=None, commands=None):
         """One run of `cmd`; with `ranks` (each rank's extra environment) one forked process per rank, their outputs
-        joined in rank order, and the exit code of the rank that failed first."""
+        joined in rank order (each rank's (stdout, stderr) in the result's `ranks`), and the exit code of the rank
+        that failed first. `commands`: each rank's own command in place of `cmd` (nodes with flags of their own)."""
         with tempfile.TemporaryDirectory() as out:
             names = ("stdout", "stderr")
             outputs = [{name: os.path.join(out, f"{name}-{i}") for name in names} for i in range(len(ranks or [0]))]
             request = dict(argv=[str(a) for a in cmd[1:]], env=env, cwd=str(ROOT), **outputs[0])
             if ranks:
                 request["ranks"] = [dict(env={**env, **extra}, **paths) for extra, paths in zip(ranks, outputs)]
+                for rank, command in zip(request["ranks"], commands or []):
+                    rank["argv"] = [str(a) for a in command[1:]]
             cls.process.stdin.write(json.dumps(request) + "\n")
             reply = json.loads(cls.process.stdout.readline())
             pids = reply.get("pids") or [reply["pid"]]
@@ -174,11 +177,13 @@ class Zygote:
             timer.start()
             reply = json.loads(cls.process.stdout.readline())
             timer.cancel()
-            stdout, stderr = ("".join(Path(paths[name]).read_text(errors="replace") for paths in outputs)
-                              for name in names)
+            per_rank = [tuple(Path(paths[name]).read_text(errors="replace") for name in names) for paths in outputs]
+            stdout, stderr = ("".join(rank[i] for rank in per_rank) for i in range(len(names)))
         if fired.is_set():
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+        proc = subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+        proc.ranks = per_rank
+        return proc
 
 
 def torchrun_env(num_processes, port):
