@@ -13,7 +13,7 @@ import torch
 from types import SimpleNamespace
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import ROOT, base_args
+from tests.conftest import ROOT, base_args, launch
 from tests.tiny_flux2 import JOINT_ATTENTION_DIM, MAX_SEQUENCE_LENGTH
 
 
@@ -126,9 +126,8 @@ def test_attention_backend_that_cannot_train_here_is_refused(name, reason, tiny_
 
 
 def test_bad_attention_backend_exits_2_before_loading_anything(tiny_model, images, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "train_dreambooth_lora_flux2.py"),
-                           *base_args(tiny_model, images, tmp_path / "out", "--attention_backend", "sage")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(base_args(tiny_model, images, tmp_path / "out", "--attention_backend", "sage"), check=False,
+                  timeout=300)
     assert proc.returncode == 2 and "--attention_backend sage: no backward pass" in proc.stderr
     assert "loading" not in proc.stderr and not (tmp_path / "out").exists()
 
@@ -292,8 +291,6 @@ def test_compiled_run_resumes_an_eager_checkpoint_with_checkpointing_and_validat
     run wrote, with validation (its no-grad graphs) on: the same LoRA as the eager run's 4 steps (rtol 1e-4: inductor
     reorders float32 sums), so compiled blocks change neither parameter names nor the resumed state."""
     from safetensors.torch import load_file
-
-    from tests.conftest import launch
 
     common = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--gradient_checkpointing", "--validation_prompt",
               "a dog", "--num_validation_images", "1"]
