@@ -56,6 +56,11 @@ LONGEST_FIRST = ("test_ray.py::",  # 150 s, one Ray cluster for the module
                  "test_learning.py::test_a_default_run_learns_the_subject")  # about 35 s (the same)
 
 
+def pytest_configure(config):
+    """`make test-fast`'s marker (slow) and the summary the suite ends with: tests/tiers.py."""
+    config.pluginmanager.import_plugin("tests.tiers")
+
+
 @pytest.hookimpl(tryfirst=True)  # the markers first: xdist's own hook reads them
 def pytest_collection_modifyitems(config, items):
     for item in items:

@@ -275,6 +275,7 @@ def test_the_loss_covers_the_target_tokens_only(tiny_model):
 # Refusals (exit 2, before any model is loaded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["unpaired", "cond_dir_with_dataset", "column_with_folder", "prior", "small_validation",
                                   "bad_column", "uncaptioned", "text_column", "uncaptioned_folder", "identity"])
 def test_edit_refusals_exit_2_with_one_message(case, tiny_model, pairs, tmp_path):
@@ -350,6 +351,7 @@ def _same_lora(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_dev_edit_run_caches_resumes_validates_and_its_lora_edits(tiny_model, pairs, tmp_path):
     """[dev], cached latents on the disk cache, two buckets, flips, accumulation: a run with a checkpoint, its resume
     (bit-equal LoRA), edit-mode validation (the base model's image is Flux2Pipeline's edit of the bucketed condition;
@@ -400,6 +402,7 @@ def test_dev_edit_run_caches_resumes_validates_and_its_lora_edits(tiny_model, pa
     assert not torch.equal(before, after)
 
 
+@pytest.mark.slow
 def test_klein_edit_run_validates_and_its_lora_edits(tiny_klein, pairs, tmp_path):
     """[klein] base (CFG validation: the negative pass keeps the condition) and distilled: the run trains, validates
     in edit mode, and its LoRA changes Flux2KleinPipeline's edit output."""
@@ -417,6 +420,7 @@ def test_klein_edit_run_validates_and_its_lora_edits(tiny_klein, pairs, tmp_path
     assert not torch.equal(before, after)
 
 
+@pytest.mark.slow
 def test_memory_options_and_cache_leave_an_edit_run_unchanged(tiny_model, pairs, tmp_path):
     """Uncached (the VAE encodes target and conditions with the batch), with --gradient_checkpointing and --offload:
     the same LoRA as the plain uncached run; with --center_crop, cached latents give the same LoRA as uncached. (The
@@ -435,6 +439,7 @@ def test_memory_options_and_cache_leave_an_edit_run_unchanged(tiny_model, pairs,
         torch.testing.assert_close(a[k], c[k], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_processes_train_an_edit_lora_and_agree(tiny_model, pairs, tmp_path):
     """Each process encodes half of the 12 latents (targets and conditions) into the disk cache; both end with the
     same LoRA."""
@@ -448,6 +453,7 @@ def test_two_processes_train_an_edit_lora_and_agree(tiny_model, pairs, tmp_path)
     assert len(fingerprints) == 2 and len(set(fingerprints)) == 1
 
 
+@pytest.mark.slow
 def test_from_manifest_trains_an_edit_lora_with_both_folders_deleted(tiny_model, pairs, tmp_path):
     """The manifest records each target's conditions; with the images gone, the same LoRA."""
     targets, conds = pairs
@@ -488,6 +494,7 @@ def _hf_folder(folder, references, blank_instruction=False, names=False):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("references", [1, 2])
 def test_dataset_columns_give_one_or_several_references(references, tiny_model, tmp_path):
     """--dataset_name with --cond_image_column (the relighting layout): an image per row, or a list of images per

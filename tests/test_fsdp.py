@@ -8,6 +8,7 @@ interpreter would find it on PYTHONPATH): three torchrun starts saved. Verified 
 
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -44,6 +45,7 @@ def _force(tmp_path):
     return tmp_path / "force" / "sitecustomize.py"
 
 
+@pytest.mark.slow
 def test_fsdp_trains_checkpoints_and_resumes_like_ddp_and_the_sharded_text_encoder_encodes_alike(tiny_model, images,
                                                                                                   tmp_path):
     """The same LoRA as DDP, loading lean (cpu_ram_efficient_loading) or not (the resumed run), and resuming with
@@ -136,6 +138,7 @@ def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_loa
     assert len({p.data_ptr() for p in params}) == len(params)
 
 
+@pytest.mark.slow
 def test_output_preservation_under_fsdp_trains_like_ddp(tiny_model, images, tmp_path):
     """--output_preservation's base prediction switches the adapters off on the sharded model and runs a forward
     without gradients before the trained one: FSDP2 gathers for both and gives DDP's LoRA."""

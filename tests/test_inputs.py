@@ -221,6 +221,7 @@ def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
         T.scan_image_folder(tmp_path)
 
 
+@pytest.mark.slow
 def test_every_bad_file_is_listed_in_one_message_exit_2(tmp_path):
     folder = tmp_path / "bad"
     folder.mkdir()
@@ -244,6 +245,7 @@ def _dataset_folder(folder, rows):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["bad_rows", "text_column"])
 def test_bad_dataset_rows_or_column_exit_2_naming_them(case, tmp_path):
     pytest.importorskip("datasets")
@@ -311,6 +313,7 @@ def test_masks_are_checked_by_the_scan_only_for_masked_loss(tmp_path, monkeypatc
     assert len(T.scan_image_folder(folder, with_masks=True)) == 4
 
 
+@pytest.mark.slow
 def test_a_bad_mask_exits_2_before_any_model_loads(tmp_path):
     folder = _masked_folder(tmp_path / "images")
     proc = launch([*base_args("nobody/no-such-model", folder, tmp_path / "out"), "--masked_loss"], check=False,
@@ -333,6 +336,7 @@ def test_missing_or_empty_folder_is_refused(folder_state, tmp_path):
         T.load_instance_images(args, T.MemoryCache(), PartialState())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
     (["--lora_layers", "to_q,attn.nonexistent_proj"], "--lora_layers attn.nonexistent_proj: no linear layer"),
     (["--lora_layers", "to_out"], "--lora_layers to_out: also names transformer_blocks.0.attn.to_out (ModuleList)"),
@@ -356,6 +360,7 @@ def test_bad_flag_for_this_model_or_machine_exits_2(extra, message, tiny_model, 
 # ---------------------------------------------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_keeps_the_last_checkpoint_and_writes_no_lora(tiny_model, images, tmp_path):
     out = tmp_path / "out"
     # run directly: under `accelerate launch` the launcher adds its own traceback for any non-zero exit

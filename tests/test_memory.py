@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import base_args, launch
 
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
+
 LORA = "pytorch_lora_weights.safetensors"
 
 # refusals that only a machine without CUDA gives: skipped, not failed, where torch sees a GPU

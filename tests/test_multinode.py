@@ -47,6 +47,8 @@ from safetensors.torch import load_file
 from tests.conftest import ROOT, SCRIPT, Zygote, base_args, free_port, launch, torchrun_env
 from tests.tiny_flux2 import build_tiny_flux2, make_images
 
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
+
 SCRIPT_UNDER_TEST = Path(os.environ.get("FLUX2_SCRIPT", SCRIPT))
 LORA = "pytorch_lora_weights.safetensors"
 STEPS = 30  # 10 epochs of 3 batches per rank

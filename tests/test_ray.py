@@ -91,6 +91,7 @@ def killed(world):
     return proc.returncode, stderr
 
 
+@pytest.mark.slow
 def test_a_ray_run_trains_the_lora_of_torchrun(world, killed):
     """The first attempt started from scratch, and the run (its last attempt) ended with torchrun's LoRA, exit 0."""
     returncode, stderr = killed
@@ -99,6 +100,7 @@ def test_a_ray_run_trains_the_lora_of_torchrun(world, killed):
     assert "no checkpoint in" in stderr  # every attempt runs with --resume_from_checkpoint latest
 
 
+@pytest.mark.slow
 def test_a_killed_ray_worker_restarts_the_group_which_resumes_to_the_same_lora(world, killed):
     returncode, stderr = killed
     assert returncode == 0, stderr[-4000:]
@@ -106,6 +108,7 @@ def test_a_killed_ray_worker_restarts_the_group_which_resumes_to_the_same_lora(w
     assert _same_lora(world, "killed")
 
 
+@pytest.mark.slow
 def test_a_killed_torchrun_process_restarts_with_max_restarts_and_resumes_to_the_same_lora(world):
     """What docs/multinode.md documents without Ray: torchrun --max-restarts with c10d rendezvous (the default static
     one does not restart after a kill), TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (with the rendezvous store shared, a
@@ -151,6 +154,7 @@ def test_the_resources_a_worker_group_lacks_are_named():
     assert ray_train.short_of({"CPU": 2.0}, offered) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["bad flag", "fsdp", "relative output", "no gpu"])
 def test_bad_input_is_refused_on_the_driver_before_any_worker(case, world, tmp_path):
     """No GPU on the cluster: Ray would wait for the GPUs, time the group out after a minute and retry, forever."""
@@ -176,6 +180,7 @@ def test_bad_input_is_refused_on_the_driver_before_any_worker(case, world, tmp_p
     assert not (world["root"] / "refused").exists() and not (tmp_path / "relative-out").exists()
 
 
+@pytest.mark.slow
 def test_bad_data_found_by_the_workers_exits_2_once_without_a_retry(world, tmp_path):
     """An images folder without images passes the driver's checks (the flags are fine) and is refused by the
     script in every worker: the launcher exits 2 with its message, and Ray does not start the group again."""

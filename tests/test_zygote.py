@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT, SESSION_ENV, Zygote
 
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
+
 PROBE = """
 import os, random, sys
 import numpy
