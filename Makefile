@@ -11,7 +11,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 DEMO  := demo
 
-.PHONY: install test docs demo clean distclean
+.PHONY: install test test-fast docs demo clean distclean
 
 install: $(VENV)/.installed
 
@@ -27,8 +27,14 @@ $(VENV)/.test-tools: $(VENV)/.installed tests/requirements.txt
 	$(PY) -m pip install -r tests/requirements.txt
 	touch $@
 
+# Every test (about 20 minutes on 2 cores); it ends with its wall time and five slowest tests (tests/tiers.py).
 test: $(VENV)/.test-tools
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests $(PYTEST_ARGS)
+
+# The unit and stage tests and one end-to-end run (about 3 minutes): the edit-and-rerun loop. `make test` before a
+# commit is pushed; CI runs that.
+test-fast: $(VENV)/.test-tools
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests $(PYTEST_ARGS)
 
 # docs/flags.md from the script's parser (a test fails while it is stale)
 docs: install

@@ -56,6 +56,11 @@ LONGEST_FIRST = ("test_ray.py::",  # 150 s, one Ray cluster for the module
                  "test_learning.py::test_a_default_run_learns_the_subject")  # about 35 s (the same)
 
 
+def pytest_configure(config):
+    """`make test-fast`'s marker (slow) and the summary the suite ends with: tests/tiers.py."""
+    config.pluginmanager.import_plugin("tests.tiers")
+
+
 @pytest.hookimpl(tryfirst=True)  # the markers first: xdist's own hook reads them
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -150,15 +155,20 @@ class Zygote:
         return cls.process.poll() is None and cls.fixed(env) == cls.env
 
     @classmethod
-    def run(cls, cmd, env, timeout, ranks=None):
+    def run(cls, cmd, env, timeout, ranks=None, commands=None, site=None):
         """One run of `cmd`; with `ranks` (each rank's extra environment) one forked process per rank, their outputs
-        joined in rank order, and the exit code of the rank that failed first."""
+        joined in rank order (each rank's (stdout, stderr) in the result's `ranks`), and the exit code of the rank
+        that failed first. `commands`: each rank's own command in place of `cmd` (nodes with flags of their own).
+        `site`: a sitecustomize.py each child runs before the script (see launch)."""
         with tempfile.TemporaryDirectory() as out:
             names = ("stdout", "stderr")
             outputs = [{name: os.path.join(out, f"{name}-{i}") for name in names} for i in range(len(ranks or [0]))]
-            request = dict(argv=[str(a) for a in cmd[1:]], env=env, cwd=str(ROOT), **outputs[0])
+            request = dict(argv=[str(a) for a in cmd[1:]], env=env, cwd=str(ROOT), site=site and str(site),
+                           **outputs[0])
             if ranks:
                 request["ranks"] = [dict(env={**env, **extra}, **paths) for extra, paths in zip(ranks, outputs)]
+                for rank, command in zip(request["ranks"], commands or []):
+                    rank["argv"] = [str(a) for a in command[1:]]
             cls.process.stdin.write(json.dumps(request) + "\n")
             reply = json.loads(cls.process.stdout.readline())
             pids = reply.get("pids") or [reply["pid"]]
@@ -174,11 +184,13 @@ class Zygote:
             timer.start()
             reply = json.loads(cls.process.stdout.readline())
             timer.cancel()
-            stdout, stderr = ("".join(Path(paths[name]).read_text(errors="replace") for paths in outputs)
-                              for name in names)
+            per_rank = [tuple(Path(paths[name]).read_text(errors="replace") for name in names) for paths in outputs]
+            stdout, stderr = ("".join(rank[i] for rank in per_rank) for i in range(len(names)))
         if fired.is_set():
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+        proc = subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+        proc.ranks = per_rank
+        return proc
 
 
 def torchrun_env(num_processes, port):
@@ -192,13 +204,14 @@ def torchrun_env(num_processes, port):
 
 
 def launch(args, num_processes=1, env=None, check=True, timeout=600, via_accelerate=False, torchrun=False,
-           script=SCRIPT):
+           script=SCRIPT, site=None):
     """Run the real script (or `script`, a trimmed copy of it) on the CPU; returns the CompletedProcess. One process
     runs it directly (what `accelerate launch` does for one process, without a second interpreter's start-up; forked
     from the Zygote where the environment allows), or under `accelerate launch` with via_accelerate. Several processes
     talk over gloo (what accelerate uses on GPUs): each forked from the Zygote with the environment torchrun gives its
     rank, or under torchrun itself with `torchrun` (its agent's own behaviour: signals, restarts, its exit code) or
-    where the Zygote cannot serve."""
+    where the Zygote cannot serve. `site`: a file named sitecustomize.py (a test's patch of a library) that the run
+    executes before the script: a fresh interpreter finds it on PYTHONPATH at start-up, a forked one runs it first."""
     if num_processes == 1 and via_accelerate:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"]
@@ -211,11 +224,14 @@ def launch(args, num_processes=1, env=None, check=True, timeout=600, via_acceler
     cmd += [str(script), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if num_processes == 1 and not via_accelerate and Zygote.serves(full_env):
-        proc = Zygote.run(cmd, full_env, timeout)
+        proc = Zygote.run(cmd, full_env, timeout, site=site)
     elif num_processes > 1 and not torchrun and Zygote.serves(full_env):
         ranks = torchrun_env(num_processes, free_port())
-        proc = Zygote.run([sys.executable, str(script), *args], full_env, timeout, ranks)
+        proc = Zygote.run([sys.executable, str(script), *args], full_env, timeout, ranks, site=site)
     else:
+        if site:
+            assert Path(site).name == "sitecustomize.py", site
+            full_env["PYTHONPATH"] = f"{Path(site).parent}{os.pathsep}{ROOT}"
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")

@@ -91,6 +91,7 @@ def _merged(transformer):
 # The ComfyUI file
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["attention", "default", "all-linear"])
 def test_the_comfyui_file_read_by_diffusers_converter_gives_the_diffusers_files_weights(preset, tiny_model, accelerator,
                                                                                          tmp_path):
@@ -171,6 +172,7 @@ UNMAPPED = ("time_guidance_embed.timestep_embedder.linear_1", "double_stream_mod
             "single_stream_modulation.linear")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, skipped", [
     (("--lora_layers", "attention"), ()), (("--lora_layers", "default"), ()), (("--lora_layers", "all-linear"), ()),
     (("--adapter", "lokr", "--lora_layers", "all-linear"), ()),
@@ -252,6 +254,7 @@ def _comfyui_delta(parts):
     return torch.kron(w1, w2) * (alpha / dim if dim is not None and alpha is not None else 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter, rank, extra", [("lokr", 2, ()), ("lokr", 8, ()),  # rank 8: both factors full
                                                   ("lokr", 2, ("--lokr_decompose_both", "--lokr_factor", "4")),
                                                   ("loha", 2, ())])
@@ -285,6 +288,7 @@ def test_a_lycoris_file_reloads_through_peft_to_the_trained_outputs(adapter, ran
         torch.testing.assert_close(_comfyui_delta(groups[prefix]), layer.get_delta_weight("default"), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_dora_file_loads_with_diffusers_and_gives_the_trained_outputs(tiny_model, accelerator, tmp_path):
     args, transformer = _adapted(tiny_model, accelerator, "--use_dora", "--rank", "3", "--lora_alpha", "6")
     _write(args, transformer, tmp_path)
@@ -343,6 +347,7 @@ def lora_files(tiny_model, accelerator, tmp_path_factory):
     return {"ours": folder / "ours", "bfl": folder / T.COMFYUI_WEIGHTS_NAME, "kohya": folder / "kohya.safetensors"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ours", "bfl", "kohya"])
 def test_init_lora_starts_from_the_model_that_load_lora_weights_makes(layout, lora_files, tiny_model, accelerator):
     from accelerate import PartialState
@@ -366,6 +371,7 @@ def _resolve(args):
     return T.resolve_model_flags(args, T.Hooks(args))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
     (["--rank", "8"], r"--rank 8 conflicts with --init_lora .* which has rank 3"),
     (["--lora_layers", "attention"], r"--lora_layers attention names other layers than --init_lora"),
@@ -380,6 +386,7 @@ def test_init_lora_conflicts_are_refused_naming_both(extra, message, lora_files,
     _resolve(_args(tiny_model, "--init_lora", lora_files["ours"], "--rank", "3"))  # the same: fine
 
 
+@pytest.mark.slow
 def test_init_lora_refuses_layers_the_model_lacks(lora_files, tiny_model, tmp_path):
     from accelerate import PartialState
 
@@ -403,6 +410,7 @@ def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", [["--use_dora"], ["--adapter", "lokr", "--lokr_decompose_both"],
                                      ["--adapter", "loha"], ["--init_lora", "FILE"]],
                          ids=["dora", "lokr", "loha", "init_lora"])
@@ -467,6 +475,7 @@ def test_validation_shows_each_prompt_at_each_strength_beside_the_base_model(tin
     assert "validation/final-5.png" in card
 
 
+@pytest.mark.slow
 def test_a_dora_init_lora_meets_doras_refusals(tiny_model, accelerator, tmp_path):
     """--init_lora of a DoRA file makes the run DoRA after the flags were checked: ComfyUI's file (whose DoRA
     convention is not PEFT's) and DoRA's unverified paths are refused then too, not written as a plain LoRA."""

@@ -230,6 +230,7 @@ def test_truncated_jpeg_is_refused_by_the_reduced_scale_decode(tmp_path):
     assert "fine.jpg" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_startup_benchmark_tiny_mode_prints_cold_and_warm_rows_of_the_scan_and_of_the_whole_script():
     proc = subprocess.run([sys.executable, "benchmarks/startup.py", "--tiny"], cwd=ROOT, capture_output=True, text=True,
                           check=False, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -328,6 +329,7 @@ def _sourceless(args, manifest):
     return [*args, "--from_manifest", str(manifest)]
 
 
+@pytest.mark.slow
 def test_from_manifest_trains_the_same_lora_with_the_images_deleted(tiny_model, images, tmp_path, own_cache_folder):
     """The sourceless run is given the training flags only: the data flags (flips, repeats, prior preservation, caption
     dropout) come from the manifest. Both runs make validation images: the sourceless one loads the VAE for them,
@@ -399,6 +401,7 @@ def _wait_for_entries(proc, root, count):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_precompute_keeps_the_cached_entries_exits_130_and_a_rerun_encodes_only_the_rest(
         tiny_model, images, tmp_path, own_cache_folder):
     """SIGINT (Ctrl-C) here; SIGTERM (exit 143) in the two-process test below."""
@@ -428,6 +431,7 @@ def _local_rank(pid):
     return env.get(b"LOCAL_RANK")
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_during_precompute_stops_every_process(tiny_model, images, tmp_path, own_cache_folder):
     args = base_args(tiny_model, images, tmp_path / "out", "--max_train_steps", "1", "--cache_latents", "--center_crop")
     env = {**_slowed(tmp_path), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}

@@ -123,6 +123,7 @@ def test_trigger_word_problems_are_refused_naming_the_images_or_flag():
     assert apply_trigger(_trigger_args("sks", "a photo of a dog"), [_record("a", "dog")])[0].caption == "sks, dog"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
     (["--instance_prompt", "a [trigger] dog"], r"\[trigger\] in --instance_prompt: give --trigger_word"),
     (["--class_word", "dog"], "--class_word is the word --output_preservation"),
@@ -331,6 +332,7 @@ def together(tiny_model, tmp_path_factory):
     return SimpleNamespace(root=root, straight=straight, resumed=resumed, first=first, second=second, two=two)
 
 
+@pytest.mark.slow
 def test_one_run_with_every_option_resumes_bit_for_bit(together):
     a, b = _tensors(together.straight / T.LORA_WEIGHTS_NAME), _tensors(together.resumed / T.LORA_WEIGHTS_NAME)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -339,6 +341,7 @@ def test_one_run_with_every_option_resumes_bit_for_bit(together):
     assert sorted(r for r, _ in prints) == ["0", "1"] and prints[0][1] == prints[1][1], together.two.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_run_encodes_every_alternative_and_preservation_prompt_and_says_so(together):
     log = together.first.stderr
     # captions: 3 alternatives of image 0 and image 1's one, the trigger put in; image 2 uses the instance prompt

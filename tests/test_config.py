@@ -179,6 +179,7 @@ def configured(tiny_model, tmp_path_factory):
     return SimpleNamespace(root=root, first=first, second=second, printed=printed)
 
 
+@pytest.mark.slow
 def test_the_resolved_config_repeats_the_run_bit_for_bit(configured):
     prints = [re.findall(r"LoRA fingerprint (\w+)", p.stderr) for p in (configured.first, configured.second)]
     assert prints[0] == prints[1] != []
@@ -193,6 +194,7 @@ def test_the_resolved_config_repeats_the_run_bit_for_bit(configured):
     assert checkpoint["run"] == state["run"] and {**checkpoint, "run": None} == {**resolved, "run": None}
 
 
+@pytest.mark.slow
 def test_print_config_prints_the_resolved_flags_before_any_model_loads(configured):
     printed = yaml.safe_load(configured.printed.stdout)
     assert printed["text_encoder_out_layers"] == [1, 2] and printed["max_train_steps"] == 4
@@ -227,6 +229,7 @@ def test_print_config_and_plan_only_work_in_a_finished_output_folder(printing, t
                 T.validate_args(args)
 
 
+@pytest.mark.slow
 def test_a_resume_says_the_folders_edited_config_is_not_what_it_trains(configured, tmp_path):
     """config.yaml edited by hand (rank 4 -> 8), resumed with the same flags: it trained rank 4 and wrote config.yaml
     back without a word."""
@@ -243,6 +246,7 @@ def test_a_resume_says_the_folders_edited_config_is_not_what_it_trains(configure
     assert "differs from" not in configured.second.stderr  # a fresh run in a fresh folder: nothing to compare
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_config_another_run_wrote_is_refused(configured, tmp_path):
     mixed = tmp_path / "checkpoint-2"
     shutil.copytree(configured.root / "first" / "checkpoint-2", mixed)
@@ -250,6 +254,7 @@ def test_a_checkpoint_whose_config_another_run_wrote_is_refused(configured, tmp_
     assert T.checkpoint_problem(mixed) == "config.yaml was written by another run than trainer_state.json (files of two runs)"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_run_identity_is_all_digits_is_whole(configured, tmp_path):
     """YAML writes an all-digit identity quoted (run: '8267997486895876'): one run in about 2,000 drew one, and its
     own next checkpoint was refused as "files of two runs" (seen once in CI, on the FSDP resume)."""

@@ -80,6 +80,7 @@ def test_a_distilled_klein_checkpoint_is_warned_about_naming_the_base_one(model,
         assert (f"train LoRAs on {base}" in caplog.text) == distilled
 
 
+@pytest.mark.slow
 def test_a_default_run_prints_this_scripts_lines_and_bars_alone(tiny_model, images, tmp_path):
     """Every line of a default run's console (the bar's redraws split apart) is a line of this script's logger, one
     of its progress bars, or empty; the step lines number four for 60 steps, not sixty. The run keeps the default
@@ -239,6 +240,7 @@ def _patched(tmp_path, **env):
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{site}:{ROOT}", **env}
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_keeps_every_finished_checkpoint(tiny_model, images, tmp_path):
     out = tmp_path / "out"
     args = base_args(tiny_model, images, out, "--max_train_steps", "6", "--checkpointing_steps", "2")
@@ -252,6 +254,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_keeps_every_finished_ch
     assert "resumed from" in resumed.stderr and (out / T.LORA_WEIGHTS_NAME).is_file()
 
 
+@pytest.mark.slow
 def test_an_output_folder_removed_mid_run_ends_with_one_sentence_naming_the_path(tiny_model, images, tmp_path):
     import shutil
 

@@ -52,7 +52,8 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+# static_prompt (the README's command under `accelerate launch`) is `make test-fast`'s end-to-end run
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n != "static_prompt")) for n in CONFIGS])
 def test_training_runs_and_writes_a_loadable_lora(name, tiny_model, tmp_path):
     extra, captions = CONFIGS[name]
     images = tmp_path / "images"
@@ -92,6 +93,7 @@ def test_captions_reach_the_prompt_cache(tiny_model, images, tmp_path):
     assert "6 unique prompts" in proc.stderr  # 5 captions + the instance prompt for the uncaptioned image
 
 
+@pytest.mark.slow
 def test_prior_preservation_generates_missing_class_images(tiny_model, images, tmp_path):
     class_dir = tmp_path / "class"
     class_dir.mkdir()
@@ -111,6 +113,7 @@ def test_prior_preservation_generates_missing_class_images(tiny_model, images, t
     assert_lora_works(tiny_model, out)
 
 
+@pytest.mark.slow
 def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp_path):
     out = tmp_path / "out"
     launch(base_args(tiny_model, images, out, "--num_train_epochs", "2", "--validation_prompt", "a photo of sks dog",
@@ -145,6 +148,7 @@ def test_validation_images_are_png_and_in_the_model_card(tiny_model, images, tmp
     assert "![progress](validation/progress-0.png)" in card
 
 
+@pytest.mark.slow
 def test_a_prompts_file_and_a_final_prompt_make_a_sheet_and_a_card_that_work(tiny_model, images, tmp_path):
     """--validation_prompts_file and --final_validation_prompt: the final prompt is a row of every validation (it was
     the final's alone, whose extra row remade the base images and restarted the sheet), so the sheet keeps the
@@ -182,6 +186,7 @@ def test_a_prompts_file_and_a_final_prompt_make_a_sheet_and_a_card_that_work(tin
     assert "image = pipe('a sks dog in snow', guidance_scale=4)" in code  # [dev]'s pipeline's, as validation
 
 
+@pytest.mark.slow
 def test_dataset_name_accepts_a_local_folder(tiny_model, tmp_path):
     pytest.importorskip("datasets")
     folder = tmp_path / "hf"
@@ -197,6 +202,7 @@ def test_dataset_name_accepts_a_local_folder(tiny_model, tmp_path):
     assert_lora_works(tiny_model, out)
 
 
+@pytest.mark.slow
 def test_resume_from_latest_checkpoint_matches_a_straight_run(tiny_model, images, tmp_path):
     """5 batches per epoch, accumulation 2, a checkpoint inside epoch 0, an accumulation window across the epoch
     boundary, warm-up, LoRA dropout (global RNG) and --timestep_shift auto (the resumed steps draw the same shifted
@@ -221,6 +227,7 @@ def test_resume_from_latest_checkpoint_matches_a_straight_run(tiny_model, images
     assert {r["epoch"] for r in sample_log(straight)} == {0, 1}
 
 
+@pytest.mark.slow
 def test_no_network_access_without_push_to_hub(tiny_model, images, tmp_path):
     """Any socket connection made by the script (or libraries it calls) is recorded and refused."""
     guard = tmp_path / "guard"
@@ -245,6 +252,7 @@ def test_no_network_access_without_push_to_hub(tiny_model, images, tmp_path):
     assert not record.exists(), record.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
     (["--instance_data_dir", "/nonexistent/images"], "--instance_data_dir /nonexistent/images: expected an existing"),
     (["--resolution", "40"], "--resolution 40: expected sides from 16 to 4096, multiples of 16"),
@@ -255,7 +263,7 @@ def test_no_network_access_without_push_to_hub(tiny_model, images, tmp_path):
 def test_bad_input_exits_2_with_one_message_before_loading_models(extra, message, images, tmp_path):
     # no such model (offline, a Hub id never downloaded): reaching any model load would fail differently
     args = base_args("nobody/no-such-model", images, tmp_path / "out", *extra)
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(args, check=False, timeout=300)  # forked from the zygote: the same exit, without 3 s of imports
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
@@ -265,6 +273,7 @@ def _without_seed(args):
     return args[:i] + args[i + 2:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["memory", "disk", "unwritable"])
 def test_two_processes_share_the_work_and_agree(cache, tiny_model, images, tmp_path):
     """No --seed: the drawn seed is agreed, each epoch the ranks train disjoint batches covering every batch,
@@ -302,6 +311,7 @@ def test_two_processes_share_the_work_and_agree(cache, tiny_model, images, tmp_p
     assert_lora_works(tiny_model, out)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_resumes_to_the_straight_result(tiny_model, images, tmp_path):
     common = ["--max_train_steps", "150", "--checkpointing_steps", "1000", "--lora_dropout", "0.1"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
@@ -324,6 +334,7 @@ def test_sigterm_checkpoints_and_resumes_to_the_straight_result(tiny_model, imag
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_default_disk_cache_makes_reruns_encode_only_what_changed(tiny_model, images, tmp_path, own_cache_folder):
     """No flag: the per-user cache folder. Reruns reuse entries and the scan index; a bound of 0 deletes every
     entry the run does not use."""
@@ -368,6 +379,7 @@ def test_latent_sampling_sample_with_live_flips_trains(tiny_model, images, tmp_p
     assert_lora_works(tiny_model, out)
 
 
+@pytest.mark.slow
 def test_dataloader_workers_give_the_batches_of_the_main_process_across_epochs(tiny_model, images, tmp_path):
     """Images decoded in 2 worker processes that live for the whole run (pickled dataset, epoch carried with each
     index) train the same LoRA as decoding in the main process, into the second epoch's new crops and flips."""

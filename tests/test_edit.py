@@ -293,6 +293,7 @@ def test_the_loss_covers_the_target_tokens_only(tiny_model):
 # Refusals (exit 2, before any model is loaded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["unpaired", "cond_dir_with_dataset", "column_with_folder", "prior", "small_validation",
                                   "bad_column", "uncaptioned", "text_column", "uncaptioned_folder", "identity",
                                   "missing_reference", "validation_count", "folder_twice"])
@@ -385,6 +386,7 @@ def _same_lora(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_dev_edit_run_caches_resumes_validates_and_its_lora_edits(tiny_model, pairs, tmp_path):
     """[dev], cached latents on the disk cache, two buckets, flips, accumulation: a run with a checkpoint, its resume
     (bit-equal LoRA), edit-mode validation (the base model's image is Flux2Pipeline's edit of the bucketed condition;
@@ -435,6 +437,7 @@ def test_dev_edit_run_caches_resumes_validates_and_its_lora_edits(tiny_model, pa
     assert not torch.equal(before, after)
 
 
+@pytest.mark.slow
 def test_two_reference_folders_train_and_validate_in_their_order(tiny_model, pairs, tmp_path):
     """--cond_data_dir with two folders (each target's inversion, then its channels rotated) and two
     --validation_image files: every target trains with both references, cached and recorded in the folders' order;
@@ -493,6 +496,7 @@ def test_validation_gives_the_pipeline_its_images_in_order(tmp_path):
         "width"]) == (64, 96)
 
 
+@pytest.mark.slow
 def test_klein_edit_run_validates_and_its_lora_edits(tiny_klein, pairs, tmp_path):
     """[klein] base (CFG validation: the negative pass keeps the condition) and distilled: the run trains, validates
     in edit mode, and its LoRA changes Flux2KleinPipeline's edit output."""
@@ -510,6 +514,7 @@ def test_klein_edit_run_validates_and_its_lora_edits(tiny_klein, pairs, tmp_path
     assert not torch.equal(before, after)
 
 
+@pytest.mark.slow
 def test_memory_options_and_cache_leave_an_edit_run_unchanged(tiny_model, pairs, tmp_path):
     """Uncached (the VAE encodes target and conditions with the batch), with --gradient_checkpointing and --offload:
     the same LoRA as the plain uncached run; with --center_crop, cached latents give the same LoRA as uncached. (The
@@ -528,6 +533,7 @@ def test_memory_options_and_cache_leave_an_edit_run_unchanged(tiny_model, pairs,
         torch.testing.assert_close(a[k], c[k], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_processes_train_an_edit_lora_and_agree(tiny_model, pairs, tmp_path):
     """Each process encodes half of the 12 latents (targets and conditions) into the disk cache; both end with the
     same LoRA."""
@@ -541,6 +547,7 @@ def test_two_processes_train_an_edit_lora_and_agree(tiny_model, pairs, tmp_path)
     assert len(fingerprints) == 2 and len(set(fingerprints)) == 1
 
 
+@pytest.mark.slow
 def test_from_manifest_trains_an_edit_lora_with_both_folders_deleted(tiny_model, pairs, tmp_path):
     """The manifest records each target's conditions; with the images gone, the same LoRA."""
     targets, conds = pairs
@@ -581,6 +588,7 @@ def _hf_folder(folder, references, blank_instruction=False, names=False):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("references", [1, 2])
 def test_dataset_columns_give_one_or_several_references(references, tiny_model, tmp_path):
     """--dataset_name with --cond_image_column (the relighting layout): an image per row, or a list of images per

@@ -6,6 +6,10 @@ import pytest
 
 from tests import learning
 
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
+
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
+
 
 @pytest.fixture(scope="session")
 def edit_base_model(tmp_path_factory):

@@ -315,6 +315,7 @@ def test_legal_but_surprising_values_get_one_warning(extra, warning, tmp_path):
         assert T.surprising_values(T.parse_args([*base, *extra, "--compile"])) == []
 
 
+@pytest.mark.slow
 def test_a_bad_flag_exits_2_with_one_line_before_anything_loads(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--pretrained_model_name_or_path", "nobody/model",
                            "--instance_data_dir", str(tmp_path), "--instance_prompt", "p", "--repeats", "0"],

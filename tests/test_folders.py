@@ -200,6 +200,7 @@ def test_a_flag_that_does_not_combine_with_the_entries_is_refused(extra, message
         T.validate_args(args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing folder", "repeats 0", "unknown key", "an image in two entries"])
 def test_a_bad_entry_exits_2_naming_it_before_any_model_loads(case, tmp_path):
     a, b = _two_folders(tmp_path)
@@ -244,6 +245,7 @@ def test_two_folders_with_repeats_2_and_1_show_each_image_that_often_an_epoch(ti
         (f"{a}/img_00.png", 2), (f"{b}/img_03.png", 1)]
 
 
+@pytest.mark.slow
 def test_a_resumed_two_folder_run_equals_a_straight_one(tiny_model, tmp_path):
     """The entries from a config file: A twice with its own trigger word and caption dropout, B once with the
     command line's; 9 batches an epoch, accumulation 2, a checkpoint at step 2: the resumed LoRA is the straight one
@@ -266,6 +268,7 @@ def test_a_resumed_two_folder_run_equals_a_straight_one(tiny_model, tmp_path):
     assert {line["epoch"] for line in _sample_log(straight)} == {0, 1}
 
 
+@pytest.mark.slow
 def test_from_manifest_replays_a_folders_run_from_the_cache_alone(tiny_model, tmp_path, own_cache_folder):
     """Only B drops captions (the empty prompt is in the cache for it alone); the replay, the images deleted, trains
     the same LoRA: each record carries its folder's prompt, repeats and caption dropout in the manifest. The empty

@@ -3,14 +3,16 @@
 accelerate only enables FSDP on accelerators: on a CPU (MULTI_CPU) it silently falls back to DDP. The test turns
 FSDP back on after the Accelerator is built, from a sitecustomize that exists only in this test, so the script's
 FSDP code paths (gathering the LoRA and optimizer state, sharded checkpoint load, validation on every process)
-really run. Verified on GPU: no (see README)."""
+really run. The runs are forked from the zygote, which runs that file first (conftest.launch's `site`; a fresh
+interpreter would find it on PYTHONPATH): three torchrun starts saved. Verified on GPU: no (see README)."""
 
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, base_args, launch
+from tests.conftest import base_args, launch
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
@@ -36,6 +38,14 @@ FORCE_FSDP = textwrap.dedent("""
 """)
 
 
+def _force(tmp_path):
+    """FORCE_FSDP as a sitecustomize.py of its own folder."""
+    (tmp_path / "force").mkdir()
+    (tmp_path / "force" / "sitecustomize.py").write_text(FORCE_FSDP)
+    return tmp_path / "force" / "sitecustomize.py"
+
+
+@pytest.mark.slow
 def test_fsdp_trains_checkpoints_and_resumes_like_ddp_and_the_sharded_text_encoder_encodes_alike(tiny_model, images,
                                                                                                   tmp_path):
     """The same LoRA as DDP, loading lean (cpu_ram_efficient_loading) or not (the resumed run), and resuming with
@@ -43,9 +53,7 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp_and_the_sharded_text_encod
     prompts with --fsdp_text_encoder (each process holding half of the text encoder; 7 unique prompts over 2
     processes, so the padding that keeps the shards in step is exercised): the same cache entries as DDP's unsharded
     encoder. One test, so that these two-process runs are started once (each start costs more than its training)."""
-    (tmp_path / "force").mkdir()
-    (tmp_path / "force" / "sitecustomize.py").write_text(FORCE_FSDP)
-    fsdp_env = {**FSDP_ENV, "PYTHONPATH": f"{tmp_path / 'force'}:{ROOT}"}
+    force = _force(tmp_path)
     common = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--validation_prompt", "a dog",
               "--num_validation_images", "1"]
     ddp, fsdp, resumed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
@@ -55,7 +63,7 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp_and_the_sharded_text_encod
     # lean loading: process 1 builds an empty model and receives process 0's weights (and LoRA) while sharding
     proc = launch(base_args(tiny_model, images, fsdp, *common, "--fsdp_text_encoder", "--precompute_cache_dir",
                             tmp_path / "cache-sharded"), num_processes=2,
-                  env={**fsdp_env, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})
+                  env={**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, site=force)
     assert "FSDP (each process holds a shard of the model) over 2 processes" in proc.stderr
     assert "process 1: an empty transformer" in proc.stderr and "process 0: an empty" not in proc.stderr
     assert "text encoder sharded over 2 processes" in proc.stderr
@@ -69,7 +77,7 @@ def test_fsdp_trains_checkpoints_and_resumes_like_ddp_and_the_sharded_text_encod
 
     shutil.copytree(fsdp / "checkpoint-2", resumed / "checkpoint-2")
     proc = launch(base_args(tiny_model, images, resumed, *common, "--resume_from_checkpoint", "latest", "--compile"),
-                  num_processes=2, env=fsdp_env)
+                  num_processes=2, env=FSDP_ENV, site=force)
     assert "--compile: 2 blocks compile" in proc.stderr
     reference = load_file(str(ddp / "pytorch_lora_weights.safetensors"))
     for out, rtol in ((fsdp, 1e-5), (resumed, 1e-4)):
@@ -130,17 +138,15 @@ def test_fsdp_leaves_the_transformer_for_accelerate_to_shard_and_other_ranks_loa
     assert len({p.data_ptr() for p in params}) == len(params)
 
 
+@pytest.mark.slow
 def test_output_preservation_under_fsdp_trains_like_ddp(tiny_model, images, tmp_path):
     """--output_preservation's base prediction switches the adapters off on the sharded model and runs a forward
     without gradients before the trained one: FSDP2 gathers for both and gives DDP's LoRA."""
-    (tmp_path / "force").mkdir()
-    (tmp_path / "force" / "sitecustomize.py").write_text(FORCE_FSDP)
     common = ["--max_train_steps", "3", "--trigger_word", "sks", "--output_preservation", "--class_word", "dog",
               "--output_preservation_weight", "5"]
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     launch(base_args(tiny_model, images, ddp, *common), num_processes=2)
-    proc = launch(base_args(tiny_model, images, fsdp, *common), num_processes=2,
-                  env={**FSDP_ENV, "PYTHONPATH": f"{tmp_path / 'force'}:{ROOT}"})
+    proc = launch(base_args(tiny_model, images, fsdp, *common), num_processes=2, env=FSDP_ENV, site=_force(tmp_path))
     assert "FSDP (each process holds a shard of the model) over 2 processes" in proc.stderr
     reference, ours = (load_file(str(out / "pytorch_lora_weights.safetensors")) for out in (ddp, fsdp))
     assert ours.keys() == reference.keys()

@@ -55,6 +55,7 @@ def test_the_real_shapes_have_one_owner_that_imports_no_benchmark():
     assert all(gpu_step.MODELS[name] is spec.transformer for name, spec in real_shapes.SPECS.items())
 
 
+@pytest.mark.slow
 def test_real_shapes_tiny_writes_the_tests_model_in_bf16_shards(tmp_path):
     """--tiny: the tests' tiny [klein] and [dev] (same configs as tiny_flux2.py's), made in bf16, written in shards
     of --shard_size, loadable by diffusers as the Hub folder is."""
@@ -168,6 +169,7 @@ def tiny_check(tmp_path_factory):
     return proc, tmp
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
     """The README's first command, as written, on the checkpoint real_shapes.py wrote: it trains its steps, saves the
     LoRA, validates, and each figure reaches the JSON lines and the table printed last."""
@@ -199,6 +201,7 @@ def test_gpu_check_tiny_runs_the_readme_command_and_the_step_rows(tiny_check):
     assert re.search(r"^\| whole \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d+% \|$", log, re.M)
 
 
+@pytest.mark.slow
 def test_lora_check_applies_the_runs_lora_to_its_checkpoint(tiny_check, tmp_path):
     """benchmarks/lora_check.py (the CPU proof's check): the README run's LoRA lands whole on the checkpoint it was
     trained on; a file missing one tensor is caught."""
@@ -216,6 +219,7 @@ def test_lora_check_applies_the_runs_lora_to_its_checkpoint(tiny_check, tmp_path
     assert lora_check.check(str(model), str(tmp_path / "broken.safetensors"))[2]
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--work", str(tmp_path / "work")],
@@ -252,6 +256,7 @@ def test_gpu_check_refuses_a_negative_budget_and_an_unknown_run(flags, message, 
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.slow
 def test_the_whole_run_estimate_is_within_10_percent_of_the_h200_gpu_check():
     """benchmarks/gpu_check.sh on an H200 (2026-11-26), the README's first command on real [klein] 4B shapes (rank 4,
     the default targets): the training step peaked at 9.3 GiB with checkpointing and 22.7 without (its step lines),

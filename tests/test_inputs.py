@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -13,7 +11,7 @@ from PIL import Image
 from accelerate import PartialState
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import ROOT, SCRIPT, base_args, launch
+from tests.conftest import base_args, launch
 
 LORA = "pytorch_lora_weights.safetensors"
 
@@ -223,13 +221,13 @@ def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
         T.scan_image_folder(tmp_path)
 
 
+@pytest.mark.slow
 def test_every_bad_file_is_listed_in_one_message_exit_2(tmp_path):
     folder = tmp_path / "bad"
     folder.mkdir()
     for make, _ in REFUSED.values():
         make(folder)
-    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args("nobody/no-such-model", folder, tmp_path / "out")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(base_args("nobody/no-such-model", folder, tmp_path / "out"), check=False, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "cannot use 4 file(s)" in proc.stderr
     for _, message in REFUSED.values():
@@ -247,6 +245,7 @@ def _dataset_folder(folder, rows):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["bad_rows", "text_column"])
 def test_bad_dataset_rows_or_column_exit_2_naming_them(case, tmp_path):
     pytest.importorskip("datasets")
@@ -257,8 +256,7 @@ def test_bad_dataset_rows_or_column_exit_2_naming_them(case, tmp_path):
     if case == "text_column":
         args += ["--image_column", "text"]
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=300)
+    proc = launch(args, env=env, check=False, timeout=300)  # HF_HOME is read at import: a fresh interpreter
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if case == "text_column":
         assert "--image_column 'text': row 0 holds str, not images" in proc.stderr
@@ -315,10 +313,11 @@ def test_masks_are_checked_by_the_scan_only_for_masked_loss(tmp_path, monkeypatc
     assert len(T.scan_image_folder(folder, with_masks=True)) == 4
 
 
+@pytest.mark.slow
 def test_a_bad_mask_exits_2_before_any_model_loads(tmp_path):
     folder = _masked_folder(tmp_path / "images")
-    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args("nobody/no-such-model", folder, tmp_path / "out"),
-                           "--masked_loss"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch([*base_args("nobody/no-such-model", folder, tmp_path / "out"), "--masked_loss"], check=False,
+                  timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "corrupt_mask.png" in proc.stderr and "the mask is 40x64, its image turned.png 64x40" in proc.stderr
 
@@ -337,6 +336,7 @@ def test_missing_or_empty_folder_is_refused(folder_state, tmp_path):
         T.load_instance_images(args, T.MemoryCache(), PartialState())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
     (["--lora_layers", "to_q,attn.nonexistent_proj"], "--lora_layers attn.nonexistent_proj: no linear layer"),
     (["--lora_layers", "to_out"], "--lora_layers to_out: also names transformer_blocks.0.attn.to_out (ModuleList)"),
@@ -350,8 +350,7 @@ def test_bad_flag_for_this_model_or_machine_exits_2(extra, message, tiny_model, 
         out.mkdir()
         (out / LORA).write_bytes(b"from an earlier run")
         extra = []
-    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args(tiny_model, images, out, *extra)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(base_args(tiny_model, images, out, *extra), check=False, timeout=300)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     if "lora_layers" in message:
         assert "attn.to_q" in proc.stderr  # valid names are listed
@@ -390,12 +389,12 @@ def test_round_six_bad_inputs_exit_2_with_one_line_and_leave_nothing(case, tmp_p
 # ---------------------------------------------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_keeps_the_last_checkpoint_and_writes_no_lora(tiny_model, images, tmp_path):
     out = tmp_path / "out"
     # run directly: under `accelerate launch` the launcher adds its own traceback for any non-zero exit
-    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args(tiny_model, images, out, "--learning_rate", "1e30",
-                           "--max_grad_norm", "1e30", "--max_train_steps", "10", "--checkpointing_steps", "1")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(base_args(tiny_model, images, out, "--learning_rate", "1e30", "--max_grad_norm", "1e30",
+                            "--max_train_steps", "10", "--checkpointing_steps", "1"), check=False, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "NaN or infinite at step 2" in proc.stderr and "checkpoint-1" in proc.stderr
     # advice a resume accepts (another --learning_rate is refused by it); the fp16 hint only for an fp16 run

@@ -3,6 +3,7 @@
 import json
 import logging
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -54,6 +55,7 @@ def test_klein_prompt_embeddings_equal_the_pipeline(tiny_klein):
     assert (ours[0] - ours[1]).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_klein_trains_with_prior_cache_and_validation_and_its_lora_loads(tiny_klein, images, tmp_path):
     from diffusers import Flux2KleinPipeline
 

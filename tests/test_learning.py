@@ -476,6 +476,7 @@ atexit.register(lambda: _calls[0] and open(os.environ["SAMPLING_STEPS_FILE"], "a
 """
 
 
+@pytest.mark.slow
 def test_a_default_run_adapts_every_block_prints_only_its_own_lines_and_writes_ordinary_files(
         tiny_model, images, tmp_path, own_cache_folder):
     """Also the family's default sampling steps, end to end: no --validation_inference_steps, so [dev] validates with
@@ -531,6 +532,7 @@ def test_the_shipped_base_models_are_the_builders(name):
                for file in ("config.json", "diffusion_pytorch_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_a_default_run_learns_the_subject(base_model, tmp_path):
     """Default LoRA targets, 1,000 CPU steps on one image: diffusers' Flux2Pipeline with the saved LoRA samples
     latents several times closer to the subject's than the base model does. Measured with `python

@@ -4,15 +4,15 @@ import hashlib
 import http.server
 import io
 import json
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, SCRIPT, base_args, launch
+from tests.conftest import base_args, launch
+
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
 
 LORA = "pytorch_lora_weights.safetensors"
 
@@ -85,8 +85,7 @@ def test_cuda_only_and_invalid_memory_options_are_refused_before_loading(extra, 
     if "KLEIN" in extra:
         extra[extra.index("KLEIN")] = build_tiny_flux2_klein(str(tmp_path / "klein"))
     extra = [str(tmp_path / e) if e.endswith(".json") else e for e in extra]
-    proc = subprocess.run([sys.executable, str(SCRIPT), *base_args(tiny_model, images, tmp_path / "out", *extra)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(base_args(tiny_model, images, tmp_path / "out", *extra), check=False, timeout=300)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
@@ -143,15 +142,14 @@ def stub_encoder():
 
 
 def _remote(tiny_model, images, out, url):
-    return [sys.executable, str(SCRIPT), *base_args(tiny_model, images, out, "--max_train_steps", "2",
-                                                    "--remote_text_encoder", "--remote_text_encoder_url", url,
-                                                    "--hub_token", "hf_stub_token")]
+    """The script with the remote text encoder at `url` (forked from the zygote: the stub answers over TCP)."""
+    return launch(base_args(tiny_model, images, out, "--max_train_steps", "2", "--remote_text_encoder",
+                            "--remote_text_encoder_url", url, "--hub_token", "hf_stub_token"), check=False, timeout=300)
 
 
 def test_remote_text_encoder_replaces_the_local_one(stub_encoder, tiny_model, images, tmp_path):
     StubEncoder.mode = "ok"
-    proc = subprocess.run(_remote(tiny_model, images, tmp_path / "out", stub_encoder), capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = _remote(tiny_model, images, tmp_path / "out", stub_encoder)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loading the text encoder" not in proc.stderr and (tmp_path / "out" / LORA).is_file()
     prompts = sorted(p for p, _ in StubEncoder.requests)
@@ -166,7 +164,6 @@ def test_remote_text_encoder_errors_are_named_and_nothing_is_unpickled(mode, mes
     StubEncoder.mode = mode
     if os.path.exists("/tmp/flux2-remote-pwned"):
         os.remove("/tmp/flux2-remote-pwned")
-    proc = subprocess.run(_remote(tiny_model, images, tmp_path / "out", stub_encoder), capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = _remote(tiny_model, images, tmp_path / "out", stub_encoder)
     assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not os.path.exists("/tmp/flux2-remote-pwned")  # the payload's code never ran

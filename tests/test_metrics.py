@@ -44,6 +44,7 @@ def pictures(count, size=(40, 56), seed=0):
     return [Image.fromarray((f.permute(1, 2, 0).numpy() * 255).astype("uint8")) for f in fields]
 
 
+@pytest.mark.slow
 def test_each_score_is_the_hand_computed_one(scorers):
     """subject: the mean over every (generated, reference) pair of the cosine of DINOv2's CLS token (after its last
     layer norm) on 224 px centre crops with ImageNet's mean and std; prompt: the mean cosine of each image's CLIP
@@ -74,6 +75,7 @@ def test_each_score_is_the_hand_computed_one(scorers):
     assert len({round(T.paired_score(*models.clip_embeddings([generated[0]], [p], "cpu")), 6) for p in prompts}) == 3
 
 
+@pytest.mark.slow
 def test_dino_v1_scores_as_the_dreambooth_paper_does(dino_v1):
     """--metrics_dino_model facebook/dino-vits16 (a ViTModel): the subject score is the mean over every (generated,
     reference) pair of the cosine of the last hidden state's CLS token on the model's processor's 224 px images, not of
@@ -96,6 +98,7 @@ def test_dino_v1_scores_as_the_dreambooth_paper_does(dino_v1):
     assert score == pytest.approx(by_hand.item(), abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trigger", [None, "ohwx"])
 def test_the_subject_score_reads_only_the_images_whose_prompt_names_the_subject(scorers, tmp_path, trigger):
     """subject: the rows whose prompt holds --trigger_word, or else the instance prompt's word that the drift prompts
@@ -212,6 +215,7 @@ def history(folder):
     return [json.loads(line) for line in (folder / "validation" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_every_validation_is_scored_logged_plotted_and_tabled(kept):
     root, straight, _ = kept
     entries = history(root / "straight")
@@ -231,6 +235,7 @@ def test_every_validation_is_scored_logged_plotted_and_tabled(kept):
     assert "| step | subject | prompt | drift |" in card and f"| 6 | {entries[-1]['subject']:.3f} |" in card
 
 
+@pytest.mark.slow
 def test_keep_best_keeps_the_scored_lora_bit_for_bit_and_survives_a_resume(kept):
     root, straight, resumed = kept
     entries = history(root / "straight")
@@ -266,6 +271,7 @@ def places(tiny_model, scorers, tmp_path_factory):
 SCORE = ["--validation_prompt", "a photo of sks dog", "--metrics_dino_model", "{DINO}", "--validation_metrics"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--validation_metrics", "dino,size"], "--validation_metrics dino,size: expected none, all, or some of"),
     (["--validation_metrics", "dino"], "--validation_metrics dino needs validation images"),  # as the user wrote it
@@ -335,6 +341,7 @@ def test_a_manifest_run_scoring_the_subject_needs_reference_photos(tmp_path):
     T.validate_args(T.parse_args([*flags, "--metrics_reference_dir", str(tmp_path / "photos")]))
 
 
+@pytest.mark.slow
 def test_reference_photos_are_read_as_training_reads_images(scorers, tmp_path):
     """--metrics_reference_dir is scanned as an image folder (hidden files skipped, EXIF orientation applied), and its
     features computed when the scoring models load."""
@@ -378,6 +385,7 @@ def test_the_history_restarts_when_the_base_images_are_remade(tmp_path, monkeypa
     assert history() == [(0, "base"), (3, "step-3")]
 
 
+@pytest.mark.slow
 def test_a_scoring_model_that_cannot_be_found_is_refused_before_any_model_loads(tiny_model, scorers, dino_v1,
                                                                                  tmp_path):
     """A typo, or a Hub id an offline machine has not cached, failed with a traceback after precompute (the scoring
@@ -422,6 +430,7 @@ def test_the_section_names_another_options_flag_only_on_a_line_marked_for_that_o
         "manifest"}  # the manifest's runs have no instance images: refused without naming it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("removed", OTHERS_READ)
 def test_the_metrics_work_in_a_copy_without_an_option_they_read(removed, scorers, tmp_path):
     """The copy without the trigger words (or the class images, the manifest, the validation extras) keeps the

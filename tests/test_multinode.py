@@ -19,6 +19,13 @@ The runs the tests share are made once per session, even with several pytest-xdi
 changed afterwards: what a test checks about them is recorded when they end. A node pair that does not end within
 NODE_TIMEOUT is killed (a collective that one node never joins would otherwise wait gloo's 30 minutes).
 
+Where torchrun's agents are not what is tested (the runs that must end with exit 0 and the reference LoRA), each
+node's training process is forked from the pytest worker's zygote (conftest.Zygote) with the environment its agent
+gives it (`forked_nodes`; one-node runs through conftest.launch): the same script in the same two gloo processes,
+without two agents and two fresh interpreters (about 10 s of imports each, a third of this module's time). The
+signals (forwarded by an agent, or aimed at a training process it started) and the refusals (each node's own exit
+code, as torchrun reports it) run under torchrun itself.
+
 FLUX2_SCRIPT=path runs another copy of the script (planting a bug in a copy checks that a test catches it)."""
 
 import json
@@ -37,8 +44,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, SCRIPT, base_args, free_port
+from tests.conftest import ROOT, SCRIPT, Zygote, base_args, free_port, launch, torchrun_env
 from tests.tiny_flux2 import build_tiny_flux2, make_images
+
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
 
 SCRIPT_UNDER_TEST = Path(os.environ.get("FLUX2_SCRIPT", SCRIPT))
 LORA = "pytorch_lora_weights.safetensors"
@@ -83,21 +92,18 @@ def _local_rank(pid):
     return env.get(b"LOCAL_RANK")
 
 
-def _dump_stacks(pid, launcher=True):
-    """SIGABRT to every training process under launcher `pid` (or to `pid` itself when it is the script): with
-    PYTHONFAULTHANDLER each prints its threads' Python stacks to its stderr (where a hang is) and dies."""
-    if not launcher:
-        ranks = [pid]
-    else:
-        try:
-            os.kill(pid, signal.SIGSTOP)  # torchrun would stop the other ranks as soon as the first one dies
-        except ProcessLookupError:  # the launcher has ended (and been reaped): so have its ranks
-            return
-        ranks, stack = [], [pid]
-        while stack:
-            p = stack.pop()
-            stack += _children(p)
-            ranks += [p] if _local_rank(p) is not None else []
+def _dump_stacks(pid):
+    """SIGABRT to every training process under launcher `pid`: with PYTHONFAULTHANDLER each prints its threads' Python
+    stacks to its stderr (where a hang is) and dies."""
+    try:
+        os.kill(pid, signal.SIGSTOP)  # torchrun would stop the other ranks as soon as the first one dies
+    except ProcessLookupError:  # the launcher has ended (and been reaped): so have its ranks
+        return
+    ranks, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        stack += _children(p)
+        ranks += [p] if _local_rank(p) is not None else []
     for p in ranks:
         try:
             os.kill(p, signal.SIGABRT)
@@ -224,9 +230,24 @@ def start_nodes(args_of, env_of=lambda rank: None):
     raise AssertionError(f"no free port for the rendezvous after 3 tries\n{_report(nodes)}")
 
 
+def forked_nodes(args_of, env_of=lambda rank: None):
+    """Both nodes' training processes forked from the zygote, each with the environment `torchrun --nnodes 2
+    --nproc_per_node 1 --node_rank K` gives it, to their end -> [Ran] (each with the exit code of the process that
+    failed first), or None where the zygote cannot serve this environment (another thread count, PYTHONPATH...)."""
+    env = {**os.environ, **{k: v for k, v in ENV.items() if k != "PYTHONFAULTHANDLER"}}  # no stacks to dump here
+    if not Zygote.serves(env):
+        return None
+    ranks = [{**rank, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(k), "GROUP_WORLD_SIZE": "2",
+              **(env_of(k) or {})} for k, rank in enumerate(torchrun_env(2, free_port()))]
+    commands = [[sys.executable, str(SCRIPT_UNDER_TEST), *map(str, args_of(k))] for k in (0, 1)]
+    proc = Zygote.run(commands[0], env, NODE_TIMEOUT, ranks, commands)
+    return [Ran(k, proc.returncode, stdout + stderr) for k, (stdout, stderr) in enumerate(proc.ranks)]
+
+
 def run_nodes(args_of, env_of=lambda rank: None, check=True):
-    """Both nodes, to their end. -> [Ran]"""
-    nodes = wait_all(start_nodes(args_of, env_of))
+    """Both nodes, to their end: forked from the zygote where both must succeed and it can, else under torchrun.
+    -> [Ran]"""
+    nodes = check and forked_nodes(args_of, env_of) or wait_all(start_nodes(args_of, env_of))
     if check:
         for n in nodes:
             assert n.returncode == 0, f"node {n.rank} exit {n.returncode}\n{n.output[-6000:]}"
@@ -247,23 +268,24 @@ def signalled_run(args_of, env_of, signal_node_1):
 
 
 def one_node(args, processes, check=True):
-    """One node: the script directly (one process) or under torchrun (several)."""
-    cmd = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                    str(processes), "--master_port", str(free_port())]
+    """One node: the script directly (one process) or under torchrun (several); one process, or several that must
+    succeed (`check`), forked from the zygote where it can (conftest.launch)."""
+    if check or processes == 1:
+        return launch(args, processes, env={k: v for k, v in ENV.items() if k != "PYTHONFAULTHANDLER"},
+                      check=check, timeout=NODE_TIMEOUT, script=SCRIPT_UNDER_TEST)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+           str(free_port())]  # its report of the worker's exit code is what a refusal test reads
     proc = subprocess.Popen([*cmd, str(SCRIPT_UNDER_TEST), *map(str, args)], cwd=ROOT, env={**os.environ, **ENV},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=NODE_TIMEOUT)
     except subprocess.TimeoutExpired:
-        _dump_stacks(proc.pid, launcher=processes > 1)
+        _dump_stacks(proc.pid)
         _kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"the run did not end within {NODE_TIMEOUT} s; its ranks' stacks and output:\n"
                              f"{stderr[-12000:]}") from None
-    proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    if check:
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
-    return proc
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -98,6 +98,7 @@ def test_push_to_hub_uploads_the_lora_card_images_and_best_never_checkpoints_log
                     "best/pytorch_lora_weights.safetensors"}  # config.yaml names local paths, .run.lock this machine
 
 
+@pytest.mark.slow
 def test_a_pushed_runs_card_loads_the_lora_from_the_repository_it_was_pushed_to(tiny_model, images, tmp_path,
                                                                                    monkeypatch, fresh_accelerate):
     """Without --hub_model_id the repository is the output folder's name under the token's account, known only once

@@ -7,7 +7,6 @@ tiny model a planned run trains the same LoRA, bit for bit, as the flags the pla
 import json
 import os
 import re
-import subprocess
 import sys
 import unittest.mock
 
@@ -16,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import ROOT, SCRIPT, base_args
+from tests.conftest import ROOT, base_args, launch
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import plan_table  # noqa: E402
@@ -282,9 +281,8 @@ def test_a_planned_tiny_run_trains_the_lora_of_the_flags_it_printed(tiny_model, 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
 
     def run(out, *extra):
-        proc = subprocess.run([sys.executable, str(SCRIPT), *base_args(
-            tiny_model, images, tmp_path / out, "--max_train_steps", "2", "--cache_latents", *extra)],
-            capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        proc = launch(base_args(tiny_model, images, tmp_path / out, "--max_train_steps", "2", "--cache_latents", *extra),
+                      env=env, check=False, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stderr, load_file(str(tmp_path / out / "pytorch_lora_weights.safetensors"))
 

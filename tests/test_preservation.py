@@ -7,8 +7,12 @@ base model's, the same seeds."""
 
 import json
 
+import pytest
+
 from tests import learning
 from tests.tiny_metrics import build_tiny_dino
+
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
 
 
 def test_preservation_keeps_the_class_and_still_learns_the_subject(tmp_path):

@@ -184,6 +184,7 @@ def test_a_16_bit_mask_keeps_its_soft_weights(tmp_path):
     assert row[:16].tolist() == [1.0] * 16 and row[16:] == pytest.approx([64 / 255] * 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cached", [False, True])
 def test_masked_loss_trains_with_mask_files_and_alpha(cached, tiny_model, tmp_path):
     folder = tmp_path / "images"

@@ -1,7 +1,9 @@
 """Ray Train and restarts (issue 38), on the CPU: a local Ray cluster of 2 CPUs, started once for the module, runs
-launch/ray_train.py with 2 workers on the tiny model. An uninterrupted Ray run, a Ray run whose main worker is killed
-(SIGKILL) after a checkpoint, and a torchrun run with --max-restarts whose main process is killed the same way all
-train the LoRA of a plain 2-process torchrun, bit for bit. A bad flag, FSDP, a relative --output_dir on a cluster and
+launch/ray_train.py with 2 workers on the tiny model. A Ray run whose main worker is killed (SIGKILL) after a
+checkpoint, and a torchrun run with --max-restarts whose main process is killed the same way, both train the LoRA of a
+plain 2-process torchrun, bit for bit. (The killed Ray run is also the test of an ordinary Ray run: its first attempt
+is one, from scratch to the kill, and its last one trains to the end and exits 0; a Ray run costs about 50 s here,
+most of it the workers' start-up.) A bad flag, FSDP, a relative --output_dir on a cluster and
 more GPUs than the cluster has are refused on the driver (exit 2, the script's message, no worker started);
 the launcher's own bad flags before Ray starts, without the cluster."""
 
@@ -42,7 +44,9 @@ def world(tiny_model, tmp_path_factory):
     started = subprocess.run([*ray, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard",
                               "false", "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stdout + started.stderr
-    launch(base_args(tiny_model, root / "images", root / "reference", *COMMON), num_processes=2, torchrun=True)
+    # the 2-process run forked from the zygote with the environment torchrun gives each rank (torchrun's own agent
+    # is the last test's subject): the same two gloo processes, a fresh interpreter's imports saved
+    launch(base_args(tiny_model, root / "images", root / "reference", *COMMON), num_processes=2)
     yield {"root": root, "address": "auto", "env": env, "model": tiny_model,
            "reference": load_file(str(root / "reference" / LORA))}
     subprocess.run([*ray, "stop", "--force"], env=env, capture_output=True, timeout=300)
@@ -75,25 +79,36 @@ def _kill_main_after(folder, proc, step=10):
     return pid
 
 
-def test_a_ray_run_trains_the_lora_of_torchrun(world):
-    proc = subprocess.run(_ray(world, "straight", "--max_failures", "0"), cwd=ROOT, env=world["env"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _same_lora(world, "straight")
-    assert "no checkpoint in" in proc.stderr  # every attempt runs with --resume_from_checkpoint latest
-
-
-def test_a_killed_ray_worker_restarts_the_group_which_resumes_to_the_same_lora(world):
+@pytest.fixture(scope="module")
+def killed(world):
+    """One Ray run of the module's LoRA whose main worker is SIGKILLed once checkpoint 10 is written (its first
+    attempt: an uninterrupted Ray run until then) and which Ray restarts once: its exit code and stderr."""
     out = world["root"] / "killed"
     proc = subprocess.Popen(_ray(world, "killed", "--max_failures", "1"), cwd=ROOT, env=world["env"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_main_after(out, proc)
     _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-4000:]
+    return proc.returncode, stderr
+
+
+@pytest.mark.slow
+def test_a_ray_run_trains_the_lora_of_torchrun(world, killed):
+    """The first attempt started from scratch, and the run (its last attempt) ended with torchrun's LoRA, exit 0."""
+    returncode, stderr = killed
+    assert returncode == 0, stderr[-4000:]
+    assert _same_lora(world, "killed")
+    assert "no checkpoint in" in stderr  # every attempt runs with --resume_from_checkpoint latest
+
+
+@pytest.mark.slow
+def test_a_killed_ray_worker_restarts_the_group_which_resumes_to_the_same_lora(world, killed):
+    returncode, stderr = killed
+    assert returncode == 0, stderr[-4000:]
     assert re.search(r"resum\w+ from .*checkpoint-\d+", stderr), stderr[-4000:]  # the second attempt resumed
     assert _same_lora(world, "killed")
 
 
+@pytest.mark.slow
 def test_a_killed_torchrun_process_restarts_with_max_restarts_and_resumes_to_the_same_lora(world):
     """What docs/multinode.md documents without Ray: torchrun --max-restarts with c10d rendezvous (the default static
     one does not restart after a kill), TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (with the rendezvous store shared, a
@@ -139,6 +154,7 @@ def test_the_resources_a_worker_group_lacks_are_named():
     assert ray_train.short_of({"CPU": 2.0}, offered) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["bad flag", "fsdp", "relative output", "no gpu"])
 def test_bad_input_is_refused_on_the_driver_before_any_worker(case, world, tmp_path):
     """No GPU on the cluster: Ray would wait for the GPUs, time the group out after a minute and retry, forever."""
@@ -164,6 +180,7 @@ def test_bad_input_is_refused_on_the_driver_before_any_worker(case, world, tmp_p
     assert not (world["root"] / "refused").exists() and not (tmp_path / "relative-out").exists()
 
 
+@pytest.mark.slow
 def test_bad_data_found_by_the_workers_exits_2_once_without_a_retry(world, tmp_path):
     """An images folder without images passes the driver's checks (the flags are fine) and is refused by the
     script in every worker: the launcher exits 2 with its message, and Ray does not start the group again."""

@@ -41,6 +41,7 @@ def _wait_for(condition, proc, seconds=300):
 # One run per output folder; a checkpoint is one run's files
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_output_folder_is_refused_and_a_killed_ones_lock_is_free(tiny_model, images,
                                                                                           tmp_path):
     out = tmp_path / "out"
@@ -77,6 +78,7 @@ def two_runs(tiny_model, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("other", ["training.safetensors", "training.json", "rng-0.safetensors", LORA])
 def test_a_checkpoint_mixing_two_runs_files_is_refused_and_passed_over(other, two_runs, tmp_path, caplog):
     from accelerate import PartialState
@@ -129,6 +131,7 @@ shutil.rmtree = rmtree
 """
 
 
+@pytest.mark.slow
 def test_a_checkpoint_the_rotation_cannot_delete_stays_and_the_run_finishes(tiny_model, images, tmp_path):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(ROTATION_SITE)
@@ -154,6 +157,7 @@ diffusers.Flux2Pipeline.__call__ = slow
 """
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_final_validation_ends_with_one_message_and_writes_the_model_card(tiny_model, images,
                                                                                                tmp_path):
     (tmp_path / "site").mkdir()
@@ -175,6 +179,7 @@ def test_a_signal_during_the_final_validation_ends_with_one_message_and_writes_t
     assert load_file(str(out / LORA)) and "DreamBooth LoRA" in (out / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_signal_to_every_process_during_the_final_validation_still_writes_the_model_card(tiny_model, images,
                                                                                              tmp_path):
     """Slurm signals every process of a job: the one that makes no images waits for the one that does (it used to die
@@ -224,6 +229,7 @@ def _resume(tiny_model, root, out, *extra, images=None):
                             "--resume_from_checkpoint", "latest", *extra), check=False)
 
 
+@pytest.mark.slow
 def test_a_resume_whose_images_changed_says_which(resumable, tiny_model, tmp_path):
     images = tmp_path / "images"
     shutil.copytree(resumable / "images", images)
@@ -237,6 +243,7 @@ def test_a_resume_whose_images_changed_says_which(resumable, tiny_model, tmp_pat
     assert same.returncode == 0 and "changed, added or removed" not in same.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, changed", [(["--lora_alpha", "8"], "--lora_alpha 8 (the checkpoint's: 4)"),
                                             (["--lora_layers", "attention"], "--lora_layers attention"),
                                             (["--adapter", "loha"], "--adapter loha (the checkpoint's: lora)"),
@@ -252,6 +259,7 @@ def test_a_resume_with_another_adapter_or_optimizer_setting_is_refused_before_mo
     assert "resume with the flags that trained it" in proc.stderr and "loading the" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_checkpoint_past_the_runs_last_step_is_refused(resumable, tiny_model, tmp_path):
     """Its LoRA (step 2) would have been saved, and carded, as step 1's."""
     proc = _resume(tiny_model, resumable, tmp_path / "out", "--max_train_steps", "1")
@@ -319,6 +327,7 @@ def test_a_lora_state_is_a_copy_that_a_later_weight_swap_leaves_alone(tiny_model
     assert state.keys() == taken.keys() and all(torch.equal(state[k], taken[k]) for k in state)
 
 
+@pytest.mark.slow
 def test_init_lora_files_that_cannot_start_this_run_are_refused_naming_the_file(tiny_model, images, tmp_path):
     state = _lora_file(tiny_model, tmp_path)
     wide = {k: torch.cat([v, v], dim=1) if ".lora_A." in k else v for k, v in state.items()}  # another model's inputs
@@ -451,6 +460,7 @@ def test_a_validation_strength_multiplies_the_trained_scale(tiny_model):
     torch.testing.assert_close(_forward(model), trained)  # restored
 
 
+@pytest.mark.slow
 def test_each_process_resumes_its_own_random_state(tiny_model, tmp_path):
     """Two processes whose global generators part (buckets of different sizes: LoRA dropout draws as many numbers
     as a batch has elements), stopped at checkpoint-2 and resumed on two processes: the same LoRA as straight. With
@@ -549,6 +559,7 @@ def test_trigger_refusals_come_before_class_images_are_generated(tiny_model, ima
     assert "generating" not in proc.stderr and not list(classes.glob("*.png"))
 
 
+@pytest.mark.slow
 def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused_and_overwrite_starts_over(tiny_model, images,
                                                                                             tmp_path):
     """Without --resume_from_checkpoint, a run in a folder of an earlier run's checkpoints would overwrite those of the
@@ -578,6 +589,7 @@ def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused_and_overwrite_
     assert json.loads((out / "checkpoint-1" / T.TRAINER_STATE_NAME).read_text())["run"] == run  # this run's own
 
 
+@pytest.mark.slow
 def test_a_second_stop_signal_stops_at_once_with_the_signals_exit_code_and_no_traceback(tmp_path):
     """A second SIGTERM 2 s or more after the first (docs/failures.md: 'stops at once') exits 143, as SIGTERM does,
     with one line; it used to end in a KeyboardInterrupt traceback and exit 130, SIGINT's code."""
@@ -609,6 +621,7 @@ def test_num_train_epochs_with_accumulation_trains_that_many_epochs(tiny_model, 
     assert len(rows) == 12 and {r["epoch"] for r in rows} == {0, 1}
 
 
+@pytest.mark.slow
 def test_a_finished_run_continued_to_more_steps_keeps_its_earlier_final_images_as_a_validation(tiny_model, images,
                                                                                                 tmp_path):
     """Continuing a finished run (the refusal of a fresh run over its LoRA suggests it) validates "final" again: the
@@ -649,6 +662,7 @@ def test_the_scores_of_a_continued_runs_earlier_final_validation_follow_its_imag
     assert (folder / "final-0.png").read_bytes() == b"step 5's" and not (folder / "step-000005-0.png").exists()
 
 
+@pytest.mark.slow
 def test_processes_accelerate_did_not_join_are_refused_saying_how_to_launch(tiny_model, images, tmp_path):
     """torchrun on a machine without a GPU and without ACCELERATE_USE_CPU: accelerate 1.15 makes each process a run of
     its own, and the second was refused as if another user's run held --output_dir (issue 52 item 18)."""

@@ -13,7 +13,7 @@ import torch
 from types import SimpleNamespace
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import ROOT, base_args
+from tests.conftest import ROOT, base_args, launch
 from tests.tiny_flux2 import JOINT_ATTENTION_DIM, MAX_SEQUENCE_LENGTH
 
 
@@ -53,6 +53,7 @@ def _train(args, tiny_model, shapes, steps_per_shape=2, preservation=0.0):
     return losses, {n: p.detach().clone() for n, p in named.items()}
 
 
+@pytest.mark.slow
 def test_compile_trains_like_eager_with_bounded_recompiles(tiny_model, images, tmp_path):
     """Regional compilation: the same losses and LoRA as eager to float32 rounding (inductor reorders sums:
     rtol 1e-4), over two buckets (a new shape recompiles once, with dynamic shapes) and three steps each."""
@@ -125,10 +126,10 @@ def test_attention_backend_that_cannot_train_here_is_refused(name, reason, tiny_
     assert "usable here: native, " in message and "_native_math" in message and "sage" not in message.split("usable")[1]
 
 
+@pytest.mark.slow
 def test_bad_attention_backend_exits_2_before_loading_anything(tiny_model, images, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "train_dreambooth_lora_flux2.py"),
-                           *base_args(tiny_model, images, tmp_path / "out", "--attention_backend", "sage")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(base_args(tiny_model, images, tmp_path / "out", "--attention_backend", "sage"), check=False,
+                  timeout=300)
     assert proc.returncode == 2 and "--attention_backend sage: no backward pass" in proc.stderr
     assert "loading" not in proc.stderr and not (tmp_path / "out").exists()
 
@@ -206,6 +207,7 @@ def test_run_state_is_typed_and_a_misspelt_field_is_an_error():
     assert all(dataclasses.fields(cls) and cls.__dataclass_params__.frozen for cls in (T.Data, T.Caches, T.Run))
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_tiny_mode_runs_the_script_step():
     """Eager and --compile rows (inductor on the CPU) through the script's own step, text-to-image and edit (one
     condition image per row, through the script's dataset, caches and step)."""
@@ -225,6 +227,7 @@ def test_gpu_benchmark_tiny_mode_runs_the_script_step():
     assert "edit x1" in edit_out and "edit x1" not in out
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_memory_mode_tiny_runs_swapping_rows_and_estimates(tmp_path):
     """--memory in --tiny mode: the grid's rows (swapping only with checkpointing, as the script demands) run the
     script's step, swapping included, and each carries its estimate; swapped rows need pinned host memory."""
@@ -239,6 +242,7 @@ def test_gpu_benchmark_memory_mode_tiny_runs_swapping_rows_and_estimates(tmp_pat
     assert "| tiny 64 px | bf16 | on | max (2) |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     """The estimate on real [klein] 4B shapes (meta device, nothing allocated): swapping N blocks removes N - 2 of
     them from the GPU and puts N in pinned host memory; NF4 weights are about a quarter of bf16; checkpointing keeps
@@ -272,6 +276,7 @@ def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
     assert 1.7 < edit["activations_gib"] / plain["activations_gib"] < 2.0
 
 
+@pytest.mark.slow
 def test_data_path_benchmark_tiny_mode_shows_one_copy_per_distinct_entry():
     """benchmarks/step.py --tiny: every scenario runs the script's lookup; a batch of 4 rows sharing one prompt moves
     one embedding after (16 x 32 bf16 = 1 kB, + 4 latents of 256 B), four before."""
@@ -287,13 +292,12 @@ def test_data_path_benchmark_tiny_mode_shows_one_copy_per_distinct_entry():
         assert rows[(cache, "1", "shared")][2:4] == ["0.001", "0.001"]
 
 
+@pytest.mark.slow
 def test_compiled_run_resumes_an_eager_checkpoint_with_checkpointing_and_validation(tiny_model, images, tmp_path):
     """The whole script with --compile and --gradient_checkpointing, resuming at step 2 from a checkpoint an eager
     run wrote, with validation (its no-grad graphs) on: the same LoRA as the eager run's 4 steps (rtol 1e-4: inductor
     reorders float32 sums), so compiled blocks change neither parameter names nor the resumed state."""
     from safetensors.torch import load_file
-
-    from tests.conftest import launch
 
     common = ["--max_train_steps", "4", "--checkpointing_steps", "2", "--gradient_checkpointing", "--validation_prompt",
               "a dog", "--num_validation_images", "1"]

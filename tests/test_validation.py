@@ -72,6 +72,7 @@ def _single(pipe, call, k):
     return pipe(**call, generator=torch.Generator(device).manual_seed(T.seed_for(seed, k))).images[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit", [False, True], ids=["text-to-image", "edit"])
 def test_a_prompts_images_are_made_in_one_batch_each_from_its_own_seed(kleins, edit):
     pipe = _pipeline(kleins[0])
@@ -93,6 +94,7 @@ def test_a_prompts_images_are_made_in_one_batch_each_from_its_own_seed(kleins, e
     assert calls == [3, 1]
 
 
+@pytest.mark.slow
 def test_a_batch_out_of_memory_makes_the_same_images_one_at_a_time_and_says_so_once(kleins, caplog):
     from accelerate import PartialState
 
@@ -165,6 +167,7 @@ def runs(kleins, tmp_path_factory):
                                     "--ema_decay", "0.5", steps=None)}
 
 
+@pytest.mark.slow
 def test_validation_on_the_distilled_transformer_shows_its_images_with_the_same_lora(runs, kleins):
     root, procs = runs
     distilled = kleins[1]
@@ -197,6 +200,7 @@ def _resolve(model, *extra, layers=LAYERS):
     return T.resolve_model_flags(args, hooks)
 
 
+@pytest.mark.slow
 def test_a_validation_transformer_that_cannot_hold_the_lora_is_refused_before_any_model_loads(
         kleins, tiny_model, images, tmp_path, monkeypatch):
     base, distilled = kleins
@@ -269,6 +273,7 @@ def _validate(model, out, accelerator, tags, *extra):
     return made
 
 
+@pytest.mark.slow
 def test_intermediate_validations_may_sample_in_fewer_steps_the_base_and_final_images_never(kleins, tmp_path,
                                                                                          accelerator):
     base = kleins[0]

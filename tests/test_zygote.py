@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT, SESSION_ENV, Zygote
 
+pytestmark = pytest.mark.slow  # every test here runs the script: not in `make test-fast`
+
 PROBE = """
 import os, random, sys
 import numpy
@@ -40,6 +42,11 @@ def test_a_forked_run_is_the_fresh_process_it_stands_for(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         Zygote.run([sys.executable, script, "sleep"], env, 2)
     assert Zygote.run([sys.executable, script, "0"], env, 60).returncode == 0  # still serving
+    # a test's sitecustomize.py (which a fresh interpreter runs from PYTHONPATH) runs in the child first
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['PROBE'] = 'patched'\n")
+    patched = Zygote.run([sys.executable, script, "0"], env, 60, site=tmp_path / "sitecustomize.py")
+    assert f"['0'] {ROOT} patched __main__" in patched.stdout
+    assert f"['0'] {ROOT} None __main__" in Zygote.run([sys.executable, script, "0"], env, 60).stdout  # only there
     assert not Zygote.serves({**env, "PYTHONPATH": str(tmp_path)})  # read at start-up: a fresh interpreter
     assert not Zygote.serves({**env, "OMP_NUM_THREADS": "7"})
     assert Zygote.serves({**env, "XDG_CACHE_HOME": "/elsewhere", "ACCELERATE_USE_CPU": "true"})
@@ -51,6 +58,7 @@ import os, sys, time
 import torch
 import torch.distributed as dist
 rank = int(os.environ["RANK"])
+print(sys.argv[1:], file=sys.stderr)
 if sys.argv[1] == "group":  # a process group from torchrun's variables alone, as accelerate makes it
     dist.init_process_group("gloo")
     total = torch.tensor([rank + 1.0])
@@ -78,6 +86,11 @@ def test_forked_ranks_form_a_gloo_group_and_a_failed_rank_stops_the_others(tmp_p
     run = Zygote.run([sys.executable, script, "group"], env, 60, torchrun_env(3, free_port()))
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == [f"rank {r} of 3 (local {r}): 6.0" for r in range(3)]
+    assert [out for out, _ in run.ranks] == [f"rank {r} of 3 (local {r}): 6.0\n" for r in range(3)]  # each its own
+    # each rank with a command of its own (two nodes' flags): argv and output per rank
+    run = Zygote.run([sys.executable, script, "0"], env, 60, torchrun_env(2, free_port()),
+                     [[sys.executable, script, f"node{r}"] for r in range(2)])
+    assert run.returncode == 0 and [err for _, err in run.ranks] == ["['node0']\n", "['node1']\n"], run.stderr
     start = time.monotonic()
     run = Zygote.run([sys.executable, script, "fail"], env, 60, torchrun_env(2, free_port()))
     assert run.returncode == 5 and time.monotonic() - start < 8  # SIGTERM at once, not the SIGKILL 10 s later

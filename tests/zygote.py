@@ -4,11 +4,12 @@ diffusers' quantisers) and nothing else, so no thread or RNG has been used; each
 the script as `python SCRIPT ARGS` would (`__main__`, sys.argv, sys.path[0], cwd, environment, fresh Python and NumPy
 seeds, output to files), exiting the way that process would (atexit, exit code, signals).
 
-Protocol, one JSON line each way: request {"argv", "env", "cwd", "stdout", "stderr"}; reply {"pid"} when forked, then
-{"returncode"} (as subprocess reports it: -N for signal N) when it ended. A request with "ranks" (a list of {"env",
-"stdout", "stderr"}, each rank's environment as torchrun would set it) forks one child per rank: reply {"pids"}, then
-{"returncode"} (the first failure's) once all ended; when one fails the others are stopped (SIGTERM, SIGKILL 10 s later), as torchrun
-stops a failed group."""
+Protocol, one JSON line each way: request {"argv", "env", "cwd", "stdout", "stderr", "site"} ("site": a test's
+sitecustomize.py, None or a path, run before the script); reply {"pid"} when forked, then {"returncode"} (as
+subprocess reports it: -N for signal N) when it ended. A request with "ranks" (a list of {"env", "stdout", "stderr"}
+and optionally "argv", each rank's environment as torchrun would set it) forks one child per rank: reply {"pids"},
+then {"returncode"} (the first failure's) once all ended; when one fails the others are stopped (SIGTERM, SIGKILL
+10 s later), as torchrun stops a failed group."""
 
 import contextlib
 import json
@@ -83,5 +84,7 @@ sys.argv = request["argv"]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
 import runpy  # noqa: E402  (Python's and NumPy's global generators reseed themselves in a forked child)
 
+if request.get("site"):  # a test's sitecustomize.py, which a fresh interpreter would run at start-up from PYTHONPATH
+    runpy.run_path(request["site"], run_name="sitecustomize")
 runpy.run_path(sys.argv[0], run_name="__main__")
 sys.exit(0)
