@@ -128,7 +128,8 @@ def test_base_validation_images_are_redone_when_the_condition_changes(tmp_path):
     """validation/base.json holds the conditions' hashes: the same pixels keep the base images, others (or none,
     text-to-image validation; more; another order) remake them."""
     args = SimpleNamespace(num_validation_images=1, pretrained_model_name_or_path="m", revision=None, variant=None,
-                           resolution=32, validation_inference_steps=2, validation_guidance_scale=4.0, guidance_scale=3.5)
+                           resolution=32, validation_inference_steps=2, validation_guidance_scale=4.0, guidance_scale=3.5,
+                           transformer_file=None)
     run = SimpleNamespace(data=SimpleNamespace(seed=0), weight_dtype=torch.float32)
     plain = SimpleNamespace(distributed_type=None)  # no FSDP
     model = SimpleNamespace(config={"_name_or_path": "m"})

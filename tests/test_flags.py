@@ -342,7 +342,7 @@ def test_a_flag_is_read_only_by_its_full_name_and_keep_is_named_with_write_copy(
     training command refuses --keep naming --write_copy (the copies option's check of its settings), and an
     abbreviation as an unknown flag."""
     base = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", ".", "--instance_prompt", "p"]
-    for keep in (["--keep", "ema"], ["--keep", "subject"], ["--keep=subject"], ["--seed", "1", "--keep", "none"]):
+    for keep in (["--keep", "ema"], ["--keep", "subject"], ["--keep=subject"], ["--seed", "1", "--keep", "all"]):
         with pytest.raises(T.UsageError, match=r"^--keep has no effect without --write_copy FILE$"):
             T.validate_args(T.parse_args([*base, *keep]))
     with pytest.raises(T.UsageError, match=r"^unrecognized arguments: --max_train 5 \(see --help\)$"):

@@ -28,8 +28,11 @@ from tests.conftest import ROOT, SCRIPT, base_args
 SOURCE = SCRIPT.read_text(encoding="utf-8")
 # What the copy-and-edit reader reads (issue 51): Part 1 (the recipe), and the copies --write_copy makes without
 # options and with the diffusers example's scope. The full file holds every feature and has no line budget.
+# Issue 57 aimed at 2,800 and 3,300 for the copies; they hold 2,957 and 3,673 lines (2026-12-05): issues 59-61's
+# features (int8 weights, single files, several references) and the flags and checks every run has
+# (docs/design.md: the copies' sizes). These budgets keep them from growing.
 PART_1_BUDGET = 1800
-COPY_BUDGETS = {"none": 2800, "diffusers": 3300}
+COPY_BUDGETS = {"none": 2990, "diffusers": 3700}
 BANNER = "# " + "-" * 112
 PART_BANNER = "# " + "=" * 112
 # the README's first command, at the tiny model's size: cached latents, checkpoints, step and epoch validations
