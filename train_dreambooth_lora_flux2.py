@@ -3164,7 +3164,7 @@ def cache_identity(args, weight_dtype, family, encoder=None):  # option: disk_ca
     return CacheIdentity(prompts, latents)
 
 # The code between a file (or a text) and its entry: these definitions (outer.inner: a closure) and, found by
-# covered_code, every function, class and constant of the script they name, transitively (README.md: Copy and edit)
+# covered_code, every function, class and constant of the script they name, transitively (docs/design.md: Copy and edit)
 PROMPT_CODE = ("prompt_encoder", "encode_prompts", "encode_missing")  # option: disk_cache
 LATENT_CODE = (  # option: disk_cache
     "load_vae", "prepare_latents.encode", "DreamBoothDataset.pixels", "ImageRecord.load", "encode_missing")

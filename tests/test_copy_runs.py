@@ -287,6 +287,15 @@ def run_int8_weights(copy, model, images, tmp_path, request):
     assert "linear weights in int8" in (tmp_path / "out" / "README.md").read_text()
 
 
+@run_of("copies")
+def run_copies(copy, model, images, tmp_path, request):
+    """--write_copy from the copy that kept the copy writer: a copy without options, which trains (its text:
+    test_copies.py checks it equals the full script's own none copy)."""
+    launch(["--write_copy", tmp_path / "none.py"], script=copy)
+    launch(base_args(model, images, tmp_path / "out", *ONE_STEP), script=tmp_path / "none.py")
+    assert (tmp_path / "out" / LORA).is_file() and "class Hooks" not in (tmp_path / "none.py").read_text()
+
+
 @run_of("validation_extras")
 def run_validation_extras(copy, model, images, tmp_path, request):
     """--validation_lora_scales 0,1: the final validation shows the prompt at both strengths."""

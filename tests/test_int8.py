@@ -22,7 +22,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import base_args, launch
+from tests.conftest import base_args, launch, step_loss
 from tests.test_speed import _args, _train
 from tests.test_swap import deep_model  # noqa: F401  (a fixture: 5 blocks, 3 of them to swap)
 from tests.tiny_flux2 import MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS, make_images
@@ -77,8 +77,8 @@ def test_the_loss_falls_on_fixed_inputs_as_without_quantisation(tiny_model, imag
         latents, embeds = torch.randn(1, 4, 4, 4, generator=g), torch.randn(1, MAX_SEQUENCE_LENGTH, 32, generator=g)
         found = []
         for _ in range(8):
-            loss = T.flow_matching_step(transformer, latents, embeds, 1, torch.linspace(1, 0.01, 1000), T.StepConfig(
-                "none", 0.0, 1.0, 1.29, 3.5), torch.Generator().manual_seed(1))
+            loss = step_loss(transformer, latents, embeds, torch.linspace(1, 0.01, 1000), seed=1,
+                             weighting_scheme="none")  # the same noise and sigma at each step
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -138,6 +138,7 @@ def test_its_lora_on_the_unquantised_pipeline_makes_the_validation_image(tiny_mo
     out = int8_runs / "straight"
     args = T.parse_args(base_args(tiny_model, int8_runs / "images", out, *INT8, "--mixed_precision", "bf16"))
     family = T.detect_family(args)
+    T.resolve_family_defaults(args, family)  # validation's steps and guidance, as the run resolved them
     pipe = Flux2Pipeline.from_pretrained(tiny_model, tokenizer=None, torch_dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(out))
@@ -145,7 +146,7 @@ def test_its_lora_on_the_unquantised_pipeline_makes_the_validation_image(tiny_mo
         embeds = T.encode_prompts(family, pipe.text_encoder, T.load_pipeline_tokenizer(args), [PROMPT],
                                   MAX_SEQUENCE_LENGTH, TEXT_ENCODER_OUT_LAYERS)
     call = dict(prompt_embeds=embeds, height=32, width=32, num_inference_steps=args.validation_inference_steps,
-                guidance_scale=T.guidance_scale(args, family), seed=T.seed_for("validation", 0), device="cpu")
+                guidance_scale=args.validation_guidance_scale, seed=T.seed_for("validation", 0), device="cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours = np.asarray(T.generate_images(pipe, call, 1)[0], dtype=float)
         with T.adapters_off(pipe.transformer):

@@ -18,7 +18,13 @@ NOT_FAST = ("test_copy_runs.py::test_each_single_option_copy_trains_its_smallest
             "test_copies.py::test_a_copy_holds_its_options", "test_copies.py::test_a_copy_neither_overwrites",
             "test_copies.py::test_an_edited_copy", "test_parts.py::test_a_default_run_executes_nothing_of_part_3",
             "test_parts.py::test_without_any_option_the_default_run_trains", "test_parts.py::test_each_option_deletes",
-            "test_plan.py::")  # its plans share a module fixture of about 10 s
+            "test_plan.py::",  # its plans share a module fixture of about 10 s
+            "test_copies.py::",  # every copy written once a module: about 2 CPU-minutes
+            "test_console.py::test_a_default_run_prints", "test_console.py::test_make_demo_prints",
+            "test_console.py::test_no_run_asks_the_hub", "test_console.py::test_a_full_disk",
+            "test_console.py::test_an_output_folder_removed",  # fresh interpreters or whole runs
+            "test_int8.py::", "test_transformer_file.py::",  # runs of the script, 8-bit loads
+            "test_lookup.py::test_the_code_identity_covers")  # a script edited at each covered place
 STARTED = {}
 
 
