@@ -3286,7 +3286,8 @@ def write_manifest(args, accelerator, data, disk):  # option: manifest
              "latent_identity": disk.identity.latents}
     latents = [((k[0], dataset.record(k[0], k[1]).name, *k[2:]), e) for k, e in disk.paths.get("latents", {}).items()]
     write_json_atomic(Path(args.output_dir, MANIFEST_NAME), build_manifest(
-        settings, model, dataset.instances, dataset.classes, list(disk.paths["prompts"].items()), latents, disk.root))
+        settings, model, dataset.instances, getattr(dataset, "classes", ()),  # none in a copy without class images
+        list(disk.paths["prompts"].items()), latents, disk.root))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -7360,7 +7361,8 @@ def fold_seams(src, folded):
             continue
         receiver, method = node.func.value, node.func.attr
         seam = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
-        if getattr(receiver, "id", getattr(receiver, "attr", "")) != "hooks" or not (
+        receiver = receiver.func if isinstance(receiver, ast.Call) else receiver  # Hooks(args).chain(...) too
+        if getattr(receiver, "id", getattr(receiver, "attr", "")) not in ("hooks", "Hooks") or not (
                 method == "wake" and "wake" in folded or method in FOLDED_CALLS and seam in folded):
             continue
         parent, default = node.parent, next((k.value for k in node.keywords if k.arg == "default"), None)
@@ -7488,10 +7490,8 @@ def dead_parameters(src, full):
         positional = (a.posonlyargs + a.args)[1 if method else 0:]
         defaults = dict(zip([p.arg for p in a.posonlyargs + a.args][::-1], a.defaults[::-1]))
         defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
-        edits, assigned = [], {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and type(n.ctx) is ast.Store}
+        edits, assigned = [], None
         for position, p in enumerate(positional + a.kwonlyargs):
-            if p.arg in assigned:  # `x = x or ...`: its reads after are not the parameter's value
-                continue
             passed = [argument(c, position if position < len(positional) else 10**6, p.arg) for c in calls]
             values = [x.value if isinstance(x, ast.keyword) else x for x in passed]
             loads = src.live(src.owned.get(fn, {}).get(p.arg, []))
@@ -7505,7 +7505,9 @@ def dead_parameters(src, full):
                 value = default.id  # a module constant no call overrides
             else:
                 continue
-            if all(v is None or pure(v) for v in values):
+            if assigned is None:  # `x = x or ...`: the reads after it are not the parameter's value
+                assigned = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and type(n.ctx) is ast.Store}
+            if all(v is None or pure(v) for v in values) and p.arg not in assigned:
                 edits.append((p, passed, loads, value))
         if not edits:
             continue
@@ -7533,9 +7535,12 @@ def dead_fields(src):
         if not isinstance(cls, ast.ClassDef) or not any("dataclass" in ast.unparse(d) for d in cls.decorator_list):
             continue
         fields = [s for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
-        for call in [n.parent for n in src.reads.get(cls.name, []) if isinstance(n.parent, ast.Call)]:
+        calls = [n.parent for n in src.reads.get(cls.name, []) if isinstance(n.parent, ast.Call)]
+        for call in calls:
             if len(call.args) > len(fields):  # a field dropped while a call passes it by position
                 raise ValueError(f"line {call.lineno}: {cls.name}() given {len(call.args)} values for {len(fields)}")
+        if any(k.arg is None for call in calls for k in call.keywords):  # `**fields`: any field may be passed
+            continue
         dead = [(i, f) for i, f in enumerate(fields) if f.target.id not in used and id(f) not in src.dead]
         if not dead:
             continue

@@ -4,6 +4,7 @@ GPU), is README.md's table; each plan fits its card, more memory never gives a s
 kept, a card nothing fits is refused with the smallest one that would; --plan_only prints it and stops; and on the
 tiny model a planned run trains the same LoRA, bit for bit, as the flags the plan printed."""
 
+import inspect
 import json
 import os
 import re
@@ -335,7 +336,8 @@ def _plan_of(module, work, model, card, *extra):
     family = module.detect_family(args)
     report, chosen, text = module.make_plan(args, family.name, card * GIB, 64 * GIB, module.run_estimate(
         args, torch.bfloat16), module.text_encoder_size(args, family), torch.bfloat16)
-    return "\n".join(report), module.plan_flags(chosen, text) if chosen else None
+    text = [text] if "text" in inspect.signature(module.plan_flags).parameters else []  # a copy without encoders
+    return "\n".join(report), module.plan_flags(chosen, *text) if chosen else None
 
 
 # each option the plan refers to, the flags of it the plan may print, a report's row that uses it (swapped blocks,
