@@ -49,7 +49,7 @@ def run_of(name):
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
     """{option: the copy keeping only it (and what it needs)}."""
-    return write_copies(tmp_path_factory.mktemp("single-option-copies"), NAMES)
+    return write_copies(tmp_path_factory, "single-option-copies", NAMES)
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,8 @@ def slowest(reports, count=5):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    reports = [r for key in ("passed", "failed", "error", "skipped") for r in terminalreporter.stats.get(key, [])
+    # "": pytest files a passed setup or teardown (a module's shared run) under no outcome
+    reports = [r for key in ("passed", "failed", "error", "skipped", "") for r in terminalreporter.stats.get(key, [])
                if hasattr(r, "duration") and getattr(r, "when", None)]
     if not reports or "wall" not in STARTED:
         return
