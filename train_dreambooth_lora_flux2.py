@@ -7180,7 +7180,7 @@ class Source:
                 self.attrs.setdefault(node.attr, []).append(node)
             elif kind is ast.Name or kind is ast.arg:  # a name a function assigns is its own there, not a global
                 self.stored.add((owner, getattr(node, "id", None) or node.arg))
-            top = kind is ast.Module or kind is ast.ClassDef and owner is None  # a class in a function: its
+            top = kind is ast.Module or kind is ast.ClassDef and owner is None  # a function's class is its own
             for field in node._fields:
                 value = getattr(node, field, None)
                 for child in value if type(value) is list else (value,):
