@@ -1677,11 +1677,11 @@ def run_validation(args, accelerator, run, tag, step):
     base, images, sampling = [], [], on_device(model, device, model is not trained)
     with accelerator.autocast(), on_device(run.vae, device, args.offload), validation_oom(step), sampling:
         for spec in specs:
-            base_call, call = (pipeline_call(args, run, spec, device, family, n) for n in (steps, lora_steps))
-            if make_base:
+            if make_base:  # (its call moves the prompt's embeddings to the device: only when base images are made)
                 with adapters_off(unwrapped):  # the same base images in every strength's rows, at the final's steps
-                    base += generate_images(pipeline, base_call, args.num_validation_images,
-                                            args.validation_batch) * len(scales)
+                    base += generate_images(pipeline, pipeline_call(args, run, spec, device, family, steps),
+                                            args.num_validation_images, args.validation_batch) * len(scales)
+            call = pipeline_call(args, run, spec, device, family, lora_steps)
             for scale in scales:
                 with run.hooks.context("lora_strength", unwrapped, scale), run.hooks.context("validation_weights"):
                     images += generate_images(pipeline, call, args.num_validation_images, args.validation_batch)
@@ -3655,7 +3655,7 @@ def base_record(args, run, specs, scales, model, steps, conditions=None):
         "specs": [dataclasses.asdict(s) for s in specs], "scales": list(scales), "count": args.num_validation_images,
         "model": [model.config.get("_name_or_path"), args.revision, args.variant, str(run.weight_dtype)],
         "seed": run.data.seed, "noise": "seed_for(seed, k)", "resolution": args.resolution, "steps": steps,
-        "guidance": [args.validation_guidance_scale, args.guidance_scale],
+        "guidance": args.validation_guidance_scale,  # (--guidance_scale is training's alone)
         **({"transformer_file": args.transformer_file} if args.transformer_file else {}),  # option: transformer_file
         "condition": [[c.mode, list(c.size), hashlib.sha256(c.tobytes()).hexdigest()] for c in conditions or ()]
         or None}))
@@ -7163,14 +7163,13 @@ class Source:
         self.starts = [0]
         for line in self.lines:
             self.starts.append(self.starts[-1] + len(line))
-        self.reads, self.attrs, self.owned, self.nodes, self.kinds, self.stored = {}, {}, {}, [], {}, set()
+        self.reads, self.attrs, self.owned, self.kinds, self.stored = {}, {}, {}, {}, set()
         self.taken, self.pending, self.dead, self.dying = [], [], set(), set()
         self.order, self.cached = {}, {}
         stack, load, AST = [(self.tree, None)], ast.Load, ast.AST
         while stack:
             node, owner = stack.pop()
-            self.order[id(node)] = len(self.nodes)
-            self.nodes.append(node)
+            self.order[id(node)] = len(self.order)  # the walk's order: outermost first
             kind = type(node)
             self.kinds.setdefault(kind, []).append(node)
             if kind is ast.Name and type(node.ctx) is load:
@@ -7591,11 +7590,7 @@ def dead_locals(src):
 def dead_definitions(src):
     """Module-level functions, classes and names nothing else reads, methods no attribute names, imports unread."""
     def unused(names, stmt, index):  # (nothing of the script is looked up by a name in a string)
-        def within(node):
-            while node is not None and node is not stmt:
-                node = getattr(node, "parent", None)
-            return node is stmt
-        return all(n != "main" and all(within(r) or index is src.reads and r.owner and (r.owner, n) in src.stored
+        return all(n != "main" and all(inside(r, stmt) or index is src.reads and r.owner and (r.owner, n) in src.stored
                                                          for r in src.live(index.get(n, []))) for n in names)
 
     for stmt in src.tree.body:

@@ -394,11 +394,12 @@ def test_base_images_are_remade_when_what_made_them_changes(tmp_path):
                   _base_record("--validation_prompts_file", with_prompts),
                   _base_record(seed=1), _base_record("--resolution", "64"),
                   _base_record("--validation_inference_steps", "3"),
-                  _base_record("--validation_guidance_scale", "2"), _base_record("--guidance_scale", "2"),
+                  _base_record("--validation_guidance_scale", "2"),
                   _base_record("--pretrained_model_name_or_path", "other"), _base_record("--revision", "v2"),
                   _base_record("--transformer_file", tmp_path / "tuned.safetensors"),
                   _base_record(condition=[condition]), _base_record(model="distilled", steps=4)):
         assert other != made and T.base_images_missing(plain, tmp_path, other), other
+    assert _base_record("--guidance_scale", "2") == made  # training's guidance: validation does not sample with it
     assert _base_record(condition=[condition]) == _base_record(condition=[condition.copy()])  # pixels, not objects
     assert _base_record(condition=[condition]) != _base_record(condition=[Image.new("RGB", (16, 16), (9, 9, 8))])
     T.record_base_images(tmp_path, _base_record("--validation_prompt", "a sks cat"), None)
