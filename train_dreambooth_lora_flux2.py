@@ -7163,7 +7163,8 @@ class Source:
         self.starts = [0]
         for line in self.lines:
             self.starts.append(self.starts[-1] + len(line))
-        self.reads, self.attrs, self.owned, self.kinds, self.stored = {}, {}, {}, {}, set()
+        self.reads, self.attrs, self.owned, self.kinds = {}, {}, {}, {}
+        self.stored = collections.Counter()  # (owner, name) -> how often it is assigned there (parameters too)
         self.taken, self.pending, self.dead, self.dying = [], [], set(), set()
         self.order, self.cached = {}, {}
         stack, load, AST = [(self.tree, None)], ast.Load, ast.AST
@@ -7178,7 +7179,7 @@ class Source:
             elif kind is ast.Attribute:
                 self.attrs.setdefault(node.attr, []).append(node)
             elif kind is ast.Name or kind is ast.arg:  # a name a function assigns is its own there, not a global
-                self.stored.add((owner, getattr(node, "id", None) or node.arg))
+                self.stored[owner, getattr(node, "id", None) or node.arg] += 1
             top = kind is ast.Module or kind is ast.ClassDef and owner is None  # a function's class is its own
             for field in node._fields:
                 value = getattr(node, field, None)
@@ -7555,11 +7556,6 @@ def dead_fields(src):
 def dead_locals(src):
     """A function's assignments of names it reads nowhere but there (pure values), and of a constant it never
     assigns again (written where it is read)."""
-    stores = {}
-    for node in src.of(ast.Name, ast.arg):
-        if type(getattr(node, "ctx", None)) is not ast.Load:
-            key = (node.owner, getattr(node, "id", None) or node.arg)
-            stores[key] = stores.get(key, 0) + 1
     for stmt in src.of(ast.Assign):
         fn = getattr(stmt, "owner", None)
         if fn is None or len(stmt.targets) != 1 or id(stmt) in src.dead:
@@ -7579,7 +7575,7 @@ def dead_locals(src):
                               for n in ast.walk(v)}
         elif isinstance(target, ast.Name) and not read(target.id) and pure(stmt.value):
             src.delete(stmt)
-        elif isinstance(target, ast.Name) and stores.get((fn, target.id)) == 1 and isinstance(stmt.value, ast.Constant):
+        elif isinstance(target, ast.Name) and src.stored[fn, target.id] == 1 and isinstance(stmt.value, ast.Constant):
             loads = src.live(src.owned[fn].get(target.id, []))
             if not any(map(in_fstring, loads)):
                 src.delete(stmt)
