@@ -1736,9 +1736,9 @@ def finish(args, accelerator, run, signum=0):
                     write_model_card(args, paths, run, repo_id)
                 run.hooks.each("publish", repo_id)
         logger.info(run.clock.line())  # the main process's
-    if stopped is not None or stop.signum:
-        raise stopped or TrainingStopped(f"stopped by {signal.Signals(stop.signum).name} at the end: the LoRA is "
-                                         "saved and the model card written", 128 + stop.signum)
+        if stopped is not None or stop.signum:
+            raise stopped or TrainingStopped(f"stopped by {signal.Signals(stop.signum).name} at the end: the LoRA is "
+                                             "saved and the model card written", 128 + stop.signum)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3443,7 +3443,8 @@ class StopRequest:
     """While active (a `with` block), SIGTERM and SIGINT (preemption, Ctrl-C) let the work in flight finish, then
     every process stops at the same point; a second signal stops at once. A repeat within SAME_STOP_SECONDS is the
     same request: a scheduler signals every process of a node (Slurm: of the job step) and torchrun forwards its own
-    copy to its workers, milliseconds apart. Afterwards the usual handlers are back, so a signal interrupts again."""
+    copy to its workers, milliseconds apart. Afterwards the usual handlers are back, so a signal interrupts again;
+    a process stopped by the request keeps this handler to its exit."""
 
     SAME_STOP_SECONDS = 2.0
 
@@ -3457,7 +3458,9 @@ class StopRequest:
         self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, traceback):
+        if self.signum and isinstance(error, TrainingStopped):  # this process stops: a copy of the signal as it exits
+            return  # (torchrun's, once another process ended) is the same request, not a kill before its message
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 

@@ -6,10 +6,12 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -174,8 +176,12 @@ class Zygote:
             pids = reply.get("pids") or [reply["pid"]]
             fired = threading.Event()
 
-            def kill():  # each child leads its own process group
+            def kill():  # each child leads its own process group; first each prints its threads' stacks (zygote.py)
                 fired.set()
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR1)
+                time.sleep(2)
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, 9)
@@ -187,7 +193,9 @@ class Zygote:
             per_rank = [tuple(Path(paths[name]).read_text(errors="replace") for name in names) for paths in outputs]
             stdout, stderr = ("".join(rank[i] for rank in per_rank) for i in range(len(names)))
         if fired.is_set():
-            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+            timed_out = subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+            timed_out.ranks = per_rank
+            raise timed_out
         proc = subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
         proc.ranks = per_rank
         return proc

@@ -12,6 +12,7 @@ then {"returncode"} (the first failure's) once all ended; when one fails the oth
 10 s later), as torchrun stops a failed group."""
 
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -77,6 +78,7 @@ for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O
     os.dup2(opened, fd)
     os.close(opened)
 sys.stdin = open(os.devnull)
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a timed-out run prints its threads' stacks (conftest.Zygote)
 os.chdir(request["cwd"])
 os.environ.clear()
 os.environ.update(request["env"])
