@@ -24,7 +24,8 @@ node's training process is forked from the pytest worker's zygote (conftest.Zygo
 gives it (`forked_nodes`; one-node runs through conftest.launch): the same script in the same two gloo processes,
 without two agents and two fresh interpreters (about 10 s of imports each, a third of this module's time). The
 signals (forwarded by an agent, or aimed at a training process it started) and the refusals (each node's own exit
-code, as torchrun reports it) run under torchrun itself.
+code, as torchrun reports it) run under torchrun itself. A forked pair that does not end in NODE_TIMEOUT (once in CI)
+warns with each rank's stacks and runs again under torchrun.
 
 FLUX2_SCRIPT=path runs another copy of the script (planting a bug in a copy checks that a test catches it)."""
 
