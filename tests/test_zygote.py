@@ -1,6 +1,7 @@
 """The tests' fork server (tests/zygote.py, conftest.Zygote): a run forked from it behaves as `python SCRIPT ARGS` in a
 fresh interpreter would, as far as the tests can tell: argv, working folder, environment, output, exit code, a
-signal's death, fresh random seeds, a timeout that kills it; and a changed import-time environment is not served."""
+signal's death, fresh random seeds, a timeout that kills it (its stacks printed first); and a changed import-time
+environment is not served."""
 
 import os
 import subprocess
@@ -39,8 +40,9 @@ def test_a_forked_run_is_the_fresh_process_it_stands_for(tmp_path):
     assert f"['3', 'x y'] {ROOT} yes __main__ {tmp_path}" in fresh.stdout
     assert len({r.stderr for r in (*runs, fresh)}) == 3  # each its own Python and NumPy seeds
     assert Zygote.run([sys.executable, script, "signal"], env, 60).returncode == -15
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         Zygote.run([sys.executable, script, "sleep"], env, 2)
+    assert f'File "{script}", line 10 in <module>' in timed_out.value.stderr  # where it hung, printed before the kill
     assert Zygote.run([sys.executable, script, "0"], env, 60).returncode == 0  # still serving
     # a test's sitecustomize.py (which a fresh interpreter runs from PYTHONPATH) runs in the child first
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['PROBE'] = 'patched'\n")
