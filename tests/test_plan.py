@@ -338,8 +338,9 @@ def _plan_of(module, work, model, card, *extra):
     args = module.parse_args(_command(work, model, "--gpu_memory", f"{card}GB", "--plan_only", *extra))
     family = module.detect_family(args)
     key = (module.__name__, str(work), model, extra)  # each copy has a name of its own
-    estimate = ESTIMATES.get(key) or ESTIMATES.setdefault(key, module.run_estimate(args, torch.bfloat16))
-    report, chosen, text = module.make_plan(args, family.name, card * GIB, 64 * GIB, estimate,
+    if key not in ESTIMATES:
+        ESTIMATES[key] = module.run_estimate(args, torch.bfloat16)
+    report, chosen, text = module.make_plan(args, family.name, card * GIB, 64 * GIB, ESTIMATES[key],
                                             module.text_encoder_size(args, family), torch.bfloat16)
     text = [text] if "text" in inspect.signature(module.plan_flags).parameters else []  # a copy without encoders
     return "\n".join(report), module.plan_flags(chosen, *text) if chosen else None
