@@ -1728,7 +1728,6 @@ def finish(args, accelerator, run, signum=0):
         except TrainingStopped as e:
             stopped = e
     with StopRequest("once the model card is written") as stop:  # a process waiting here too (Slurm signals all)
-        accelerator.wait_for_everyone()
         if accelerator.is_main_process:  # an option's repository first: the card's snippet loads the LoRA from it
             with run.clock.charged("saving"):
                 repo_id = run.hooks.first("repository", stopped is None)
@@ -1736,9 +1735,11 @@ def finish(args, accelerator, run, signum=0):
                     write_model_card(args, paths, run, repo_id)
                 run.hooks.each("publish", repo_id)
         logger.info(run.clock.line())  # the main process's
-        if stopped is not None or stop.signum:
-            raise stopped or TrainingStopped(f"stopped by {signal.Signals(stop.signum).name} at the end: the LoRA is "
-                                             "saved and the model card written", 128 + stop.signum)
+        # a collective after the card: no process ends first (torchrun stops the rest once one fails), all stop alike
+        signum = stop.join(accelerator, stopped.code - 128 if stopped is not None and stopped.code > 128 else 0)
+        if stopped is not None or signum:
+            raise stopped or TrainingStopped(f"stopped by {signal.Signals(signum).name} at the end: the LoRA is "
+                                             "saved and the model card written", 128 + signum)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -3475,6 +3476,16 @@ class StopRequest:
         self.signum, self.since = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name} received: stopping {self.after} (signal again to stop at once)",
               file=sys.stderr, flush=True)
+
+    def join(self, accelerator, signum=0):
+        """Wait for every process (a collective) -> the stop signal this one or any other had (`signum`: one this
+        process met before the request), or 0. A process stopping so keeps the handler, and a copy of the signal
+        within SAME_STOP_SECONDS from here is the same request: torchrun forwards one once another process ends."""
+        self.signum = self.signum or signum
+        agreed = self.agreed(accelerator)[0]
+        if agreed:
+            self.signum, self.since = self.signum or agreed, time.monotonic()
+        return self.signum
 
     def agreed(self, accelerator, *counts):
         """(the signal or 0, and each of `counts` summed), agreed by every process: a collective, so all stop at once.

@@ -156,15 +156,26 @@ def slow(self, *args, **kwargs):
 diffusers.Flux2Pipeline.__call__ = slow
 """
 
-# rank 1 prints its stop message 2.5 s late: torchrun stops it once rank 0 has exited, and it used to die then by the
-# default SIGTERM handler, message unprinted (now and then under load; always with this delay)
+# rank 1 prints its stop message once rank 0 has ended (at most 1.5 s late): torchrun then stops it, and it used to die
+# by the default SIGTERM handler, message unprinted (now and then under load; always with this site)
 LATE_RANK_1_SITE = """
 import builtins, os, time
+if os.environ.get("RANK") == "0":
+    with open(os.environ["CALLS"] + ".rank0", "w") as f:
+        f.write(str(os.getpid()))
 if os.environ.get("RANK") == "1":
     _print = builtins.print
     def late(*args, **kwargs):
         if args and "at the end" in str(args[0]):
-            time.sleep(2.5)
+            with open(os.environ["CALLS"] + ".rank0") as f:
+                rank0, until = int(f.read()), time.monotonic() + 1.2
+            while time.monotonic() < until:  # until torchrun has reaped rank 0 (and sends this process SIGTERM)
+                try:
+                    os.kill(rank0, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.02)
+            time.sleep(0.3)
         return _print(*args, **kwargs)
     builtins.print = late
 """
@@ -219,7 +230,7 @@ def test_a_signal_to_every_process_during_the_final_validation_still_writes_the_
     _, stderr = proc.communicate(timeout=300)
     assert "DreamBooth LoRA" in (out / "README.md").read_text(), stderr[-3000:]
     assert "stopped by SIGTERM during the final validation; the LoRA is saved" in stderr  # the main process
-    assert "stopped by SIGTERM at the end: the LoRA is saved and the model card written" in stderr  # the other
+    assert "stopped by SIGTERM at the end: the LoRA is saved and the model card written" in stderr, stderr  # the other
     assert stderr.count("Traceback") == 1 and "ChildFailedError" in stderr  # torchrun's report of the exit codes
 
 
@@ -621,6 +632,35 @@ def test_a_process_that_stops_keeps_the_stop_handler_to_its_exit():
     with T.StopRequest("after this step") as stop:
         stop._handle(signal.SIGTERM, None)  # signalled, but the block ends without stopping: handlers back
     assert {sig: signal.getsignal(sig) for sig in saved} == saved
+
+
+def test_a_process_the_signal_has_not_reached_stops_with_the_others_at_the_final_join():
+    """The end of a run is a collective: a stop signal one process got (or met in the final validation) stops all,
+    each with its message, and the copy that reaches a process late is the same request, not a kill."""
+    class Accelerator:  # two processes: this one and another whose flags are `other`
+        device, num_processes = "cpu", 2
+
+        def __init__(self, other):
+            self.other = other
+
+        def gather(self, flags):
+            return torch.cat([flags, torch.tensor([[int(v) for v in self.other]])])
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(T.TrainingStopped), T.StopRequest("once the model card is written") as stop:
+            assert stop.join(Accelerator([signal.SIGTERM])) == signal.SIGTERM  # the other process was signalled
+            raise T.TrainingStopped("stopped by SIGTERM at the end", 143)
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        stop._handle(signal.SIGTERM, None)  # its own copy, late: the same request
+        with T.StopRequest("once the model card is written") as stop:
+            assert stop.join(Accelerator([0]), signal.SIGINT) == signal.SIGINT  # met in the final validation
+            assert stop.join(Accelerator([0])) == signal.SIGINT
+        with T.StopRequest("once the model card is written") as stop:
+            assert stop.join(Accelerator([0])) == 0 and stop.signum == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.slow
