@@ -1773,7 +1773,9 @@ def main(argv=None):
         finish(args, accelerator, run, signum)
     except torch.OutOfMemoryError:
         raise TrainingStopped(OOM_ADVICE) from None
-    finally:
+    finally:  # the model before the process group: a gloo group DDP's reducer frees last can deadlock at exit
+        run = None  # noqa: F841
+        accelerator.free_memory()
         accelerator.end_training()
 
 

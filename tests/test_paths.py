@@ -266,6 +266,46 @@ def test_a_signal_or_a_nan_on_one_process_stops_every_process(mine, other, expec
         assert (signum, not bad) == expected
 
 
+def test_a_process_the_signal_has_not_reached_stops_with_the_others_at_the_final_join():
+    """The end of a run is a collective: a stop signal one process got (or met in the final validation) stops all,
+    each with its message, and the copy that reaches a process late is the same request, not a kill (a rank whose
+    signal came after the card died by the default handler, message unprinted: the final-validation signal test)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(T.TrainingStopped), T.StopRequest("once the model card is written") as stop:
+            assert stop.join(TwoRanks([int(signal.SIGTERM)])) == signal.SIGTERM  # the other process was signalled
+            raise T.TrainingStopped("stopped by SIGTERM at the end", 143)
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        stop._handle(signal.SIGTERM, None)  # its own copy, late: the same request
+        with T.StopRequest("once the model card is written") as stop:
+            assert stop.join(TwoRanks([0]), signal.SIGINT) == signal.SIGINT  # met in the final validation
+        with T.StopRequest("once the model card is written") as stop:
+            assert stop.join(TwoRanks([0])) == 0 and stop.signum == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert {sig: signal.getsignal(sig) for sig in saved} == saved
+
+
+@pytest.mark.slow
+def test_the_model_is_freed_before_accelerate_destroys_the_process_group(tiny_model, images, tmp_path, monkeypatch):
+    """accelerate's end_training destroys the process group; a DDP model still alive then frees the gloo group last,
+    at exit, holding the GIL while gloo's worker thread waits for it to free the last gather's tensors: two processes
+    hung there, 6 runs in 15 under load, once the run's last collective was a gather."""
+    import weakref
+
+    from accelerate import Accelerator
+    from tests.conftest import base_args
+
+    seen, finish, end = {}, T.finish, Accelerator.end_training
+    monkeypatch.setattr(T, "finish", lambda args, accelerator, run, signum=0: (
+        seen.update(model=weakref.ref(run.transformer)), finish(args, accelerator, run, signum))[1])
+    monkeypatch.setattr(Accelerator, "end_training", lambda self: (
+        seen.update(alive=seen["model"]() is not None), end(self))[1])
+    T.main(base_args(tiny_model, images, tmp_path / "out", "--max_train_steps", "1"))
+    assert seen == {"model": seen["model"], "alive": False}
+
+
 # --------------------------------------------------------------------------------------------------------- offload
 
 

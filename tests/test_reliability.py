@@ -634,35 +634,6 @@ def test_a_process_that_stops_keeps_the_stop_handler_to_its_exit():
     assert {sig: signal.getsignal(sig) for sig in saved} == saved
 
 
-def test_a_process_the_signal_has_not_reached_stops_with_the_others_at_the_final_join():
-    """The end of a run is a collective: a stop signal one process got (or met in the final validation) stops all,
-    each with its message, and the copy that reaches a process late is the same request, not a kill."""
-    class Accelerator:  # two processes: this one and another whose flags are `other`
-        device, num_processes = "cpu", 2
-
-        def __init__(self, other):
-            self.other = other
-
-        def gather(self, flags):
-            return torch.cat([flags, torch.tensor([[int(v) for v in self.other]])])
-
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with pytest.raises(T.TrainingStopped), T.StopRequest("once the model card is written") as stop:
-            assert stop.join(Accelerator([signal.SIGTERM])) == signal.SIGTERM  # the other process was signalled
-            raise T.TrainingStopped("stopped by SIGTERM at the end", 143)
-        assert signal.getsignal(signal.SIGTERM) == stop._handle
-        stop._handle(signal.SIGTERM, None)  # its own copy, late: the same request
-        with T.StopRequest("once the model card is written") as stop:
-            assert stop.join(Accelerator([0]), signal.SIGINT) == signal.SIGINT  # met in the final validation
-            assert stop.join(Accelerator([0])) == signal.SIGINT
-        with T.StopRequest("once the model card is written") as stop:
-            assert stop.join(Accelerator([0])) == 0 and stop.signum == 0
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
 @pytest.mark.slow
 def test_a_second_stop_signal_stops_at_once_with_the_signals_exit_code_and_no_traceback(tmp_path):
     """A second SIGTERM 2 s or more after the first (docs/failures.md: 'stops at once') exits 143, as SIGTERM does,
