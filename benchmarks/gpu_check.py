@@ -309,6 +309,9 @@ def main(argv=None):
     if not cuda and not args.tiny:
         print("no CUDA GPU here: run with --tiny for the CPU check, or --dry-run")
         return 1
+    import accelerate, diffusers, peft, transformers  # noqa: E401 - their versions head the log
+    print(" ".join(f"{m.__name__} {m.__version__}" for m in (torch, diffusers, transformers, accelerate, peft)),
+          flush=True)
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("gpu_check.jsonl", "gpu_step.jsonl"):  # this run's rows only
         (out / stale).unlink(missing_ok=True)

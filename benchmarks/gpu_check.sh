@@ -17,7 +17,5 @@ if ! "$PYTHON" -c 'import diffusers, torchao, bitsandbytes' 2>/dev/null; then
 fi
 {
   nvidia-smi -L 2>/dev/null || true
-  "$PYTHON" -c 'import torch, diffusers, transformers, accelerate, peft; print("torch", torch.__version__, "diffusers",
-diffusers.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__, "peft", peft.__version__)'
-  "$PYTHON" benchmarks/gpu_check.py "$@"
+  "$PYTHON" benchmarks/gpu_check.py "$@"  # it prints the libraries' versions first
 } 2>&1 | tee "$OUT/gpu_check.log"
