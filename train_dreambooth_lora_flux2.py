@@ -78,6 +78,7 @@ import sys
 import threading
 import time
 import tokenize  # option: copies
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -1773,8 +1774,10 @@ def main(argv=None):
         finish(args, accelerator, run, signum)
     except torch.OutOfMemoryError:
         raise TrainingStopped(OOM_ADVICE) from None
-    finally:  # the model before the process group: a gloo group DDP's reducer frees last can deadlock at exit
-        run = None  # noqa: F841
+    finally:  # the model before the process group: a gloo group DDP's reducer frees last hangs or aborts at exit
+        run = data = hooks = None  # noqa: F841 - options hold the run too, and so do an error's frames:
+        if accelerator.num_processes > 1:  # (one process keeps them, for a debugger)
+            traceback.clear_frames(sys.exc_info()[2])
         accelerator.free_memory()
         accelerator.end_training()
 
