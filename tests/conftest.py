@@ -3,6 +3,7 @@
 import argparse
 import atexit
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -74,6 +75,13 @@ def pytest_collection_modifyitems(config, items):
         return next((i for i, prefix in enumerate(LONGEST_FIRST) if where.startswith(prefix)), len(LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: everything else keeps its order
+
+
+def pytest_collection_finish(session):
+    """The libraries, the script and the tests are imported: frozen, the garbage collections of the runs a test makes
+    in this process (the script's own gc.collect() at its end, and Python's full passes) skip their objects, as the
+    Zygote's children do (tests/zygote.py)."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

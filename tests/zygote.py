@@ -13,6 +13,7 @@ then {"returncode"} (the first failure's) once all ended; when one fails the oth
 
 import contextlib
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -27,6 +28,11 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel  # noqa: F401
 from PIL import Image  # noqa: F401
+
+# The libraries' objects live as long as the zygote: frozen, a child's garbage collections never scan them (as
+# Python's documentation advises before fork()). Scanned, each full collection of a run took 0.25 s and copied the
+# pages the children share: a forked tiny run took 2.6 s, and 1.2 s frozen.
+gc.freeze()
 
 
 def serve():
