@@ -1774,9 +1774,10 @@ def main(argv=None):
         finish(args, accelerator, run, signum)
     except torch.OutOfMemoryError:
         raise TrainingStopped(OOM_ADVICE) from None
-    finally:  # the model before the process group: a gloo group DDP's reducer frees last hangs or aborts at exit
-        run = data = hooks = None  # noqa: F841 - options hold the run too, and so do an error's frames:
-        if accelerator.num_processes > 1:  # (one process keeps them, for a debugger)
+    finally:  # the model is freed before the process group: a gloo group DDP frees last hangs or aborts at exit
+        hooks = None  # noqa: F841  # option: any (an option may keep the run)
+        run = data = None  # noqa: F841
+        if accelerator.num_processes > 1:  # an error's frames hold it too (one process keeps them, for a debugger)
             traceback.clear_frames(sys.exc_info()[2])
         accelerator.free_memory()
         accelerator.end_training()
