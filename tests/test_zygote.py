@@ -53,6 +53,12 @@ def test_a_forked_run_is_the_fresh_process_it_stands_for(tmp_path):
     assert not Zygote.serves({**env, "OMP_NUM_THREADS": "7"})
     assert Zygote.serves({**env, "XDG_CACHE_HOME": "/elsewhere", "ACCELERATE_USE_CPU": "true"})
     assert os.environ.get("PROBE") is None
+    # the zygote compiles a script once while its file is unchanged: an edit runs, a syntax error fails as Python's
+    script.write_text(PROBE.replace("import numpy\n", "import numpy\nprint('edited')\n"))
+    assert Zygote.run([sys.executable, script, "0"], env, 60).stdout.startswith("edited\n")
+    script.write_text("def broken(:\n")
+    broken = Zygote.run([sys.executable, script, "0"], env, 60)
+    assert broken.returncode == 1 and "SyntaxError" in broken.stderr, broken.stderr
 
 
 RANKS_PROBE = """
