@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import ROOT, SCRIPT
+from tests.conftest import ROOT, SCRIPT, launch
 
 # Values each numeric or path flag must refuse. Written here, not derived from the script's flag declarations, so a rule
 # that is too lax fails. Path tokens: MISSING (nothing there), FILE (a file), FOLDER (a folder), UNDER_FILE (a path
@@ -212,7 +212,7 @@ def test_help_shows_every_flags_rule_and_default_and_lists_only_what_it_accepts(
     trackers = next(a for a in _actions() if a.dest == "report_to")
     for tracker in T.TRACKERS:  # every tracker the help names is accepted
         assert tracker in trackers.type.what and parser.parse_args(["--pretrained_model_name_or_path", "m", "--report_to", tracker])
-    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = launch(["--help"], check=False, timeout=300)
     words = " ".join(out.stdout.split())  # argparse wraps the help at the terminal's width
     assert out.returncode == 0 and "Default: 512." in words and "Accepts an integer >= 1." in words
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, launch
 from tests.tiny_flux2 import build_tiny_flux2, build_tiny_flux2_klein
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -61,8 +61,8 @@ def test_real_shapes_tiny_writes_the_tests_model_in_bf16_shards(tmp_path):
     of --shard_size, loadable by diffusers as the Hub folder is."""
     out = tmp_path / "tiny"
     tiny_klein = Path(build_tiny_flux2_klein(str(tmp_path / "tests-tiny")))
-    proc = subprocess.run([sys.executable, "benchmarks/real_shapes.py", "--tiny", "klein4b", str(out), "--shard_size",
-                           "20KB"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(["--tiny", "klein4b", out, "--shard_size", "20KB"], script=ROOT / "benchmarks" / "real_shapes.py",
+                  check=False, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "--text_encoder_out_layers 1 2 3" in proc.stdout
     for part in ("transformer", "text_encoder", "vae"):
@@ -80,8 +80,7 @@ def test_real_shapes_tiny_writes_the_tests_model_in_bf16_shards(tmp_path):
     assert pipe.transformer.config.num_layers == 1 and pipe.tokenizer.chat_template
     # [dev]: the Mistral text encoder and the Hub's PixtralProcessor tokenizer folder
     dev, tiny_dev = tmp_path / "dev", Path(build_tiny_flux2(str(tmp_path / "tests-dev")))
-    proc = subprocess.run([sys.executable, "benchmarks/real_shapes.py", "--tiny", "dev", str(dev)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+    proc = launch(["--tiny", "dev", dev], script=ROOT / "benchmarks" / "real_shapes.py", check=False, timeout=300)
     assert proc.returncode == 0 and "--text_encoder_out_layers 1 2" in proc.stdout, proc.stdout + proc.stderr
     for part in ("transformer", "text_encoder", "vae"):
         ours, theirs = (json.loads((folder / part / "config.json").read_text()) for folder in (dev, tiny_dev))

@@ -648,8 +648,7 @@ def test_a_second_stop_signal_stops_at_once_with_the_signals_exit_code_and_no_tr
     assert interrupt.value.args == (128 + signal.SIGTERM,)
     (tmp_path / "sitecustomize.py").write_text(  # the script's first step raises what the handler raises
         "import argparse\ndef stop(*a, **k):\n    raise KeyboardInterrupt(143)\nargparse.ArgumentParser.parse_args = stop\n")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=300)
+    proc = launch(["--help"], check=False, timeout=300, site=tmp_path / "sitecustomize.py")
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == ("stopped at once; --resume_from_checkpoint latest continues from "
                                                     "the last checkpoint")

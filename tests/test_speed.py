@@ -5,7 +5,6 @@ AdamW on CUDA only, and the GPU benchmark's --tiny mode runs the script's own st
 import json
 import random
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,8 @@ from types import SimpleNamespace
 
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import ROOT, base_args, launch
+
+BENCHMARKS = ROOT / "benchmarks"  # run as scripts, forked from the zygote (tests/zygote.py) like the script's runs
 from tests.tiny_flux2 import JOINT_ATTENTION_DIM, MAX_SEQUENCE_LENGTH
 
 
@@ -212,9 +213,8 @@ def test_gpu_benchmark_tiny_mode_runs_the_script_step():
     """Eager and --compile rows (inductor on the CPU) through the script's own step, text-to-image and edit (one
     condition image per row, through the script's dataset, caches and step)."""
     def rows_of(modes, references):  # the rows are modes x references: an edit row compiled would be 90 s more
-        proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--tiny", "--steps", "2", "--batch", "1",
-                               "--resolutions", "32", "--gc", "on", "--modes", modes, "--references", references],
-                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        proc = launch(["--tiny", "--steps", "2", "--batch", "1", "--resolutions", "32", "--gc", "on", "--modes", modes,
+                       "--references", references], script=BENCHMARKS / "gpu_step.py", check=False, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout, [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
 
@@ -232,8 +232,8 @@ def test_gpu_benchmark_memory_mode_tiny_runs_swapping_rows_and_estimates(tmp_pat
     """--memory in --tiny mode: the grid's rows (swapping only with checkpointing, as the script demands) run the
     script's step, swapping included, and each carries its estimate; swapped rows need pinned host memory."""
     out = tmp_path / "rows.jsonl"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--tiny", "--memory", "--steps", "1", "--out",
-                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = launch(["--tiny", "--memory", "--steps", "1", "--out", out], script=BENCHMARKS / "gpu_step.py", check=False,
+                  timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["gc"], r["swap"]) for r in rows] == [("on", "0"), ("on", "half"), ("on", "max"), ("off", "0")]
@@ -280,8 +280,7 @@ def test_memory_estimate_counts_swapped_blocks_and_matches_the_h100_figures():
 def test_data_path_benchmark_tiny_mode_shows_one_copy_per_distinct_entry():
     """benchmarks/step.py --tiny: every scenario runs the script's lookup; a batch of 4 rows sharing one prompt moves
     one embedding after (16 x 32 bf16 = 1 kB, + 4 latents of 256 B), four before."""
-    proc = subprocess.run([sys.executable, "benchmarks/step.py", "--tiny"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    proc = launch(["--tiny"], script=BENCHMARKS / "step.py", check=False, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {tuple(line.split()[:3]): line.split()[3:] for line in proc.stdout.splitlines()
             if line.startswith(("memory ", "disk "))}
