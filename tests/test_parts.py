@@ -23,7 +23,7 @@ import types
 import pytest
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import ROOT, SCRIPT, base_args
+from tests.conftest import ROOT, SCRIPT, base_args, launch
 
 SOURCE = SCRIPT.read_text(encoding="utf-8")
 # What the copy-and-edit reader reads (issue 51): Part 1 (the recipe), and the copies --write_copy makes without
@@ -137,16 +137,14 @@ def default_runs(tiny_model, tmp_path_factory):
 
     images = root / "images"
     make_images(str(images))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(root / "xdg")}
-    traced = subprocess.run([sys.executable, "-c", TRACER, str(ROOT), str(root / "trace.json"),
-                             *base_args(tiny_model, images, root / "full", *DEFAULT_RUN)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert traced.returncode == 0, traced.stderr[-4000:]
+    env = {"XDG_CACHE_HOME": str(root / "xdg")}
+    (root / "tracer.py").write_text(TRACER)
+    traced = launch([ROOT, root / "trace.json", *base_args(tiny_model, images, root / "full", *DEFAULT_RUN)],
+                    script=root / "tracer.py", env=env)
     bare = root / "bare.py"  # the copy without options, as --write_copy writes it
     with contextlib.redirect_stdout(io.StringIO()):
         T.write_copy(["--write_copy", str(bare), "--keep", "none"])
-    plain = subprocess.run([sys.executable, str(bare), *base_args(tiny_model, images, root / "bare", *DEFAULT_RUN)],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    plain = launch(base_args(tiny_model, images, root / "bare", *DEFAULT_RUN), script=bare, env=env, check=False)
     return {"trace": json.loads((root / "trace.json").read_text()), "traced": traced, "bare": plain, "root": root}
 
 
