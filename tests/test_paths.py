@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_dreambooth_lora_flux2 as T
-from tests.conftest import step_loss
+from tests.conftest import base_args, launch, step_loss
 
 
 def _args(*extra):
@@ -104,7 +104,6 @@ def test_a_pushed_runs_card_loads_the_lora_from_the_repository_it_was_pushed_to(
     """Without --hub_model_id the repository is the output folder's name under the token's account, known only once
     it is made: the card uploaded with the LoRA must load it from there, never from this machine's folder."""
     import huggingface_hub
-    from tests.conftest import base_args
 
     out, uploaded = tmp_path / "my-dog-lora", []
     monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, exist_ok, token: SimpleNamespace(
@@ -226,8 +225,6 @@ def test_class_images_choose_offload_when_the_pipeline_does_not_fit(tmp_path, mo
 
 @pytest.mark.parametrize("stage", ["prepare_data", "precompute", "setup_training"])
 def test_out_of_memory_in_any_stage_gives_the_advice(stage, tiny_model, images, tmp_path, monkeypatch):
-    from tests.conftest import base_args
-
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB")
 
@@ -313,8 +310,6 @@ def test_the_model_is_freed_before_accelerate_destroys_the_process_group(tiny_mo
     hung there, 6 runs in 15 under load), or in the interpreter's teardown, which aborts ("terminate called without
     an active exception", a metrics run now and then). Options hold the run (EMA here), and so do the frames of a
     stop's exception."""
-    from tests.conftest import base_args, launch
-
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(TEARDOWN_SITE)
     proc = launch(base_args(tiny_model, images, tmp_path / "out", "--max_train_steps", "4", "--use_ema"),

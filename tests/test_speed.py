@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import train_dreambooth_lora_flux2 as T
 from tests.conftest import ROOT, base_args, launch
+from tests.tiny_flux2 import JOINT_ATTENTION_DIM, MAX_SEQUENCE_LENGTH
 
 BENCHMARKS = ROOT / "benchmarks"  # run as scripts, forked from the zygote (tests/zygote.py) like the script's runs
-from tests.tiny_flux2 import JOINT_ATTENTION_DIM, MAX_SEQUENCE_LENGTH
 
 
 def _args(tiny_model, images, tmp_path, *extra):
